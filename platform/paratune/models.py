@@ -1,0 +1,104 @@
+"""Model shapes and construction from a config: never from the hub, random init, same on every rank."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+class ModelError(ValueError):
+    """A model spec that cannot be built (unknown preset, bad path, not a causal decoder)."""
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def load_config_dict(model: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config as a dict: a preset name or a path to a local config.json, then overrides."""
+    preset = PRESET_DIR / f"{model}.json"
+    path = preset if preset.is_file() else Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ModelError(
+            f"model: got '{model}', neither a preset nor a config.json path; allowed presets: "
+            f"{', '.join(preset_names())}"
+        )
+    data = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
+    if "model_type" not in data:
+        raise ModelError(f"model: {path} has no 'model_type'; a transformers config.json is required")
+    data.update(overrides or {})
+    return data
+
+
+def build_config(model: str, overrides: dict[str, Any] | None = None):
+    """A transformers PretrainedConfig for a decoder-only causal LM."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    data = load_config_dict(model, overrides)
+    model_type = data.pop("model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelError(f"model: model_type '{model_type}' is not a causal LM that transformers knows")
+    try:
+        config = AutoConfig.for_model(model_type, **data)
+    except (TypeError, ValueError) as err:
+        raise ModelError(f"model_overrides: {err}") from None
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelError(f"model: '{model}' is an encoder-decoder; paratune tunes decoder-only LMs")
+    config.use_cache = False
+    return config
+
+
+def build_model(config, seed: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
+    """Random-init model from config. Seeding right before construction makes every rank identical."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks (the unit of sharding and checkpointing)."""
+    base = getattr(model, "model", None) or getattr(model, "transformer", None)
+    layers = getattr(base, "layers", None) or getattr(base, "h", None)
+    if layers is None:
+        raise ModelError(f"cannot find decoder blocks in {type(model).__name__}")
+    return list(layers)
+
+
+@lru_cache(maxsize=32)
+def _param_counts(config_json: str) -> tuple[int, int, int]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    data = json.loads(config_json)
+    config = AutoConfig.for_model(data.pop("model_type"), **data)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())  # tied weights counted once
+    embedding = model.get_input_embeddings().weight.numel()
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    head = model.get_output_embeddings().weight.numel()
+    return total, embedding, head if tied else 0
+
+
+def parameter_counts(config) -> dict[str, int]:
+    """Exact counts from the real architecture (built on the meta device: no memory, any size).
+
+    `compute` is N in 6N: every parameter a token's matmuls touch, i.e. all but the input
+    embedding lookup; a tied LM head is counted once as storage but still costs a matmul.
+    """
+    data = config.to_dict()
+    keep = {k: v for k, v in data.items() if not k.startswith("_") and k not in ("transformers_version",)}
+    total, embedding, tied_head = _param_counts(json.dumps(keep, sort_keys=True, default=str))
+    return {"total": total, "embedding": embedding, "compute": total - embedding + tied_head}

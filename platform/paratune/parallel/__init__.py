@@ -1,0 +1,86 @@
+"""One `parallelize_*` function per strategy; each turns a built model into a StepRunner.
+
+A StepRunner runs one whole optimizer step over this rank's micro-batches and returns the mean
+loss. Strategy modules differ only in how they wrap the model, suppress gradient sync between
+micro-batches, and step the optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager
+
+import torch
+from torch import nn
+
+from paratune.plan import Plan
+
+
+def make_optimizer(params, plan: Plan) -> torch.optim.Optimizer:
+    """The same AdamW for every strategy (and the reference), so losses are comparable."""
+    return torch.optim.AdamW(params, lr=plan.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=plan.weight_decay)
+
+
+def apply_activation_checkpointing(model: nn.Module, plan: Plan) -> None:
+    """`full`: recompute every decoder block in backward (non-reentrant, works under DDP/FSDP2)."""
+    if plan.activation_checkpointing == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+class StepRunner:
+    """The torch-native step (DDP, FSDP2, single process): accumulate, clip, step."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        plan: Plan,
+        device: torch.device,
+        sync_context: Callable[[int, bool], ContextManager] | None = None,
+        autocast: bool = False,
+    ):
+        self.model, self.optimizer, self.plan, self.device = model, optimizer, plan, device
+        self._sync_context = sync_context or (lambda step, last: contextlib.nullcontext())
+        self._autocast = autocast
+        self.steps_done = 0
+        # Called before every micro-batch (the memory tracker resets its per-module stats here).
+        self.before_micro_batch: Callable[[], None] = lambda: None
+
+    def _autocast_ctx(self) -> ContextManager:
+        if not self._autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        n = len(micro_batches)
+        total = torch.zeros((), device=self.device)
+        for i, ids in enumerate(micro_batches):
+            self.before_micro_batch()
+            with self._sync_context(self.steps_done, i == n - 1):
+                with self._autocast_ctx():
+                    loss = self.model(input_ids=ids, labels=ids).loss
+                (loss / n).backward()
+            total += loss.detach().float()
+        if self.plan.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.plan.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps_done += 1
+        return total / n
+
+
+def parallelize(model: nn.Module, plan: Plan, device: torch.device, local_world_size: int) -> StepRunner:
+    """Dispatch to the plan's strategy."""
+    if plan.strategy == "ddp":
+        from paratune.parallel.ddp import parallelize_ddp
+
+        return parallelize_ddp(model, plan, device)
+    if plan.strategy == "fsdp":
+        from paratune.parallel.fsdp import parallelize_fsdp
+
+        return parallelize_fsdp(model, plan, device, local_world_size)
+    if plan.strategy == "zero":
+        from paratune.parallel.zero import parallelize_zero
+
+        return parallelize_zero(model, plan, device)
+    raise ValueError(f"strategy: got '{plan.strategy}'; allowed: ddp, fsdp, zero")

@@ -1,0 +1,66 @@
+"""PyTorch FSDP2: `fully_shard` per decoder block, then the root (torchtitan's order).
+
+full ~ ZeRO-3, grad_op ~ ZeRO-2 (no reshard after forward), hybrid = shard inside a group of
+ranks (a node), replicate across groups; no_shard = FSDP2's `replicate` (DDP semantics).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from paratune.models import decoder_blocks
+from paratune.parallel import StepRunner, apply_activation_checkpointing, make_optimizer
+from paratune.plan import Plan
+
+
+def parallelize_fsdp(model: nn.Module, plan: Plan, device: torch.device, local_world_size: int) -> StepRunner:
+    opts = plan.fsdp
+    assert opts is not None
+    world = plan.num_workers
+    apply_activation_checkpointing(model, plan)
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if plan.precision == "bf16" else MixedPrecisionPolicy())
+    # Pinned host memory needs an accelerator; on CPU-only workers offload must not pin.
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if opts.cpu_offload else OffloadPolicy()
+
+    if opts.sharding == "no_shard":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("replicate",))
+        for block in decoder_blocks(model):
+            replicate(block, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        replicate(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    else:
+        if opts.sharding == "hybrid":
+            shard = opts.shard_group_size or local_world_size
+            if world % shard or shard < 2:
+                raise ValueError(
+                    f"fsdp.shard_group_size: {shard} (ranks per node) must divide num_workers {world} "
+                    "and be >= 2 for hybrid sharding"
+                )
+            mesh = init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+        reshard = opts.reshard_after_forward
+        if reshard is None:
+            reshard = opts.sharding != "grad_op"
+        blocks = decoder_blocks(model)
+        for block in blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+        if opts.prefetch > 0:
+            for i, block in enumerate(blocks):
+                block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + opts.prefetch])
+                block.set_modules_to_backward_prefetch(blocks[max(0, i - opts.prefetch) : i][::-1])
+
+    def sync_context(step: int, last_micro: bool):
+        # Reduce-scatter (or all-reduce) only after the last micro-batch of the step.
+        model.set_requires_gradient_sync(last_micro)
+        return contextlib.nullcontext()
+
+    return StepRunner(model, make_optimizer(model.parameters(), plan), plan, device, sync_context)

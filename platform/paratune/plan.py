@@ -1,0 +1,318 @@
+"""The Plan: one validated, typed training configuration, and its YAML form.
+
+A plan is everything one trial needs: the model, the data, the global batch and how it is split,
+the parallel strategy and its knobs, precision, and the communication environment. Every rule
+is checked here, before any worker starts, and a broken rule names the field, the value and
+what is allowed.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+Strategy = Literal["ddp", "fsdp", "zero"]
+FsdpSharding = Literal["full", "grad_op", "hybrid", "no_shard"]
+Checkpointing = Literal["none", "full"]
+Precision = Literal["fp32", "bf16"]
+
+# Environment variables a plan may set on its workers. Communication settings are swept; site
+# settings (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, ...) are allowed too, but belong in the cluster's
+# runtime env rather than in a search space.
+ALLOWED_ENV_PREFIXES: tuple[str, ...] = (
+    "NCCL_",
+    "TORCH_NCCL_",
+    "GLOO_",
+    "TORCH_DISTRIBUTED_",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+    "OMP_NUM_THREADS",
+    "PARATUNE_",
+)
+# LL128 needs NVLink/Hopper-class hardware; forcing it elsewhere corrupts or hangs.
+ALLOWED_NCCL_PROTO = {"Simple", "LL", "LL128"}
+ALLOWED_NCCL_ALGO = {"Ring", "Tree", "CollnetDirect", "CollnetChain", "NVLS", "NVLSTree", "PAT"}
+
+
+class PlanError(ValueError):
+    """A plan (or plan file) that breaks a rule; the message names field, value and what is allowed."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DDPOptions(_Strict):
+    """torch.nn.parallel.DistributedDataParallel knobs."""
+
+    bucket_cap_mb: float = Field(25.0, gt=0, le=4096)
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+
+
+class FSDPOptions(_Strict):
+    """PyTorch FSDP2 (`fully_shard`) knobs.
+
+    `full` ~ ZeRO-3 (reshard after forward), `grad_op` ~ ZeRO-2 (keep gathered weights until
+    backward), `hybrid` = full shard inside a shard group, replicate across groups,
+    `no_shard` = replicate everything (DDP semantics, FSDP machinery).
+    """
+
+    sharding: FsdpSharding = "full"
+    # hybrid only: ranks per shard group (normally the GPUs of one node). None = all workers.
+    shard_group_size: int | None = Field(None, ge=1)
+    # Overrides what `sharding` implies for the blocks; the root module never reshards.
+    reshard_after_forward: bool | None = None
+    # How many blocks ahead to prefetch the all-gather (0 = FSDP2's implicit default).
+    prefetch: int = Field(0, ge=0, le=4)
+    cpu_offload: bool = False
+
+
+class ZeroOptions(_Strict):
+    """DeepSpeed ZeRO knobs (names as in DeepSpeed's config)."""
+
+    stage: Literal[0, 1, 2, 3] = 2
+    reduce_bucket_size: int = Field(500_000_000, ge=1)
+    allgather_bucket_size: int = Field(500_000_000, ge=1)
+    stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0)
+    overlap_comm: bool = False
+    offload_optimizer: bool = False
+    offload_param: bool = False
+
+
+class DataSpec(_Strict):
+    """Where token batches come from: synthetic (default) or a local text/JSONL file."""
+
+    kind: Literal["synthetic", "text", "jsonl"] = "synthetic"
+    path: Path | None = None
+    # A local tokenizer directory (never a hub name); None = byte-level tokens (ids 0..255).
+    tokenizer: Path | None = None
+    text_field: str = "text"
+
+    @model_validator(mode="after")
+    def _path_for_files(self) -> "DataSpec":
+        if self.kind != "synthetic" and self.path is None:
+            raise ValueError(f"data.path: required when data.kind is '{self.kind}'; got none")
+        if self.kind == "synthetic" and (self.path is not None or self.tokenizer is not None):
+            raise ValueError("data.path/data.tokenizer: only allowed when data.kind is 'text' or 'jsonl'")
+        return self
+
+
+class Plan(_Strict):
+    """One configuration of one trial. `micro_batch x grad_accum x dp_degree == global_batch`."""
+
+    model: str = "tiny-llama"  # a preset name (paratune.models.PRESETS) or a path to config.json
+    model_overrides: dict[str, Any] = Field(default_factory=dict)
+    data: DataSpec = Field(default_factory=DataSpec)
+    seq_len: int = Field(128, ge=8, le=1_048_576)
+    global_batch: int = Field(8, ge=1)
+    micro_batch: int = Field(2, ge=1)
+    grad_accum: int | None = Field(None, ge=1)  # None: derived from the global batch
+    num_workers: int = Field(2, ge=1, le=100_000)
+
+    strategy: Strategy = "ddp"
+    ddp: DDPOptions | None = None
+    fsdp: FSDPOptions | None = None
+    zero: ZeroOptions | None = None
+
+    activation_checkpointing: Checkpointing = "none"
+    precision: Precision = "fp32"
+    grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping (for every strategy alike)
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+
+    env: dict[str, str] = Field(default_factory=dict)
+
+    warmup_steps: int = Field(2, ge=0)
+    measure_steps: int = Field(5, ge=1)
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    comm_timeout_s: float = Field(300.0, gt=0)  # process-group collective timeout
+    trial_timeout_s: float = Field(1800.0, gt=0)  # whole trial; past it the trial is a hang
+    profile_comm: bool = True  # profile one extra step for the communication share
+    track_memory: bool = True  # track tensor memory of one extra step on CPU
+
+    @property
+    def dp_degree(self) -> int:
+        return self.num_workers
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup_steps + self.measure_steps
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_strategy_options(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        strategy = data.get("strategy", "ddp")
+        for name in ("ddp", "fsdp", "zero"):
+            if name != strategy and data.get(name) is not None:
+                raise ValueError(
+                    f"{name}: options for strategy '{name}' given, but strategy is "
+                    f"'{strategy}'; allowed: only the '{strategy}' section"
+                )
+        if strategy in ("ddp", "fsdp", "zero") and data.get(strategy) is None:
+            data[strategy] = {}
+        return data
+
+    @model_validator(mode="after")
+    def _check_rules(self) -> "Plan":
+        dp = self.dp_degree
+        per_step = self.micro_batch * dp
+        if self.grad_accum is None:
+            if self.global_batch % per_step:
+                raise ValueError(
+                    f"global_batch: {self.global_batch} is not divisible by micro_batch x dp_degree "
+                    f"= {self.micro_batch} x {dp} = {per_step}; allowed micro_batch: "
+                    f"{_divisors(self.global_batch, dp)}"
+                )
+            object.__setattr__(self, "grad_accum", self.global_batch // per_step)
+        elif self.micro_batch * self.grad_accum * dp != self.global_batch:
+            raise ValueError(
+                f"grad_accum: micro_batch x grad_accum x dp_degree must equal global_batch, got "
+                f"{self.micro_batch} x {self.grad_accum} x {dp} = "
+                f"{self.micro_batch * self.grad_accum * dp} != {self.global_batch}; allowed "
+                f"micro_batch: {_divisors(self.global_batch, dp)} (grad_accum follows)"
+            )
+        for key, value in self.env.items():
+            _check_env(key, value)
+        if self.fsdp is not None:
+            _check_fsdp(self.fsdp, self.num_workers)
+        if self.zero is not None and self.zero.offload_param and self.zero.stage != 3:
+            raise ValueError(
+                f"zero.offload_param: true needs zero.stage 3, got stage {self.zero.stage}; "
+                "allowed: offload_param only with stage 3"
+            )
+        if self.zero is not None and self.zero.stage == 0 and self.precision == "bf16":
+            # DeepSpeed's bf16 optimizer at stage 0 takes an extra optimizer step at start, so its
+            # training differs from every other strategy's; stage 0 is plain DDP anyway.
+            raise ValueError(
+                "zero.stage: 0 with precision 'bf16' trains differently (DeepSpeed takes an extra "
+                "optimizer step at start); allowed: stage 1-3 with bf16, or strategy 'ddp'"
+            )
+        return self
+
+    # ---- YAML in/out -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict (JSON/YAML-safe), with the derived grad_accum filled in."""
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def with_changes(self, **changes: Any) -> "Plan":
+        """A new validated plan with some fields replaced (grad_accum re-derived unless given)."""
+        data = self.to_dict()
+        if "grad_accum" not in changes:
+            data["grad_accum"] = None
+        if "strategy" in changes:
+            for name in ("ddp", "fsdp", "zero"):
+                data.pop(name, None)
+        data.update(changes)
+        return load_plan_dict(data)
+
+    def flat(self) -> dict[str, Any]:
+        """The plan flattened to dotted keys (for parameters in tracking and tables)."""
+        return _flatten(self.to_dict())
+
+
+def _divisors(global_batch: int, dp: int) -> list[int]:
+    if global_batch % dp:
+        return []
+    per_rank = global_batch // dp
+    return [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+
+
+def _check_env(key: str, value: str) -> None:
+    if not re.fullmatch(r"[A-Z_][A-Z0-9_]*", key):
+        raise ValueError(f"env.{key}: not a valid environment variable name; allowed: [A-Z_][A-Z0-9_]*")
+    if not key.startswith(ALLOWED_ENV_PREFIXES):
+        raise ValueError(
+            f"env.{key}: not a communication setting; allowed prefixes: {', '.join(ALLOWED_ENV_PREFIXES)}"
+        )
+    if key == "NCCL_PROTO":
+        for proto in value.lstrip("^").split(","):
+            if proto.strip() not in ALLOWED_NCCL_PROTO:
+                raise ValueError(f"env.NCCL_PROTO: got '{value}'; allowed: {sorted(ALLOWED_NCCL_PROTO)}")
+    if key == "NCCL_ALGO":
+        for algo in value.lstrip("^").split(","):
+            if algo.strip() not in ALLOWED_NCCL_ALGO:
+                raise ValueError(f"env.NCCL_ALGO: got '{value}'; allowed: {sorted(ALLOWED_NCCL_ALGO)}")
+
+
+def _check_fsdp(options: FSDPOptions, world: int) -> None:
+    if options.shard_group_size is not None and options.sharding != "hybrid":
+        raise ValueError(
+            f"fsdp.shard_group_size: only for sharding 'hybrid', got sharding '{options.sharding}'"
+        )
+    if options.sharding == "hybrid":
+        size = options.shard_group_size or world
+        if world % size:
+            raise ValueError(
+                f"fsdp.shard_group_size: {size} does not divide num_workers {world}; allowed: "
+                f"{[d for d in range(1, world + 1) if world % d == 0]}"
+            )
+        if size == 1 and world > 1:
+            # A shard group of one rank is pure replication; FSDP2's HSDP with such a group
+            # has silently skipped the gradient all-reduce. Say what is meant instead.
+            raise ValueError(
+                "fsdp.shard_group_size: 1 makes 'hybrid' pure replication; allowed: >= 2, "
+                "or sharding 'no_shard' for replication"
+            )
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, f"{name}."))
+        elif value is not None and value != {}:
+            out[name] = value
+    return out
+
+
+def format_validation_error(err: ValidationError, source: str = "plan") -> str:
+    """One line per broken rule: `source: field: got VALUE; what is allowed`."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-"))
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] in ("value_error", "assertion_error"):
+            lines.append(f"{source}: {msg}" if not loc else f"{source}: {loc}: {msg}")
+        elif e["type"] == "extra_forbidden":
+            lines.append(f"{source}: {loc}: unknown field (value {e['input']!r}); allowed: see paratune.plan")
+        else:
+            lines.append(f"{source}: {loc}: got {e.get('input')!r}; {msg}")
+    return "\n".join(lines)
+
+
+def load_plan_dict(data: dict[str, Any], source: str = "plan") -> Plan:
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as err:
+        raise PlanError(format_validation_error(err, source)) from None
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan YAML file; errors name the file, the field, the value and what is allowed."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise PlanError(f"{path}: no such plan file") from None
+    except yaml.YAMLError as err:
+        raise PlanError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise PlanError(f"{path}: a plan must be a mapping of fields, got {type(data).__name__}")
+    return load_plan_dict(data, source=str(path))

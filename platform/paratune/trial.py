@@ -1,0 +1,342 @@
+"""The measured trial: one plan run as a Ray Train TorchTrainer job, instrumented.
+
+Driver side (`run_trial`): validate, start N workers with the plan's env vars in place before
+their process group starts, wait, and turn whatever happened into a TrialResult; a failure is a
+result with a classified reason, never an exception through the caller.
+
+Worker side (`train_and_measure`): build the model identically on every rank, apply the plan's
+strategy, run warm-up then measured whole optimizer steps timed after device synchronisation,
+then one profiled step (communication share) and one memory-tracked step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, Field
+
+from paratune import measure
+from paratune.failures import Reason, classify
+from paratune.plan import Plan, PlanError, load_plan_dict
+
+FAULT_ENV = "PARATUNE_FAULT"  # fault injection for tests: "kill:rank=1:step=2" | "hang:rank=0:step=1"
+
+
+class TrialResult(BaseModel):
+    """What one trial measured, or why it failed."""
+
+    status: Literal["ok", "failed"]
+    reason: Reason | None = None
+    message: str | None = None
+    plan: dict[str, Any]
+    world_size: int
+    device: str = "unknown"
+    tokens_per_step: int = 0
+    tokens_per_s_per_gpu: float | None = None
+    step_time_median_s: float | None = None
+    step_time_p10_s: float | None = None
+    step_time_p90_s: float | None = None
+    step_time_spread: float | None = None  # (p90 - p10) / median
+    mfu: float | None = None
+    flops_per_token: float | None = None
+    peak_memory_bytes: list[int] = Field(default_factory=list)  # per rank
+    memory_method: str | None = None
+    comm_share: float | None = None
+    comm_method: str | None = None
+    losses: list[float] = Field(default_factory=list)  # every step, warm-up included
+    step_times_s: list[float] = Field(default_factory=list)  # measured steps (slowest rank)
+    launch_s: float | None = None  # trial start to first step
+    wall_s: float | None = None
+    env_seen: dict[str, str | None] = Field(default_factory=dict)  # plan env as workers saw it
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @classmethod
+    def failed(cls, plan: Plan | dict, reason: Reason, message: str, world_size: int = 0, **kw: Any) -> "TrialResult":
+        plan_dict = plan.to_dict() if isinstance(plan, Plan) else dict(plan)
+        return cls(status="failed", reason=reason, message=message, plan=plan_dict,
+                   world_size=world_size or int(plan_dict.get("num_workers", 0) or 0), **kw)
+
+
+# --------------------------------------------------------------------------- worker side
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _maybe_inject_fault(rank: int, step: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    kind, *fields = spec.split(":")
+    where = dict(f.split("=", 1) for f in fields)
+    if int(where.get("rank", -1)) != rank or int(where.get("step", -1)) != step:
+        return
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "hang":
+        while True:
+            time.sleep(1)
+
+
+def _comm_share_from_profile(prof, step_seconds: float) -> float:
+    """Fraction of the step with a collective in flight: union of collective op intervals."""
+    names = ("nccl:", "gloo:", "c10d::", "allreduce", "all_reduce", "allgather", "all_gather",
+             "reduce_scatter", "_reduce_scatter", "broadcast", "record_param_comms")
+    spans = []
+    for evt in prof.events():
+        name = evt.name.lower()
+        if any(n in name for n in names):
+            spans.append((evt.time_range.start, evt.time_range.end))
+    spans.sort()
+    busy, cur_start, cur_end = 0.0, None, None
+    for start, end in spans:
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        busy += cur_end - cur_start
+    return min(1.0, busy / 1e6 / step_seconds) if step_seconds > 0 else 0.0
+
+
+def _tracked_peak_bytes(runner, micro) -> tuple[int, str]:
+    """Peak tensor memory of one step on CPU, by PyTorch's MemTracker (a dispatch-level tracker)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    optimizer = runner.optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):  # DeepSpeed wraps the torch optimizer
+        optimizer = getattr(optimizer, "optimizer", None)
+    tracker.track_external(*(x for x in (runner.model, optimizer) if x is not None))
+    runner.before_micro_batch = tracker.reset_mod_stats  # it refuses repeated module calls otherwise
+    try:
+        with tracker:
+            runner.train_step(micro)
+    finally:
+        runner.before_micro_batch = lambda: None
+    peak = tracker.get_tracker_snapshot("peak")
+    total = sum(v.get("Total", 0) for v in peak.values())
+    return int(total), "torch MemTracker (tensor storage, one extra step)"
+
+
+def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, device: torch.device) -> dict[str, Any]:
+    """Everything a worker does. Returns the same dict on every rank (reduced across ranks)."""
+    import torch.distributed as dist
+
+    from paratune.data import TokenBatches
+    from paratune.models import build_config, build_model
+    from paratune.parallel import parallelize
+
+    env_seen = {key: os.environ.get(key) for key in plan.env}
+    config = build_config(plan.model, plan.model_overrides)
+    model = build_model(config, seed=plan.seed, device=device)  # same seed: same weights everywhere
+    model.train()
+    runner = parallelize(model, plan, device, local_world)
+    torch.manual_seed(plan.seed + 1 + rank)  # dropout differs per data rank, deterministically
+    data = TokenBatches(plan.data, config.vocab_size, plan.seq_len, plan.global_batch, plan.seed)
+
+    def batches(step: int) -> list[torch.Tensor]:
+        return [m.to(device) for m in data.micro_batches(step, rank, world, plan.micro_batch)]
+
+    losses, times = [], []
+    first_step_at = None
+    for step in range(plan.total_steps):
+        _maybe_inject_fault(rank, step)
+        micro = batches(step)
+        if step == plan.warmup_steps and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        first_step_at = first_step_at or time.time()
+        loss = runner.train_step(micro)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss)
+
+    # One collective per quantity, after the timed loop: mean loss over ranks, slowest rank's time.
+    loss_t = torch.stack(losses).to(device)
+    dist.all_reduce(loss_t, op=dist.ReduceOp.SUM)
+    time_t = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(time_t, op=dist.ReduceOp.MAX)
+    step_times = time_t.tolist()[plan.warmup_steps :]
+
+    out: dict[str, Any] = {
+        "losses": (loss_t / world).tolist(),
+        "step_times_s": step_times,
+        "first_step_epoch_s": first_step_at,
+        "env_seen": env_seen,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
+    extra_step = plan.total_steps
+    if plan.profile_comm and world > 1:
+        from torch.profiler import ProfilerActivity, profile
+
+        micro = batches(extra_step)
+        extra_step += 1
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        _sync(device)
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            runner.train_step(micro)
+            _sync(device)
+            seconds = time.perf_counter() - t0
+        share = torch.tensor([_comm_share_from_profile(prof, seconds)], dtype=torch.float64, device=device)
+        dist.all_reduce(share, op=dist.ReduceOp.SUM)
+        out["comm_share"] = float(share) / world
+        out["comm_method"] = "profiler: collectives in flight / step time (one extra step, rank mean)"
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        method = "torch.cuda.max_memory_allocated over the measured steps"
+    elif plan.track_memory:
+        try:
+            peak, method = _tracked_peak_bytes(runner, batches(extra_step))
+        except Exception as err:  # the tracker cannot follow every framework's tensors
+            import resource
+
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            method = f"process max RSS (MemTracker failed: {type(err).__name__})"
+    else:
+        peak, method = 0, "not measured"
+    peaks: list[Any] = [None] * world
+    dist.all_gather_object(peaks, int(peak))
+    out["peak_memory_bytes"] = peaks
+    out["memory_method"] = method
+    return out
+
+
+def worker_loop(config: dict[str, Any]) -> dict[str, Any]:
+    """Ray Train's train_loop_per_worker: rank 0's return value reaches the driver."""
+    import ray.train
+    import ray.train.torch
+
+    ctx = ray.train.get_context()
+    plan = load_plan_dict(config["plan"])
+    device = ray.train.torch.get_device()
+    return train_and_measure(plan, ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_world_size(), device)
+
+
+# --------------------------------------------------------------------------- driver side
+def ensure_ray(address: str | None = None) -> None:
+    """Join RAY_ADDRESS (e.g. under `ray job submit`) or start an in-process local cluster."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or "local"
+    ray.init(address=address, log_to_driver=bool(os.environ.get("PARATUNE_VERBOSE")),
+             include_dashboard=False if address == "local" else None)
+
+
+def _use_gpu(plan: Plan) -> bool:
+    import ray
+
+    if plan.device == "cuda":
+        return True
+    if plan.device == "cpu":
+        return False
+    return ray.cluster_resources().get("GPU", 0) >= 1
+
+
+def _placement_groups() -> dict[str, str]:
+    from ray.util import placement_group_table
+
+    return {pg_id: info["state"] for pg_id, info in placement_group_table().items()}
+
+
+def _remove_leaked_placement_groups(before: set[str]) -> int:
+    """A failed process-group setup can leave its placement group behind, starving later trials."""
+    import ray
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    removed = 0
+    for pg_id, state in _placement_groups().items():
+        if pg_id not in before and state not in ("REMOVED",):
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+            removed += 1
+    return removed
+
+
+def default_storage() -> Path:
+    return Path(os.environ.get("PARATUNE_HOME", Path.cwd() / "paratune_runs")).resolve() / "ray"
+
+
+def run_trial(plan: Plan | dict[str, Any], *, storage_path: str | Path | None = None,
+              ray_address: str | None = None) -> TrialResult:
+    """Run one plan on Ray Train and measure it. Never raises for a failing plan."""
+    if not isinstance(plan, Plan):
+        try:
+            plan = load_plan_dict(plan)
+        except PlanError as err:
+            return TrialResult.failed(plan, "invalid_config", str(err))
+    from paratune.models import ModelError, build_config
+
+    try:
+        model_config = build_config(plan.model, plan.model_overrides)
+        flops_tok = measure.model_flops_per_token(model_config, plan.seq_len)
+    except ModelError as err:
+        return TrialResult.failed(plan, "invalid_config", str(err))
+
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    ensure_ray(ray_address)
+    use_gpu = _use_gpu(plan)
+    before = set(_placement_groups())
+    trainer = TorchTrainer(
+        worker_loop,
+        train_loop_config={"plan": plan.to_dict()},
+        scaling_config=ScalingConfig(num_workers=plan.num_workers, use_gpu=use_gpu,
+                                     resources_per_worker={"GPU": 1} if use_gpu else {"CPU": 1}),
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=int(plan.comm_timeout_s)),
+        run_config=RunConfig(
+            name=f"trial-{uuid.uuid4().hex[:8]}",
+            storage_path=str(storage_path or default_storage()),
+            # A trial is a measurement: never retry it, and never let the controller loop forever.
+            failure_config=FailureConfig(max_failures=0, controller_failure_limit=0),
+            # Env vars reach every worker before TorchConfig starts the process group.
+            worker_runtime_env={"env_vars": dict(plan.env)} if plan.env else None,
+        ),
+    )
+    t0, fit_started = time.perf_counter(), time.time()
+    try:
+        result = trainer.fit()
+        error = result.error
+        out = result.return_value
+    except Exception as err:  # noqa: BLE001 - every failure becomes a classified result
+        error, out = err, None
+    wall = time.perf_counter() - t0
+    if error is not None or out is None:
+        _remove_leaked_placement_groups(before)
+        reason, message = classify(error) if error is not None else ("error", "no result from rank 0")
+        return TrialResult.failed(plan, reason, message, wall_s=wall)
+    out["launch_s"] = out.pop("first_step_epoch_s") - fit_started
+    return summarize(plan, out, flops_tok, wall)
+
+
+def summarize(plan: Plan, out: dict[str, Any], flops_tok: float, wall_s: float | None = None) -> TrialResult:
+    """Turn a worker's raw measurements into the trial's numbers."""
+    step_times = out["step_times_s"]
+    stats = measure.step_stats(step_times)
+    tps = measure.tokens_per_second_per_gpu(plan.tokens_per_step, step_times, plan.num_workers)
+    peak = measure.device_peak_flops(out.get("device", "cpu"), plan.precision)
+    return TrialResult(
+        status="ok", plan=plan.to_dict(), world_size=plan.num_workers, device=out.get("device", "cpu"),
+        tokens_per_step=plan.tokens_per_step, tokens_per_s_per_gpu=tps,
+        step_time_median_s=stats.median, step_time_p10_s=stats.p10, step_time_p90_s=stats.p90,
+        step_time_spread=stats.spread, mfu=measure.mfu(tps, flops_tok, peak), flops_per_token=flops_tok,
+        peak_memory_bytes=out.get("peak_memory_bytes", []), memory_method=out.get("memory_method"),
+        comm_share=out.get("comm_share"), comm_method=out.get("comm_method"),
+        losses=out["losses"], step_times_s=step_times, launch_s=out.get("launch_s"), wall_s=wall_s,
+        env_seen=out.get("env_seen", {}),
+    )
