@@ -18,10 +18,11 @@ REASONS: tuple[str, ...] = ("oom", "comm_timeout", "hang", "worker_died", "inval
 _PATTERNS: list[tuple[str, re.Pattern[str]]] = [
     ("oom", re.compile(
         r"out of memory|OutOfMemoryError|can't allocate memory|Cannot allocate memory|"
-        r"MemoryError|std::bad_alloc|OOM|memory limit|killed due to memory", re.I)),
+        r"MemoryError|std::bad_alloc|running low on memory|killed due to memory", re.I)),
     ("invalid_config", re.compile(r"PlanError|ModelError|DataError|invalid_config", re.I)),
     ("worker_died", re.compile(
-        r"ActorDiedError|actor died|The actor died|WorkerCrash|worker died|died unexpectedly|"
+        r"ActorDiedError|actor died|actor is dead|WorkerHealthCheckFailedError|WorkerCrash|"
+        r"worker died|died unexpectedly|"
         r"SYSTEM_ERROR|exit code|SIGKILL|SIGSEGV|Connection reset by peer|Connection closed by peer|"
         r"ActorUnavailableError|node died|NodeDiedError", re.I)),
     ("comm_timeout", re.compile(
@@ -46,7 +47,13 @@ def _exception_chain(exc: BaseException) -> list[BaseException]:
     return seen
 
 
+# Ray appends a list of possible causes ("killed by the OOM killer", ...) to every dead-worker
+# message; those are guesses, not facts, and must not decide the reason.
+_RAY_BOILERPLATE = re.compile(r"Some common causes include:.*?(?=\n\S|$)", re.S)
+
+
 def classify_text(text: str) -> Reason:
+    text = _RAY_BOILERPLATE.sub("", text)
     for reason, pattern in _PATTERNS:
         if pattern.search(text):
             return reason  # type: ignore[return-value]

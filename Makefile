@@ -1,0 +1,30 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+# Each creates .venv and installs the pinned environment first (constraints.txt pins torch to
+# the CPU build here; see README for GPU clusters).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+STAMP   = $(VENV)/.installed
+
+.PHONY: demo test install bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/paratune trial plans/cpu_ddp.yaml plans/cpu_fsdp.yaml plans/cpu_zero2.yaml --parity
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -x --durations=15
+
+bench: $(STAMP)
+	$(BIN)/python bench/strategies_cpu.py
+
+clean:
+	rm -rf $(VENV) paratune_runs

@@ -1,0 +1,61 @@
+"""Run a plan's worker function on N real gloo processes without Ray (fast option coverage).
+
+The Ray path itself is tested per strategy family in test_trial_ray.py; this harness runs the
+very same `train_and_measure` over a real torch.distributed process group, so the many
+option-by-option parity tests fit in CI's time.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, plan_dict: dict, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from paratune.plan import load_plan_dict
+    from paratune.trial import train_and_measure
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        out = train_and_measure(load_plan_dict(plan_dict), rank, world, world, torch.device("cpu"))
+        if rank == 0:
+            queue.put(("ok", out))
+    except Exception:
+        queue.put(("error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_gloo(plan) -> dict:
+    """Rank 0's measurements; raises RuntimeError with the worker traceback on failure."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    world = plan.num_workers
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, plan.to_dict(), queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    status, payload = queue.get()
+    for p in procs:
+        p.join(timeout=120)
+        if p.is_alive():
+            p.kill()
+    if status != "ok":
+        raise RuntimeError(payload)
+    return payload

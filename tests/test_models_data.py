@@ -1,0 +1,80 @@
+"""Models from configs (never the hub) and deterministic per-rank data."""
+
+import json
+
+import pytest
+import torch
+
+from paratune.data import DataError, TokenBatches, pack_rows
+from paratune.models import ModelError, build_config, build_model, preset_names
+from paratune.plan import DataSpec
+
+
+def test_presets_include_cpu_and_real_shapes():
+    assert {"tiny-llama", "llama3-8b", "llama3-70b", "qwen2.5-7b"} <= set(preset_names())
+    cfg = build_config("qwen2.5-7b")
+    assert cfg.model_type == "qwen2" and cfg.num_key_value_heads == 4
+
+
+def test_same_seed_same_weights_different_seed_different():
+    cfg = build_config("tiny-llama")
+    a, b, c = build_model(cfg, seed=3), build_model(cfg, seed=3), build_model(cfg, seed=4)
+    for pa, pb, pc in zip(a.parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb)
+    assert not all(torch.equal(pa, pc) for pa, pc in zip(a.parameters(), c.parameters()))
+
+
+def test_local_config_path_and_overrides(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "mistral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300}))
+    cfg = build_config(str(tmp_path), {"num_hidden_layers": 2})
+    assert cfg.model_type == "mistral" and cfg.num_hidden_layers == 2
+    assert build_model(cfg, seed=0)(torch.zeros(1, 4, dtype=torch.long)).logits.shape == (1, 4, 300)
+
+
+def test_unknown_model_and_encoder_decoder_are_rejected(tmp_path):
+    with pytest.raises(ModelError, match="model: got 'gpt-17', neither a preset nor a config.json path; allowed presets: .*tiny-llama"):
+        build_config("gpt-17")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(ModelError, match="t5"):
+        build_config(str(tmp_path))
+
+
+def test_ranks_get_disjoint_deterministic_slices_of_the_global_batch():
+    data = TokenBatches(DataSpec(), vocab_size=512, seq_len=16, global_batch=8, seed=1)
+    r0 = data.micro_batches(step=0, dp_rank=0, dp_degree=2, micro_batch=2)
+    r1 = data.micro_batches(step=0, dp_rank=1, dp_degree=2, micro_batch=2)
+    assert len(r0) == 2 and r0[0].shape == (2, 16)
+    assert torch.equal(torch.cat(r0 + r1), data.global_batch(0))
+    assert not torch.equal(r0[0], r1[0])
+    again = TokenBatches(DataSpec(), 512, 16, 8, seed=1).global_batch(0)
+    assert torch.equal(again, data.global_batch(0))
+    assert not torch.equal(data.global_batch(1), data.global_batch(0))
+    assert int(data.global_batch(3).max()) < 512
+
+
+def test_text_file_byte_level_packing(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("hello paratune " * 20)
+    data = TokenBatches(DataSpec(kind="text", path=path), vocab_size=512, seq_len=16, global_batch=4, seed=0)
+    batch = data.global_batch(0)
+    assert batch.shape == (4, 16)
+    assert set(batch.flatten().tolist()) <= set(b"helo paratune") | {256}
+    # Every row comes from the packed stream; epochs continue past the end deterministically.
+    assert torch.equal(data.global_batch(7), TokenBatches(DataSpec(kind="text", path=path), 512, 16, 4, 0).global_batch(7))
+
+
+def test_jsonl_file_and_its_errors(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "a b c d e f g h"}\n{"text": "ijklmnopqrstuvwxyz"}\n')
+    data = TokenBatches(DataSpec(kind="jsonl", path=path), vocab_size=300, seq_len=8, global_batch=2, seed=0)
+    assert data.global_batch(0).shape == (2, 8)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": "x"}\n')
+    with pytest.raises(DataError, match="no string field 'text'"):
+        TokenBatches(DataSpec(kind="jsonl", path=bad), 300, 8, 2, 0)
+    with pytest.raises(DataError, match="byte-level tokens need vocab_size >= 257"):
+        TokenBatches(DataSpec(kind="text", path=path), 128, 8, 2, 0)
+    with pytest.raises(DataError, match="fewer than one row"):
+        pack_rows(torch.arange(5), 8)

@@ -1,0 +1,104 @@
+"""Plan validation: the global-batch rule and errors that name field, value and what is allowed."""
+
+import pytest
+
+from paratune.plan import Plan, PlanError, load_plan, load_plan_dict
+
+
+def test_grad_accum_is_derived_from_the_global_batch():
+    plan = load_plan_dict({"global_batch": 32, "micro_batch": 4, "num_workers": 2})
+    assert plan.grad_accum == 4
+    assert plan.micro_batch * plan.grad_accum * plan.dp_degree == plan.global_batch
+
+
+def test_global_batch_rule_names_values_and_allowed_micro_batches():
+    with pytest.raises(PlanError) as err:
+        load_plan_dict({"global_batch": 32, "micro_batch": 4, "grad_accum": 2, "num_workers": 2})
+    msg = str(err.value)
+    assert "grad_accum" in msg and "4 x 2 x 2 = 16 != 32" in msg
+    assert "allowed micro_batch: [1, 2, 4, 8, 16]" in msg
+
+
+def test_indivisible_global_batch_is_rejected():
+    with pytest.raises(PlanError, match=r"global_batch: 10 is not divisible by micro_batch x dp_degree = 4 x 2"):
+        load_plan_dict({"global_batch": 10, "micro_batch": 4, "num_workers": 2})
+
+
+@pytest.mark.parametrize(
+    "data, field, value, allowed",
+    [
+        ({"strategy": "zero3"}, "strategy", "'zero3'", "'ddp', 'fsdp' or 'zero'"),
+        ({"strategy": "fsdp", "fsdp": {"sharding": "half"}}, "fsdp.sharding", "'half'", "'full', 'grad_op', 'hybrid' or 'no_shard'"),
+        ({"strategy": "zero", "zero": {"stage": 4}}, "zero.stage", "4", "0, 1, 2 or 3"),
+        ({"precision": "fp8"}, "precision", "'fp8'", "'fp32' or 'bf16'"),
+        ({"activation_checkpointing": "some"}, "activation_checkpointing", "'some'", "'none' or 'full'"),
+        ({"micro_batch": 0}, "micro_batch", "0", "greater than or equal to 1"),
+    ],
+)
+def test_errors_name_field_value_and_allowed(data, field, value, allowed):
+    with pytest.raises(PlanError) as err:
+        load_plan_dict(data)
+    msg = str(err.value)
+    assert f"plan: {field}: got {value}" in msg and allowed in msg
+
+
+def test_options_of_another_strategy_are_rejected():
+    with pytest.raises(PlanError, match="zero: options for strategy 'zero' given, but strategy is 'ddp'"):
+        load_plan_dict({"strategy": "ddp", "zero": {"stage": 2}})
+
+
+def test_unknown_fields_are_rejected():
+    with pytest.raises(PlanError, match=r"ddp.bucket_mb: unknown field"):
+        load_plan_dict({"strategy": "ddp", "ddp": {"bucket_mb": 25}})
+
+
+def test_env_allows_communication_settings_only():
+    plan = load_plan_dict({"env": {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple", "NCCL_MIN_CTAS": "4"}})
+    assert plan.env["NCCL_ALGO"] == "Ring"
+    with pytest.raises(PlanError, match=r"env.AWS_SECRET_ACCESS_KEY: not a communication setting; allowed prefixes: NCCL_"):
+        load_plan_dict({"env": {"AWS_SECRET_ACCESS_KEY": "x"}})
+    with pytest.raises(PlanError, match=r"env.NCCL_PROTO: got 'LL256'; allowed: \['LL', 'LL128', 'Simple'\]"):
+        load_plan_dict({"env": {"NCCL_PROTO": "LL256"}})
+
+
+def test_hybrid_shard_group_rules():
+    with pytest.raises(PlanError, match=r"fsdp.shard_group_size: 3 does not divide num_workers 4; allowed: \[1, 2, 4\]"):
+        load_plan_dict({"strategy": "fsdp", "num_workers": 4, "global_batch": 8, "micro_batch": 1,
+                        "fsdp": {"sharding": "hybrid", "shard_group_size": 3}})
+    # A shard group of one rank would be pure replication, where HSDP skipped gradient sync.
+    with pytest.raises(PlanError, match="shard_group_size: 1 makes 'hybrid' pure replication"):
+        load_plan_dict({"strategy": "fsdp", "fsdp": {"sharding": "hybrid", "shard_group_size": 1}})
+
+
+def test_zero_rules():
+    with pytest.raises(PlanError, match="zero.offload_param: true needs zero.stage 3, got stage 2"):
+        load_plan_dict({"strategy": "zero", "zero": {"stage": 2, "offload_param": True}})
+    with pytest.raises(PlanError, match="zero.stage: 0 with precision 'bf16'"):
+        load_plan_dict({"strategy": "zero", "precision": "bf16", "zero": {"stage": 0}})
+
+
+def test_yaml_round_trip_and_file_errors(tmp_path):
+    plan = load_plan_dict({"strategy": "fsdp", "fsdp": {"sharding": "grad_op"}, "global_batch": 16})
+    path = tmp_path / "plan.yaml"
+    path.write_text(plan.to_yaml())
+    assert load_plan(path) == plan
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("strategy: ddp\nmicro_batch: -1\n")
+    with pytest.raises(PlanError, match=rf"{bad}: micro_batch: got -1"):
+        load_plan(bad)
+    with pytest.raises(PlanError, match="no such plan file"):
+        load_plan(tmp_path / "missing.yaml")
+
+
+def test_with_changes_rederives_grad_accum():
+    plan = load_plan_dict({"global_batch": 16, "micro_batch": 2, "num_workers": 2})
+    assert plan.grad_accum == 4
+    changed = plan.with_changes(micro_batch=4)
+    assert changed.grad_accum == 2
+    assert plan.with_changes(strategy="zero").zero.stage == 2
+
+
+def test_flat_params_cover_strategy_knobs():
+    flat = load_plan_dict({"strategy": "zero", "zero": {"stage": 3}}).flat()
+    assert flat["zero.stage"] == 3 and flat["strategy"] == "zero" and flat["grad_accum"] == 2
+    assert isinstance(Plan().flat()["ddp.bucket_cap_mb"], float)

@@ -1,0 +1,71 @@
+"""The trial end to end on a real in-process Ray cluster: 2 gloo workers per trial."""
+
+import pytest
+from conftest import BASE_PLAN
+
+from paratune.plan import load_plan_dict
+from paratune.reference import max_loss_difference, reference_losses
+from paratune.trial import run_trial
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("family", [
+    {"strategy": "ddp", "env": {"GLOO_SOCKET_IFNAME": "lo", "NCCL_ALGO": "Ring", "PARATUNE_PROBE": "42"}},
+    {"strategy": "fsdp", "fsdp": {"sharding": "full"}, "profile_comm": True},
+    {"strategy": "zero", "zero": {"stage": 2, "reduce_bucket_size": 100000, "allgather_bucket_size": 100000}},
+])
+def test_each_strategy_family_measures_and_matches_reference(ray_local, family):
+    plan = load_plan_dict({**BASE_PLAN, **family})
+    result = run_trial(plan)
+    assert result.ok, result.message
+    assert max_loss_difference(result.losses, reference_losses(plan)) < 1e-5
+    # The numbers are computed from the measured steps, and only from those.
+    assert len(result.step_times_s) == plan.measure_steps and len(result.losses) == plan.total_steps
+    expected = plan.tokens_per_step * plan.measure_steps / (sum(result.step_times_s) * plan.num_workers)
+    assert result.tokens_per_s_per_gpu == pytest.approx(expected)
+    assert result.step_time_p10_s <= result.step_time_median_s <= result.step_time_p90_s
+    assert len(result.peak_memory_bytes) == 2 and min(result.peak_memory_bytes) > 0
+    assert "MemTracker" in result.memory_method and result.mfu is None  # no known peak for a CPU
+    assert result.launch_s > 0
+    if plan.profile_comm:
+        assert 0 < result.comm_share <= 1
+    assert result.env_seen == {k: v for k, v in plan.env.items()}
+
+
+def test_env_reaches_workers_before_process_group_start(ray_local):
+    # gloo reads GLOO_SOCKET_IFNAME while the process group is created: a bogus interface can
+    # only fail the trial if the variable was in the worker's environment before that moment.
+    bad = load_plan_dict({**BASE_PLAN, "env": {"GLOO_SOCKET_IFNAME": "paratune-no-such-if0"}})
+    result = run_trial(bad)
+    assert result.status == "failed" and result.reason is not None
+    assert "paratune-no-such-if0" in result.message
+    # The failed setup must not leak its placement group and starve the next trial.
+    good = run_trial(load_plan_dict({**BASE_PLAN, "measure_steps": 1}))
+    assert good.ok, good.message
+
+
+def test_out_of_memory_comes_back_classified(ray_local):
+    # A model whose embedding alone needs 256 TiB: the allocator refuses it on every machine.
+    plan = load_plan_dict({**BASE_PLAN, "model_overrides": {"vocab_size": 2**40}})
+    result = run_trial(plan)
+    assert result.status == "failed" and result.reason == "oom", result.message
+    assert "allocate" in result.message
+
+
+def test_dying_worker_comes_back_classified(ray_local):
+    plan = load_plan_dict({**BASE_PLAN, "env": {"PARATUNE_FAULT": "kill:rank=1:step=1"}})
+    result = run_trial(plan)
+    assert result.status == "failed" and result.reason == "worker_died", result.message
+
+
+def test_invalid_plan_is_rejected_before_any_worker_starts(ray_local):
+    import ray
+
+    before = ray.available_resources().get("CPU")
+    result = run_trial({**BASE_PLAN, "micro_batch": 3})
+    assert result.status == "failed" and result.reason == "invalid_config"
+    assert "global_batch: 8 is not divisible by micro_batch x dp_degree = 3 x 2" in result.message
+    assert ray.available_resources().get("CPU") == before
+    result = run_trial({**BASE_PLAN, "model": "no-such-model"})
+    assert result.reason == "invalid_config" and "allowed presets" in result.message
