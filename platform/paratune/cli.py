@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("plan")
     sub.add_parser("models", help="list model presets and their parameter counts")
     args = parser.parse_args(argv)
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)
     handler = {"trial": _cmd_trial, "validate": _cmd_validate, "models": _cmd_models}[args.command]
     return handler(args, console)
 

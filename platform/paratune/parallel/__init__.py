@@ -24,7 +24,11 @@ def make_optimizer(params, plan: Plan) -> torch.optim.Optimizer:
 def apply_activation_checkpointing(model: nn.Module, plan: Plan) -> None:
     """`full`: recompute every decoder block in backward (non-reentrant, works under DDP/FSDP2)."""
     if plan.activation_checkpointing == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 class StepRunner:
