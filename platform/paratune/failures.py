@@ -67,7 +67,11 @@ def classify(exc: BaseException) -> tuple[Reason, str]:
     from paratune.plan import PlanError
 
     chain = _exception_chain(exc)
+    from paratune.trial import TrialTimeout
+
     for e in chain:
+        if isinstance(e, TrialTimeout):
+            return "hang", str(e)
         if isinstance(e, (PlanError, ModelError, DataError)):
             return "invalid_config", f"{type(e).__name__}: {e}"
         if isinstance(e, (MemoryError,)) or type(e).__name__ == "OutOfMemoryError":

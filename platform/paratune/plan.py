@@ -185,7 +185,7 @@ class Plan(_Strict):
                 f"micro_batch: {_divisors(self.global_batch, dp)} (grad_accum follows)"
             )
         for key, value in self.env.items():
-            _check_env(key, value)
+            check_env(key, value)
         if self.fsdp is not None:
             _check_fsdp(self.fsdp, self.num_workers)
         if self.zero is not None and self.zero.offload_param and self.zero.stage != 3:
@@ -223,7 +223,7 @@ class Plan(_Strict):
 
     def flat(self) -> dict[str, Any]:
         """The plan flattened to dotted keys (for parameters in tracking and tables)."""
-        return _flatten(self.to_dict())
+        return flatten_dict(self.to_dict())
 
 
 def _divisors(global_batch: int, dp: int) -> list[int]:
@@ -233,7 +233,7 @@ def _divisors(global_batch: int, dp: int) -> list[int]:
     return [d for d in range(1, per_rank + 1) if per_rank % d == 0]
 
 
-def _check_env(key: str, value: str) -> None:
+def check_env(key: str, value: str) -> None:
     if not re.fullmatch(r"[A-Z_][A-Z0-9_]*", key):
         raise ValueError(f"env.{key}: not a valid environment variable name; allowed: [A-Z_][A-Z0-9_]*")
     if not key.startswith(ALLOWED_ENV_PREFIXES):
@@ -271,12 +271,12 @@ def _check_fsdp(options: FSDPOptions, world: int) -> None:
             )
 
 
-def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten_dict(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in data.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict) and value:
-            out.update(_flatten(value, f"{name}."))
+            out.update(flatten_dict(value, f"{name}."))
         elif value is not None and value != {}:
             out[name] = value
     return out

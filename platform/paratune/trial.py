@@ -267,6 +267,48 @@ def _remove_leaked_placement_groups(before: set[str]) -> int:
     return removed
 
 
+class TrialTimeout(RuntimeError):
+    """The trial ran past plan.trial_timeout_s: a hang (a collective or a worker stuck)."""
+
+
+def _timed_trainer_class():
+    """TorchTrainer whose fit() gives up after a deadline, aborting the controller and workers.
+
+    Ray Train's own timeouts cover process-group setup and collectives (TorchConfig.timeout_s)
+    but not a worker stuck elsewhere; a sweep must never wait forever on one trial. This mirrors
+    Ray 2.60's `_initialize_and_run_controller`, waiting on the controller with a deadline.
+    """
+    import ray
+    import ray.train.v2.api.data_parallel_trainer as dpt
+    from ray.train.torch import TorchTrainer
+
+    class TimedTorchTrainer(TorchTrainer):
+        deadline_s: float = 1800.0
+
+        def _initialize_and_run_controller(self, **controller_init_kwargs):
+            env_vars = dpt.get_env_vars_to_propagate()
+            env_vars.setdefault(dpt.RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
+                                dpt.DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)
+            controller_cls = ray.remote(
+                num_cpus=0,
+                label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},
+                runtime_env={"env_vars": env_vars},
+            )(dpt.TrainController)
+            controller = controller_cls.remote(**controller_init_kwargs)
+            done, _ = ray.wait([controller.run.remote()], timeout=self.deadline_s)
+            if not done:
+                try:
+                    ray.get(controller.abort.remote(), timeout=60)  # shuts the worker group down
+                except Exception:  # noqa: BLE001 - kill it whatever state it is in
+                    pass
+                ray.kill(controller, no_restart=True)
+                raise TrialTimeout(f"hang: trial exceeded trial_timeout_s={self.deadline_s:.0f}s; workers aborted")
+            ray.get(done[0])
+            return ray.get(controller.get_result.remote())
+
+    return TimedTorchTrainer
+
+
 def default_storage() -> Path:
     return Path(os.environ.get("PARATUNE_HOME", Path.cwd() / "paratune_runs")).resolve() / "ray"
 
@@ -288,12 +330,13 @@ def run_trial(plan: Plan | dict[str, Any], *, storage_path: str | Path | None = 
         return TrialResult.failed(plan, "invalid_config", str(err))
 
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     ensure_ray(ray_address)
     use_gpu = _use_gpu(plan)
     before = set(_placement_groups())
-    trainer = TorchTrainer(
+    trainer_cls = _timed_trainer_class()
+    trainer = trainer_cls(
         worker_loop,
         train_loop_config={"plan": plan.to_dict()},
         scaling_config=ScalingConfig(num_workers=plan.num_workers, use_gpu=use_gpu,
@@ -308,6 +351,7 @@ def run_trial(plan: Plan | dict[str, Any], *, storage_path: str | Path | None = 
             worker_runtime_env={"env_vars": dict(plan.env)} if plan.env else None,
         ),
     )
+    trainer.deadline_s = plan.trial_timeout_s
     t0, fit_started = time.perf_counter(), time.time()
     try:
         result = trainer.fit()

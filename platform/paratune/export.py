@@ -1,0 +1,76 @@
+"""The winner, ready to use: plan YAML, the DeepSpeed JSON or FSDP settings it implies, env vars,
+and the exact `ray job submit` command that trains with it."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+from paratune.plan import Plan
+
+JOB_ADDRESS = "http://127.0.0.1:8265"  # the dashboard/job server, reached via SSH port forwarding
+
+
+def fsdp_settings(plan: Plan) -> dict[str, Any]:
+    """What to pass to torch.distributed.fsdp.fully_shard (FSDP2), per decoder block then root."""
+    f = plan.fsdp
+    assert f is not None
+    reshard = f.reshard_after_forward if f.reshard_after_forward is not None else f.sharding != "grad_op"
+    return {
+        "api": "torch.distributed.fsdp.fully_shard" if f.sharding != "no_shard"
+        else "torch.distributed._composable.replicate_with_fsdp.replicate",
+        "sharding": f.sharding,
+        "mesh": {"hybrid": ["replicate", "shard"]}.get(f.sharding, ["shard"] if f.sharding != "no_shard" else ["replicate"]),
+        "shard_group_size": f.shard_group_size,
+        "reshard_after_forward": reshard,
+        "forward_backward_prefetch_blocks": f.prefetch,
+        "mp_policy": {"param_dtype": "bfloat16", "reduce_dtype": "float32"} if plan.precision == "bf16" else None,
+        "offload_policy": "CPUOffloadPolicy" if f.cpu_offload else None,
+        "activation_checkpointing": plan.activation_checkpointing,
+    }
+
+
+def ddp_settings(plan: Plan) -> dict[str, Any]:
+    d = plan.ddp
+    assert d is not None
+    return {"api": "torch.nn.parallel.DistributedDataParallel", **d.model_dump(),
+            "autocast": "bfloat16" if plan.precision == "bf16" else None,
+            "activation_checkpointing": plan.activation_checkpointing}
+
+
+def job_command(plan_path: str, steps: int = 1000) -> str:
+    """The `ray job submit` command that trains with an exported plan (see jobs/train.py)."""
+    return (f"ray job submit --address {JOB_ADDRESS} --working-dir . "
+            f"--runtime-env jobs/runtime_env.yaml -- python jobs/train.py --plan {shlex.quote(plan_path)} "
+            f"--steps {steps}")
+
+
+def export_winner(plan: Plan, out_dir: Path, summary: dict[str, Any]) -> list[Path]:
+    """Write the winner's files; returns what was written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def write(name: str, text: str) -> None:
+        path = out_dir / name
+        path.write_text(text)
+        written.append(path)
+
+    write("plan.yaml", "# paratune winner: " + summary.get("label", plan.strategy) + "\n" + plan.to_yaml())
+    if plan.strategy == "zero":
+        from paratune.parallel.zero import deepspeed_config
+
+        write("deepspeed.json", json.dumps(deepspeed_config(plan, on_gpu=True), indent=2) + "\n")
+    elif plan.strategy == "fsdp":
+        write("fsdp.json", json.dumps(fsdp_settings(plan), indent=2) + "\n")
+    else:
+        write("ddp.json", json.dumps(ddp_settings(plan), indent=2) + "\n")
+    env_lines = ["# Communication settings of the winner: set before the process group starts"]
+    env_lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(plan.env.items())] or ["# (none: defaults won)"]
+    write("env.sh", "\n".join(env_lines) + "\n")
+    plan_rel = str(out_dir / "plan.yaml")
+    write("job.sh", "#!/usr/bin/env bash\n# Train with the winner on the Ray cluster (from the repo root):\n"
+          + job_command(plan_rel) + "\n")
+    write("summary.json", json.dumps(summary, indent=2, default=str) + "\n")
+    return written

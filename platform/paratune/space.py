@@ -1,0 +1,227 @@
+"""Search spaces: YAML -> validated space -> the statically valid candidate plans.
+
+A space file has a fixed part (Plan fields every trial shares, e.g. model, global batch,
+workers) and a space part (the knobs to sweep, with strategy-conditional sub-spaces). The
+structural knobs are enumerated and every combination is validated as a Plan, so a plan that
+breaks a rule is never proposed; the sweep reports how many were removed and why.
+Communication env choices carry no structural rule and are sampled independently.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from paratune.plan import (
+    DDPOptions,
+    FSDPOptions,
+    Plan,
+    PlanError,
+    ZeroOptions,
+    check_env,
+    format_validation_error,
+    load_plan_dict,
+)
+
+STRATEGY_OPTIONS: dict[str, type[BaseModel]] = {"ddp": DDPOptions, "fsdp": FSDPOptions, "zero": ZeroOptions}
+# Plan fields that may be swept at the top level (besides strategy and env).
+SWEEPABLE = ("micro_batch", "activation_checkpointing", "precision")
+# Fields the sweep owns: they may not be fixed, since the sweep sets them per trial.
+SWEEP_OWNED = ("strategy", "ddp", "fsdp", "zero", "grad_accum", "env", *SWEEPABLE)
+
+
+class SpaceError(ValueError):
+    """A space file that is wrong; names the file, the key path and what is allowed."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Objective(_Strict):
+    metric: Literal["tokens_per_s_per_gpu"] = "tokens_per_s_per_gpu"
+    # Per-rank peak memory budget; a plan measured above it is a failed trial (over_budget).
+    memory_budget_gb: float | None = Field(None, gt=0)
+
+
+class SearchSettings(_Strict):
+    algorithm: Literal["tpe", "random", "grid"] = "tpe"
+    trials: int = Field(12, ge=1, le=10_000)
+    seed: int = 0
+    # Noise-aware verdict: re-measure the top plans side by side before naming a winner.
+    top_k: int = Field(3, ge=1, le=10)
+    remeasure_rounds: int = Field(2, ge=0, le=10)
+
+
+class SpacePart(_Strict):
+    strategy: dict[str, dict[str, list[Any]]] = Field(default_factory=lambda: {"ddp": {}})
+    micro_batch: list[int] | None = None
+    activation_checkpointing: list[str] | None = None
+    precision: list[str] | None = None
+    env: dict[str, list[str]] = Field(default_factory=dict)
+
+    @field_validator("strategy")
+    @classmethod
+    def _known_strategies_and_knobs(cls, value: dict[str, dict[str, list[Any]]]) -> dict:
+        if not value:
+            raise ValueError("empty; allowed: one or more of ddp, fsdp, zero")
+        for name, knobs in value.items():
+            if name not in STRATEGY_OPTIONS:
+                raise ValueError(f"unknown strategy '{name}'; allowed: {', '.join(STRATEGY_OPTIONS)}")
+            allowed = list(STRATEGY_OPTIONS[name].model_fields)
+            for knob, choices in (knobs or {}).items():
+                if knob not in allowed:
+                    raise ValueError(f"{name}.{knob}: unknown knob; allowed: {', '.join(allowed)}")
+                if not isinstance(choices, list) or not choices:
+                    raise ValueError(f"{name}.{knob}: must be a non-empty list of choices, got {choices!r}")
+        return {name: dict(knobs or {}) for name, knobs in value.items()}
+
+    @model_validator(mode="after")
+    def _non_empty_lists(self) -> "SpacePart":
+        for name in (*SWEEPABLE, "env"):
+            value = getattr(self, name)
+            items = value.items() if isinstance(value, dict) else [(None, value)]
+            for key, choices in items:
+                if choices is not None and len(choices) == 0:
+                    path = f"{name}.{key}" if key else name
+                    raise ValueError(f"{path}: empty list; allowed: one or more choices")
+        return self
+
+
+class SpaceFile(_Strict):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str = ""
+    fixed: dict[str, Any] = Field(default_factory=dict)
+    objective: Objective = Field(default_factory=Objective)
+    space: SpacePart = Field(default_factory=SpacePart)
+    search: SearchSettings = Field(default_factory=SearchSettings)
+
+    @field_validator("fixed")
+    @classmethod
+    def _fixed_are_plan_fields(cls, value: dict[str, Any]) -> dict[str, Any]:
+        allowed = [f for f in Plan.model_fields if f not in SWEEP_OWNED]
+        for key in value:
+            if key in SWEEP_OWNED:
+                raise ValueError(f"{key}: set by the sweep, not fixed; put its choices under space.{key}")
+            if key not in Plan.model_fields:
+                raise ValueError(f"{key}: not a plan field; allowed: {', '.join(allowed)}")
+        return value
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One statically valid point: the structural choices and the plan they make (env aside)."""
+
+    choices: dict[str, Any]
+    plan: Plan
+
+    @property
+    def key(self) -> str:
+        return json.dumps(self.choices, sort_keys=True, default=str)
+
+
+@dataclass
+class Space:
+    """A validated space: its file, the valid candidates and what static pruning removed."""
+
+    source: Path | None
+    spec: SpaceFile
+    candidates: list[Candidate]
+    total_combinations: int
+    removed: Counter = field(default_factory=Counter)  # reason -> count
+
+    @property
+    def env_choices(self) -> dict[str, list[str]]:
+        return self.spec.space.env
+
+    def plan_for(self, choices: dict[str, Any], env: dict[str, str]) -> Plan:
+        base = next(c for c in self.candidates if c.key == json.dumps(choices, sort_keys=True, default=str))
+        return base.plan.with_changes(env={**base.plan.env, **env}, grad_accum=base.plan.grad_accum)
+
+    def env_grid(self) -> list[dict[str, str]]:
+        keys = list(self.env_choices)
+        return [dict(zip(keys, values)) for values in itertools.product(*(self.env_choices[k] for k in keys))]
+
+    def pruning_report(self) -> str:
+        kept = len(self.candidates)
+        lines = [f"static pruning: {self.total_combinations} combinations, {kept} valid, "
+                 f"{self.total_combinations - kept} removed"]
+        for reason, count in self.removed.most_common():
+            lines.append(f"  - {count} x {reason}")
+        return "\n".join(lines)
+
+
+def _rule_of(message: str) -> str:
+    """The rule a plan broke, without its numbers, so equal rules group together."""
+    first = message.splitlines()[0].removeprefix("plan: ")
+    head = first.split(";")[0]
+    return re.sub(r"-?\d+(\.\d+)?(e[+-]?\d+)?", "N", head)
+
+
+def enumerate_candidates(spec: SpaceFile) -> tuple[list[Candidate], int, Counter]:
+    """Every structural combination (strategy, its knobs, shared knobs), validated as a Plan."""
+    candidates: list[Candidate] = []
+    removed: Counter = Counter()
+    total = 0
+    shared = [(name, getattr(spec.space, name)) for name in SWEEPABLE if getattr(spec.space, name) is not None]
+    for strategy, knobs in spec.space.strategy.items():
+        knob_names = list(knobs)
+        for knob_values in itertools.product(*(knobs[k] for k in knob_names)):
+            for shared_values in itertools.product(*(choices for _, choices in shared)):
+                total += 1
+                choices: dict[str, Any] = {"strategy": strategy}
+                choices.update({f"{strategy}.{k}": v for k, v in zip(knob_names, knob_values)})
+                choices.update({name: v for (name, _), v in zip(shared, shared_values)})
+                plan_dict = {**spec.fixed, "strategy": strategy, strategy: dict(zip(knob_names, knob_values)),
+                             **{name: v for (name, _), v in zip(shared, shared_values)}}
+                try:
+                    candidates.append(Candidate(choices, load_plan_dict(plan_dict)))
+                except PlanError as err:
+                    removed[_rule_of(str(err))] += 1
+    return candidates, total, removed
+
+
+def load_space(path: str | Path) -> Space:
+    """Read and validate a space file; every error names the file, the key path and what is allowed."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise SpaceError(f"{path}: no such space file") from None
+    except yaml.YAMLError as err:
+        raise SpaceError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise SpaceError(f"{path}: a space file must be a mapping with fixed/space/search keys")
+    return space_from_dict(data, source=path)
+
+
+def space_from_dict(data: dict[str, Any], source: Path | None = None) -> Space:
+    label = str(source) if source else "space"
+    try:
+        spec = SpaceFile.model_validate(data)
+    except ValidationError as err:
+        raise SpaceError(format_validation_error(err, label)) from None
+    # The fixed part alone must make a valid plan (micro_batch 1 always divides a valid batch).
+    try:
+        load_plan_dict({**spec.fixed, "micro_batch": 1})
+    except PlanError as err:
+        raise SpaceError(str(err).replace("plan: ", f"{label}: fixed.")) from None
+    for key, choices in spec.space.env.items():
+        for value in choices:
+            try:
+                check_env(key, str(value))
+            except ValueError as err:
+                raise SpaceError(f"{label}: space.{err}") from None
+    candidates, total, removed = enumerate_candidates(spec)
+    if not candidates:
+        reasons = "; ".join(f"{n} x {r}" for r, n in removed.most_common(3))
+        raise SpaceError(f"{label}: space: no valid plan among {total} combinations ({reasons})")
+    return Space(source, spec, candidates, total, removed)

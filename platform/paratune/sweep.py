@@ -1,0 +1,466 @@
+"""The sweep: Ray Tune + Optuna over a space's valid plans, every trial in MLflow, a winner ready to use.
+
+Each Tune trial is a function trainable (reserving no CPU itself) that runs one measured
+trial (its own Ray Train job). Every finished trial is appended to a ledger on disk before
+anything else happens, so an interrupted sweep resumes (`--resume`) without losing or
+re-running a finished trial; the ledger also warm-starts the searcher. A failed trial scores
+0 tokens/s so the searcher learns from it, and a configuration is never proposed twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ray.tune import Callback
+from rich.console import Console
+
+from paratune.plan import Plan, load_plan_dict
+from paratune.report import strategy_label
+from paratune.space import Space
+from paratune.trial import TrialResult, ensure_ray, run_trial
+
+OBJECTIVE = "objective"
+
+
+# --------------------------------------------------------------------------- points
+def point_key(choices: dict[str, Any], env: dict[str, str]) -> str:
+    return json.dumps({"choices": choices, "env": env}, sort_keys=True, default=str)
+
+
+def all_points(space: Space) -> list[dict[str, Any]]:
+    """Every proposable point: valid structural candidates x env combinations (the grid)."""
+    return [{"choices": c.choices, "env": env} for c in space.candidates for env in space.env_grid()]
+
+
+class CandidateTree:
+    """The valid candidates as a tree of knobs, walked one knob at a time.
+
+    Each knob is offered only the values that still lead to a valid plan given the choices
+    above it, so a walk can only end at a statically valid plan. A knob whose offered values
+    are restricted gets its own parameter name, since Optuna needs one fixed set of choices
+    per name.
+    """
+
+    def __init__(self, space: Space):
+        self.space = space
+        self.candidates = [c.choices for c in space.candidates]
+        self.dims: list[str] = []
+        for c in self.candidates:
+            self.dims.extend(d for d in c if d not in self.dims)
+        self.full = {d: sorted({json.dumps(c[d]) for c in self.candidates if d in c}) for d in self.dims}
+
+    def walk(self, pick: Callable[[str, str, list[str]], str]) -> dict[str, Any]:
+        """pick(knob, param_name, offered JSON values) -> the chosen JSON value."""
+        remaining = self.candidates
+        for dim in self.dims:
+            offered = sorted({json.dumps(c[dim]) for c in remaining if dim in c})
+            if not offered:
+                continue
+            name = dim.replace(".", ":") + ("" if offered == self.full[dim] else "|" + ",".join(offered))
+            value = pick(dim, name, offered)
+            remaining = [c for c in remaining if json.dumps(c.get(dim)) == value]
+        return remaining[0]
+
+    def define_by_run(self) -> Callable:
+        """An Optuna define-by-run space that can only produce statically valid plans."""
+
+        def sample(trial) -> dict[str, Any]:
+            choices = self.walk(lambda dim, name, offered: trial.suggest_categorical(name, offered)
+                                if len(offered) > 1 else offered[0])
+            env = {k: trial.suggest_categorical(f"env:{k}", [str(v) for v in vs]) if len(vs) > 1 else str(vs[0])
+                   for k, vs in self.space.env_choices.items()}
+            return {"point": point_key(choices, env)}
+
+        return sample
+
+    def optuna_params(self, key: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(params, distributions) under which define_by_run yields `key`: to replay a known point."""
+        from optuna.distributions import CategoricalDistribution
+
+        point = json.loads(key)
+        params: dict[str, Any] = {}
+        dists: dict[str, Any] = {}
+
+        def pick(dim: str, name: str, offered: list[str]) -> str:
+            value = json.dumps(point["choices"][dim])
+            if len(offered) > 1:
+                params[name], dists[name] = value, CategoricalDistribution(offered)
+            return value
+
+        self.walk(pick)
+        for k, vs in self.space.env_choices.items():
+            if len(vs) > 1:
+                params[f"env:{k}"] = point["env"][k]
+                dists[f"env:{k}"] = CategoricalDistribution([str(v) for v in vs])
+        return params, dists
+
+
+# --------------------------------------------------------------------------- ledger
+@dataclass
+class LedgerEntry:
+    number: int
+    key: str
+    result: TrialResult
+    phase: str = "search"
+    mlflow_run_id: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({"number": self.number, "key": self.key, "phase": self.phase,
+                           "mlflow_run_id": self.mlflow_run_id, "result": self.result.model_dump()})
+
+    @classmethod
+    def from_json(cls, line: str) -> "LedgerEntry":
+        d = json.loads(line)
+        return cls(d["number"], d["key"], TrialResult.model_validate(d["result"]), d["phase"], d["mlflow_run_id"])
+
+
+class Ledger:
+    """Append-only record of finished trials (one JSON line each, flushed as it happens)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.entries: list[LedgerEntry] = []
+        if path.exists():
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    try:
+                        self.entries.append(LedgerEntry.from_json(line))
+                    except (json.JSONDecodeError, KeyError):
+                        pass  # a line cut by a crash mid-write: that trial was not finished
+
+    def append(self, entry: LedgerEntry) -> None:
+        self.entries.append(entry)
+        with self.path.open("a") as f:
+            f.write(entry.to_json() + "\n")
+            f.flush()
+
+    def search_entries(self) -> list[LedgerEntry]:
+        return [e for e in self.entries if e.phase == "search"]
+
+    def keys(self) -> set[str]:
+        return {e.key for e in self.search_entries()}
+
+
+def objective_value(result: TrialResult, memory_budget_gb: float | None) -> float:
+    """tokens/s/GPU, or 0 for a failed or over-budget trial (so the searcher learns to avoid it)."""
+    if not result.ok or not result.tokens_per_s_per_gpu:
+        return 0.0
+    if memory_budget_gb and result.peak_memory_bytes and max(result.peak_memory_bytes) > memory_budget_gb * 2**30:
+        return 0.0
+    return float(result.tokens_per_s_per_gpu)
+
+
+def apply_budget(result: TrialResult, memory_budget_gb: float | None) -> TrialResult:
+    """A plan measured above the memory budget is a failed trial with reason oom (over budget)."""
+    if result.ok and memory_budget_gb and result.peak_memory_bytes and \
+            max(result.peak_memory_bytes) > memory_budget_gb * 2**30:
+        peak = max(result.peak_memory_bytes) / 2**30
+        return result.model_copy(update={"status": "failed", "reason": "oom",
+                                         "message": f"over budget: peak {peak:.2f} GiB > memory_budget_gb {memory_budget_gb}"})
+    return result
+
+
+# --------------------------------------------------------------------------- Tune parts
+def _trainable(config: dict[str, Any], *, plans: dict[str, dict], storage: str) -> None:
+    """One Tune trial = one measured Ray Train trial. Never raises for a failing plan."""
+    from ray import tune
+
+    key = config["point"]
+    result = run_trial(load_plan_dict(plans[key]), storage_path=storage)
+    tune.report({OBJECTIVE: result.tokens_per_s_per_gpu or 0.0, "point": key,
+                 "trial_result": result.model_dump_json()})
+
+
+def _searcher(space: Space, algorithm: str, seed: int, ledger: Ledger, budget_gb: float | None, trials: int):
+    """OptunaSearch (TPE or random) that never proposes a point twice and starts from the ledger."""
+    import optuna
+    from ray.tune.search import Searcher
+    from ray.tune.search.optuna import OptunaSearch
+
+    sampler = (optuna.samplers.TPESampler(seed=seed, n_startup_trials=max(2, min(5, trials // 3)))
+               if algorithm == "tpe" else optuna.samplers.RandomSampler(seed=seed))
+    total_points = len(all_points(space))
+    tree = CandidateTree(space)
+
+    class DedupOptunaSearch(OptunaSearch):
+        def __init__(self) -> None:
+            super().__init__(space=tree.define_by_run(), metric=OBJECTIVE, mode="max", sampler=sampler)
+            self.known: dict[str, float] = {}  # point -> objective of finished trials
+            self.pending: set[str] = set()
+            for entry in ledger.search_entries():  # warm start: finished trials go into the study
+                value = objective_value(entry.result, budget_gb)
+                params, dists = tree.optuna_params(entry.key)
+                self._ot_study.add_trial(optuna.trial.create_trial(params=params, distributions=dists, value=value))
+                self.known[entry.key] = value
+
+        def suggest(self, trial_id: str):
+            if len(self.known) + len(self.pending) >= total_points:
+                return Searcher.FINISHED
+            for attempt in range(200):
+                alt = f"{trial_id}~{attempt}"
+                config = super().suggest(alt)
+                key = config["point"]
+                if key in self.known:  # tell the study what it already knows, ask again
+                    super().on_trial_complete(alt, {OBJECTIVE: self.known[key]})
+                    continue
+                if key in self.pending:
+                    self._ot_study.tell(self._ot_trials.pop(alt), state=optuna.trial.TrialState.FAIL)
+                    continue
+                self._ot_trials[trial_id] = self._ot_trials.pop(alt)
+                self.pending.add(key)
+                return {"point": key}
+            return Searcher.FINISHED  # the sampler keeps returning tried points: the space is spent
+
+        def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
+            value = 0.0
+            key = None
+            if result and "trial_result" in result:
+                tr = TrialResult.model_validate_json(result["trial_result"])
+                value = objective_value(tr, budget_gb)
+                key = result.get("point")
+            super().on_trial_complete(trial_id, {OBJECTIVE: value})
+            if key:
+                self.pending.discard(key)
+                self.known[key] = value
+
+    return DedupOptunaSearch()
+
+
+# --------------------------------------------------------------------------- the sweep
+@dataclass
+class SweepReport:
+    out_dir: Path
+    parent_run_id: str
+    entries: list[LedgerEntry]
+    verdict: Any = None
+    winner_dir: Path | None = None
+    winner_parity: float | None = None
+    time_split: dict[str, float] = field(default_factory=dict)
+    pruning: str = ""
+
+
+class SweepError(RuntimeError):
+    """A sweep that cannot start (its folder belongs to another space, or already has trials)."""
+
+
+def _space_digest(space: Space) -> str:
+    text = space.source.read_text() if space.source else json.dumps(space.spec.model_dump(), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _concurrency(space: Space) -> int:
+    """Trials at once = what the cluster holds / what one trial needs (GPUs, else CPUs)."""
+    import ray
+
+    resources = ray.cluster_resources()
+    workers = space.candidates[0].plan.num_workers
+    if resources.get("GPU", 0) >= 1 and space.candidates[0].plan.device != "cpu":
+        return max(1, int(resources["GPU"] // workers))
+    return max(1, int(resources.get("CPU", 1) // workers))
+
+
+def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorithm: str | None = None,
+              seed: int | None = None, resume: bool = False, tracking_uri: str | None = None,
+              ray_address: str | None = None, console: Console | None = None) -> SweepReport:
+    from ray import tune
+
+    from paratune.tracking import SweepTracker
+
+    console = console or Console()
+    settings = space.spec.search
+    trials = trials or settings.trials
+    algorithm = algorithm or settings.algorithm
+    seed = settings.seed if seed is None else seed
+    budget_gb = space.spec.objective.memory_budget_gb
+    out_dir = out_dir.resolve()
+    state_path = out_dir / "sweep.json"
+    digest = _space_digest(space)
+    if state_path.exists() and not resume:
+        raise SweepError(f"{out_dir}: a sweep already lives here; use --resume to continue it or another --out")
+    if resume and state_path.exists():
+        state = json.loads(state_path.read_text())
+        if state["space_digest"] != digest:
+            raise SweepError(f"{out_dir}: the space file changed since this sweep started; use another --out")
+    else:
+        state = {}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ledger = Ledger(out_dir / "ledger.jsonl")
+    tracker = SweepTracker(tracking_uri or state.get("tracking_uri"))
+    ensure_ray(ray_address)
+
+    t_sweep = time.perf_counter()
+    if not state:
+        first = space.candidates[0].plan
+        state = {"space_digest": digest, "tracking_uri": tracker.tracking_uri, "algorithm": algorithm, "seed": seed,
+                 "parent_run_id": tracker.start_parent(
+                     space.spec.name, space.source,
+                     params={**{f"fixed.{k}": v for k, v in space.spec.fixed.items()}, "search.algorithm": algorithm,
+                             "search.trials": trials, "search.seed": seed, "space.candidates": len(space.candidates),
+                             "space.combinations": space.total_combinations},
+                     tags={"paratune.model": first.model, "paratune.world_size": str(first.num_workers),
+                           "paratune.device": _device_tag(), "paratune.space": space.spec.name})}
+        state_path.write_text(json.dumps(state, indent=2))
+    parent = state["parent_run_id"]
+    console.print(space.pruning_report())
+    done = len(ledger.search_entries())
+    remaining = max(0, trials - done)
+    if done:
+        console.print(f"resuming: {done} finished trial(s) kept, {remaining} to run")
+    plans = {point_key(p["choices"], p["env"]): space.plan_for(p["choices"], p["env"]).to_dict()
+             for p in all_points(space)}
+    remaining = min(remaining, len(plans) - len(ledger.keys()))
+
+    if remaining > 0:
+        callback = _LedgerCallback(ledger, tracker, parent, budget_gb, console, total=done + remaining, plans=plans)
+        trainable = tune.with_resources(
+            tune.with_parameters(_trainable, plans=plans, storage=str(out_dir / "ray")),
+            {"CPU": 0, "memory": 1},  # the trial's workers hold the CPUs; 1 CPU here deadlocks 2-CPU clusters
+        )
+        if algorithm == "grid":
+            todo = [k for k in plans if k not in ledger.keys()][:remaining]
+            tune_config = tune.TuneConfig(num_samples=1, max_concurrent_trials=_concurrency(space))
+            param_space = {"point": tune.grid_search(todo)}
+        else:
+            tune_config = tune.TuneConfig(
+                search_alg=_searcher(space, algorithm, seed, ledger, budget_gb, trials),
+                num_samples=remaining, max_concurrent_trials=_concurrency(space))
+            param_space = {}
+        tuner = tune.Tuner(trainable, param_space=param_space, tune_config=tune_config,
+                           run_config=tune.RunConfig(name=f"tune-{len(ledger.entries)}", storage_path=str(out_dir / "tune"),
+                                                     callbacks=[callback], verbose=0))
+        tuner.fit()
+
+    report = SweepReport(out_dir, parent, ledger.entries, pruning=space.pruning_report())
+    _finish(space, report, ledger, tracker, budget_gb, console)
+    report.time_split["sweep_wall_s"] = time.perf_counter() - t_sweep
+    return report
+
+
+def _device_tag() -> str:
+    import ray
+
+    res = ray.cluster_resources()
+    return f"{int(res.get('GPU', 0))} GPU" if res.get("GPU") else f"cpu ({int(res.get('CPU', 0))} CPUs)"
+
+
+class _LedgerCallback(Callback):
+    """Driver side: as each trial finishes, record it in the ledger and MLflow, and say so."""
+
+    def __init__(self, ledger: Ledger, tracker, parent: str, budget_gb: float | None, console: Console, total: int,
+                 plans: dict[str, dict]):
+        self.ledger, self.tracker, self.parent, self.plans = ledger, tracker, parent, plans
+        self.budget_gb, self.console, self.total = budget_gb, console, total
+
+    def _record(self, key: str, result: TrialResult) -> None:
+        if key in self.ledger.keys():
+            return
+        number = len(self.ledger.search_entries()) + 1
+        result = apply_budget(result, self.budget_gb)
+        run_id = self.tracker.log_trial(self.parent, number, result)
+        self.ledger.append(LedgerEntry(number, key, result, "search", run_id))
+        what = f"{result.tokens_per_s_per_gpu:,.0f} tokens/s/GPU" if result.ok else f"[red]{result.reason}[/red]: {result.message}"
+        self.console.print(f"trial {number}/{self.total} {strategy_label(result.plan)}: {what}")
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        last = trial.last_result or {}
+        if "trial_result" in last:
+            self._record(last["point"], TrialResult.model_validate_json(last["trial_result"]))
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        key = trial.config.get("point")
+        if key in self.plans:
+            error = info.get("error") or getattr(trial, "error_msg", None) or "the Tune trial itself failed"
+            self._record(key, TrialResult.failed(self.plans[key], "error", str(error)[:2000]))
+
+
+def _finish(space: Space, report: SweepReport, ledger: Ledger, tracker, budget_gb: float | None, console: Console) -> None:
+    """Re-measure the top plans side by side, decide with the noise, check parity, export."""
+    from paratune.export import export_winner
+    from paratune.verdict import Standing, complexity, decide
+
+    settings = space.spec.search
+    standings: dict[str, Standing] = {}
+    for e in ledger.entries:
+        if e.result.ok:
+            s = standings.setdefault(e.key, Standing(e.key, strategy_label(e.result.plan), e.result.plan))
+            s.results.append(e.result)
+    top = sorted(standings.values(), key=lambda s: -s.median)[: settings.top_k]
+    rounds_done = max((sum(1 for e in ledger.entries if e.phase == "remeasure" and e.key == s.key) for s in top), default=0)
+    if len(top) > 1:
+        for round_ in range(rounds_done, settings.remeasure_rounds):
+            for s in top:  # interleaved: every plan once per round, so drift hits all alike
+                result = apply_budget(run_trial(load_plan_dict(s.plan)), budget_gb)
+                number = len(ledger.entries) + 1
+                run_id = tracker.log_trial(report.parent_run_id, number, result, phase="remeasure")
+                ledger.append(LedgerEntry(number, s.key, result, "remeasure", run_id))
+                s.results.append(result)
+                console.print(f"re-measure {round_ + 1}/{settings.remeasure_rounds} {s.label}: "
+                              f"{result.tokens_per_s_per_gpu or 0:,.0f} tokens/s/GPU")
+    verdict = decide(list(standings.values()))
+    # A fast plan that trains wrong is never the winner: check parity, fall back down the ranking.
+    winner, parity = None, None
+    order: list[Standing] = []
+    for s in [verdict.winner, *sorted(verdict.tied_with_best, key=lambda t: complexity(t.plan)), *verdict.ranked]:
+        if s is not None and s not in order:
+            order.append(s)
+    for candidate in order:
+        parity = winner_parity(load_plan_dict(candidate.plan), candidate.results[0])
+        if parity is not None and parity <= parity_tolerance(load_plan_dict(candidate.plan)):
+            winner = candidate
+            break
+        console.print(f"[red]{candidate.label} fails loss parity ({parity}); not a winner[/red]")
+    verdict.winner = winner
+    report.verdict, report.winner_parity = verdict, parity
+    launch = sum(e.result.launch_s or 0 for e in ledger.entries)
+    measured = sum(sum(e.result.step_times_s) for e in ledger.entries)
+    wall = sum(e.result.wall_s or 0 for e in ledger.entries)
+    report.time_split = {"trials_wall_s": wall, "launch_s": launch, "measured_s": measured,
+                         "other_s": max(0.0, wall - launch - measured)}
+    best_metrics = {}
+    if winner is not None:
+        plan = load_plan_dict(winner.plan)
+        summary = {"label": winner.label, "tokens_per_s_per_gpu_median": winner.median,
+                   "relative_spread": winner.relative_spread, "measurements": len(winner.values),
+                   "parity_max_abs_loss_diff": parity, "tied_with": [s.label for s in verdict.tied_with_best],
+                   "mfu": winner.results[0].mfu, "peak_memory_bytes": winner.results[0].peak_memory_bytes}
+        report.winner_dir = out_dir_winner = report.out_dir / "winner"
+        export_winner(plan, out_dir_winner, summary)
+        best_metrics = {"tokens_per_s_per_gpu": winner.median, "relative_spread": winner.relative_spread,
+                        "parity_max_abs_loss_diff": parity}
+    tracker.finish_parent(report.parent_run_id, best_metrics, load_plan_dict(winner.plan).flat() if winner else None,
+                          report.winner_dir)
+
+
+def parity_tolerance(plan: Plan) -> float:
+    return 1e-4 if plan.precision == "fp32" else 0.05
+
+
+PARITY_MAX_REFERENCE_PARAMS = 200_000_000
+
+
+def winner_parity(plan: Plan, result: TrialResult) -> float | None:
+    """Max per-step loss difference from the single-process reference on the same global batch.
+
+    For a model too big to train on the driver's CPU, the same plan is re-run on a reduced
+    proxy shape (2 small layers of the same family) and that run is compared instead.
+    """
+    from paratune.models import build_config, parameter_counts
+    from paratune.reference import max_loss_difference, reference_losses
+
+    if parameter_counts(build_config(plan.model, plan.model_overrides))["total"] > PARITY_MAX_REFERENCE_PARAMS:
+        plan = plan.with_changes(model_overrides={**plan.model_overrides, **_PROXY_SHAPE}, seq_len=min(plan.seq_len, 64),
+                                 warmup_steps=1, measure_steps=2, grad_accum=plan.grad_accum)
+        result = run_trial(plan)
+        if not result.ok:
+            return math.inf
+    return max_loss_difference(result.losses, reference_losses(plan, steps=len(result.losses)))
+
+
+_PROXY_SHAPE = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "vocab_size": 512}
