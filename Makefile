@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/paratune trial plans/cpu_ddp.yaml plans/cpu_fsdp.yaml plans/cpu_zero2.yaml --parity
+	$(BIN)/paratune tune search_spaces/local_cpu.yaml --out paratune_runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x --durations=15

@@ -1,4 +1,4 @@
-"""`paratune trial | validate | models`."""
+"""`paratune trial | tune | ui | validate | models`."""
 
 from __future__ import annotations
 
@@ -46,6 +46,43 @@ def _cmd_trial(args: argparse.Namespace, console: Console) -> int:
     return 0 if all(r.ok for _, r, _ in rows) else 1
 
 
+def _cmd_tune(args: argparse.Namespace, console: Console) -> int:
+    from paratune.report import print_sweep
+    from paratune.space import SpaceError, load_space
+    from paratune.sweep import SweepError, run_sweep
+    from paratune.tracking import default_tracking_uri
+
+    try:
+        space = load_space(args.space)
+    except SpaceError as err:
+        console.print(f"[red]invalid space[/red]\n{err}")
+        return 2
+    out = Path(args.out) if args.out else Path("paratune_runs") / space.spec.name
+    try:
+        report = run_sweep(space, out, trials=args.trials, algorithm=args.search, seed=args.seed,
+                           resume=args.resume, tracking_uri=args.tracking_uri, console=console)
+    except SweepError as err:
+        console.print(f"[red]{err}[/red]")
+        return 2
+    print_sweep(report, console)
+    uri = args.tracking_uri or default_tracking_uri()
+    console.print(f"compare the trials in MLflow:  .venv/bin/paratune ui --tracking-uri {uri}")
+    return 0 if report.verdict and report.verdict.winner else 1
+
+
+def _cmd_ui(args: argparse.Namespace, console: Console) -> int:
+    import os
+
+    from paratune.tracking import default_tracking_uri
+
+    uri = args.tracking_uri or default_tracking_uri()
+    console.print(f"MLflow UI on http://{args.host}:{args.port} for {uri} (Ctrl-C to stop)")
+    mlflow = Path(sys.executable).parent / "mlflow"
+    os.execv(str(mlflow), [str(mlflow), "ui", "--backend-store-uri", uri, "--host", args.host,
+                           "--port", str(args.port)])
+    return 0
+
+
 def _cmd_validate(args: argparse.Namespace, console: Console) -> int:
     try:
         plan = load_plan(args.plan)
@@ -82,12 +119,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, help="override num_workers")
     p.add_argument("--parity", action="store_true", help="also compare losses to a single-process reference")
     p.add_argument("--json", help="write the results to this JSON file")
+    p = sub.add_parser("tune", help="sweep a search space with Ray Tune + Optuna; MLflow; export the winner")
+    p.add_argument("space", help="search space YAML (search_spaces/)")
+    p.add_argument("--trials", type=int, help="trial budget (default: the space's search.trials)")
+    p.add_argument("--search", choices=["tpe", "random", "grid"], help="search algorithm (default: the space's)")
+    p.add_argument("--seed", type=int, help="searcher seed (default: the space's)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted sweep in --out")
+    p.add_argument("--out", help="sweep folder (default: paratune_runs/<space name>)")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or ./mlflow.db)")
+    p = sub.add_parser("ui", help="open the MLflow UI on the sweep store (127.0.0.1)")
+    p.add_argument("--tracking-uri")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=5000)
     p = sub.add_parser("validate", help="check a plan file and print it with derived fields")
     p.add_argument("plan")
     sub.add_parser("models", help="list model presets and their parameter counts")
     args = parser.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 160)
-    handler = {"trial": _cmd_trial, "validate": _cmd_validate, "models": _cmd_models}[args.command]
+    handler = {"trial": _cmd_trial, "tune": _cmd_tune, "ui": _cmd_ui, "validate": _cmd_validate,
+               "models": _cmd_models}[args.command]
     return handler(args, console)
 
 

@@ -69,7 +69,11 @@ def export_winner(plan: Plan, out_dir: Path, summary: dict[str, Any]) -> list[Pa
     env_lines = ["# Communication settings of the winner: set before the process group starts"]
     env_lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(plan.env.items())] or ["# (none: defaults won)"]
     write("env.sh", "\n".join(env_lines) + "\n")
-    plan_rel = str(out_dir / "plan.yaml")
+    plan_path = (out_dir / "plan.yaml").resolve()
+    try:  # relative to the repo root the job is submitted from (--working-dir .)
+        plan_rel = str(plan_path.relative_to(Path.cwd()))
+    except ValueError:
+        plan_rel = str(plan_path)
     write("job.sh", "#!/usr/bin/env bash\n# Train with the winner on the Ray cluster (from the repo root):\n"
           + job_command(plan_rel) + "\n")
     write("summary.json", json.dumps(summary, indent=2, default=str) + "\n")

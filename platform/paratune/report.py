@@ -61,3 +61,39 @@ def print_results(rows: list[tuple[str, TrialResult, float | None]], console: Co
     methods = {r.memory_method for _, r, _ in rows if r.memory_method}
     if methods:
         console.print("peak memory measured by: " + "; ".join(sorted(methods)))
+
+
+def print_sweep(report, console: Console | None = None) -> None:
+    """The leaderboard (best first, ties marked, failures with reasons), time split, winner files."""
+    console = console or Console()
+    verdict = report.verdict
+    table = Table(title="leaderboard (median of all measurements; ties are within the noise)")
+    for col in ("#", "plan", "tokens/s/GPU", "± spread", "runs", "MFU", "peak MiB/rank", "verdict"):
+        table.add_column(col, justify="right" if col not in ("plan", "verdict") else "left")
+    tied = {s.key for s in verdict.tied_with_best} if verdict else set()
+    for i, s in enumerate(verdict.ranked if verdict else [], 1):
+        r = s.results[0]
+        peak = max(r.peak_memory_bytes) / 2**20 if r.peak_memory_bytes else None
+        mark = "[bold green]winner[/bold green]" if verdict.winner is s else ("tie with best" if s.key in tied else "")
+        table.add_row(str(i), s.label, f"{s.median:,.0f}", f"{s.relative_spread / 2:.0%}", str(len(s.values)),
+                      _fmt(r.mfu, ".1%"), _fmt(peak, ",.1f"), mark)
+    console.print(table)
+    failed = [e for e in report.entries if not e.result.ok]
+    if failed:
+        console.print(f"[red]{len(failed)} failed trial(s):[/red]")
+        for e in failed:
+            console.print(f"  - {strategy_label(e.result.plan)}: {e.result.reason}: {e.result.message}")
+    t = report.time_split
+    if t.get("trials_wall_s"):
+        console.print(f"time: {t['trials_wall_s']:.0f} s in trials = {t['launch_s']:.0f} s launching "
+                      f"({t['launch_s'] / t['trials_wall_s']:.0%}) + {t['measured_s']:.0f} s measured steps "
+                      f"({t['measured_s'] / t['trials_wall_s']:.0%}) + {t['other_s']:.0f} s other "
+                      "(profiled/memory steps, teardown)")
+    if verdict and verdict.winner is not None:
+        console.print(f"winner: [bold]{verdict.winner.label}[/bold] — {verdict.winner.median:,.0f} tokens/s/GPU, "
+                      f"loss parity vs single process: max |Δ| = {report.winner_parity:.1e}")
+        if report.winner_dir:
+            console.print(f"exported to {report.winner_dir}/ (plan.yaml, env.sh, job.sh, ...)")
+            console.print("train with it:  " + (report.winner_dir / "job.sh").read_text().splitlines()[-1])
+    else:
+        console.print("[red]no winner: no plan finished and passed the loss-parity check[/red]")

@@ -34,8 +34,9 @@ from paratune.plan import (
 STRATEGY_OPTIONS: dict[str, type[BaseModel]] = {"ddp": DDPOptions, "fsdp": FSDPOptions, "zero": ZeroOptions}
 # Plan fields that may be swept at the top level (besides strategy and env).
 SWEEPABLE = ("micro_batch", "activation_checkpointing", "precision")
-# Fields the sweep owns: they may not be fixed, since the sweep sets them per trial.
-SWEEP_OWNED = ("strategy", "ddp", "fsdp", "zero", "grad_accum", "env", *SWEEPABLE)
+# Fields the sweep owns: they may not be fixed, since the sweep sets them per trial. The
+# SWEEPABLE ones and env may be fixed when the space does not sweep them (env: other keys).
+SWEEP_OWNED = ("strategy", "ddp", "fsdp", "zero", "grad_accum")
 
 
 class SpaceError(ValueError):
@@ -115,6 +116,16 @@ class SpaceFile(_Strict):
                 raise ValueError(f"{key}: not a plan field; allowed: {', '.join(allowed)}")
         return value
 
+    @model_validator(mode="after")
+    def _fixed_or_swept_not_both(self) -> "SpaceFile":
+        for name in SWEEPABLE:
+            if name in self.fixed and getattr(self.space, name) is not None:
+                raise ValueError(f"{name}: both fixed and swept; allowed: fixed.{name} or space.{name}, not both")
+        both = set(self.fixed.get("env") or {}) & set(self.space.env)
+        if both:
+            raise ValueError(f"env.{sorted(both)[0]}: both fixed and swept; allowed: one of fixed.env or space.env")
+        return self
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -137,6 +148,7 @@ class Space:
     candidates: list[Candidate]
     total_combinations: int
     removed: Counter = field(default_factory=Counter)  # reason -> count
+    examples: dict[str, str] = field(default_factory=dict)  # reason -> one full message
 
     @property
     def env_choices(self) -> dict[str, list[str]]:
@@ -155,7 +167,8 @@ class Space:
         lines = [f"static pruning: {self.total_combinations} combinations, {kept} valid, "
                  f"{self.total_combinations - kept} removed"]
         for reason, count in self.removed.most_common():
-            lines.append(f"  - {count} x {reason}")
+            example = self.examples.get(reason, "")
+            lines.append(f"  - {count} x {reason}" + (f"  (e.g. {example})" if example else ""))
         return "\n".join(lines)
 
 
@@ -166,10 +179,11 @@ def _rule_of(message: str) -> str:
     return re.sub(r"-?\d+(\.\d+)?(e[+-]?\d+)?", "N", head)
 
 
-def enumerate_candidates(spec: SpaceFile) -> tuple[list[Candidate], int, Counter]:
+def enumerate_candidates(spec: SpaceFile) -> tuple[list[Candidate], int, Counter, dict[str, str]]:
     """Every structural combination (strategy, its knobs, shared knobs), validated as a Plan."""
     candidates: list[Candidate] = []
     removed: Counter = Counter()
+    examples: dict[str, str] = {}
     total = 0
     shared = [(name, getattr(spec.space, name)) for name in SWEEPABLE if getattr(spec.space, name) is not None]
     for strategy, knobs in spec.space.strategy.items():
@@ -185,8 +199,10 @@ def enumerate_candidates(spec: SpaceFile) -> tuple[list[Candidate], int, Counter
                 try:
                     candidates.append(Candidate(choices, load_plan_dict(plan_dict)))
                 except PlanError as err:
-                    removed[_rule_of(str(err))] += 1
-    return candidates, total, removed
+                    rule = _rule_of(str(err))
+                    removed[rule] += 1
+                    examples.setdefault(rule, str(err).splitlines()[0].removeprefix("plan: ").split(";")[0])
+    return candidates, total, removed, examples
 
 
 def load_space(path: str | Path) -> Space:
@@ -220,8 +236,8 @@ def space_from_dict(data: dict[str, Any], source: Path | None = None) -> Space:
                 check_env(key, str(value))
             except ValueError as err:
                 raise SpaceError(f"{label}: space.{err}") from None
-    candidates, total, removed = enumerate_candidates(spec)
+    candidates, total, removed, examples = enumerate_candidates(spec)
     if not candidates:
         reasons = "; ".join(f"{n} x {r}" for r, n in removed.most_common(3))
         raise SpaceError(f"{label}: space: no valid plan among {total} combinations ({reasons})")
-    return Space(source, spec, candidates, total, removed)
+    return Space(source, spec, candidates, total, removed, examples)

@@ -199,6 +199,12 @@ def _searcher(space: Space, algorithm: str, seed: int, ledger: Ledger, budget_gb
                 self._ot_study.add_trial(optuna.trial.create_trial(params=params, distributions=dists, value=value))
                 self.known[entry.key] = value
 
+        def save(self, checkpoint_path: str) -> None:
+            """No Tune checkpoint of the searcher: paratune resumes from its ledger instead."""
+
+        def restore(self, checkpoint_path: str) -> None:
+            """See save()."""
+
         def suggest(self, trial_id: str):
             if len(self.known) + len(self.pending) >= total_points:
                 return Searcher.FINISHED
@@ -356,6 +362,11 @@ class _LedgerCallback(Callback):
                  plans: dict[str, dict]):
         self.ledger, self.tracker, self.parent, self.plans = ledger, tracker, parent, plans
         self.budget_gb, self.console, self.total = budget_gb, console, total
+
+    def __getstate__(self) -> dict:
+        # Tune pickles its callbacks with the experiment state; the live MLflow client and
+        # console stay behind (paratune resumes from its own ledger, never from Tune's state).
+        return {"total": self.total}
 
     def _record(self, key: str, result: TrialResult) -> None:
         if key in self.ledger.keys():

@@ -1,0 +1,131 @@
+"""Search spaces: validation errors, static pruning, valid-only proposals; verdict and export."""
+
+import json
+
+import optuna
+import pytest
+
+from paratune.export import export_winner
+from paratune.plan import load_plan, load_plan_dict
+from paratune.space import SpaceError, load_space, space_from_dict
+from paratune.sweep import CandidateTree, all_points, point_key
+from paratune.trial import TrialResult
+from paratune.verdict import Standing, complexity, decide
+
+SPACE = {
+    "name": "unit",
+    "fixed": {"model": "tiny-llama", "seq_len": 32, "global_batch": 8, "num_workers": 2},
+    "space": {
+        "strategy": {"ddp": {"bucket_cap_mb": [5, 25]}, "fsdp": {"sharding": ["full", "hybrid"]},
+                     "zero": {"stage": [2, 3], "offload_param": [False, True]}},
+        "micro_batch": [1, 2, 4, 8],
+        "env": {"NCCL_ALGO": ["Ring", "Tree"]},
+    },
+}
+
+
+def test_shipped_spaces_load():
+    for name in ("local_cpu", "llama3_8b_1x8", "llama3_70b_4x8"):
+        space = load_space(f"search_spaces/{name}.yaml")
+        assert space.candidates and space.spec.name
+
+
+def test_static_pruning_counts_and_reasons():
+    space = space_from_dict(SPACE)
+    # ddp 2 + fsdp 2 + zero 4 = 8 structures x 4 micro-batches = 32 combinations.
+    assert space.total_combinations == 32
+    # micro_batch 8 breaks the global batch (8 x 2 workers > 8): 8 structures; offload_param
+    # without stage 3: 3 more (micro_batch 1, 2, 4); hybrid with 2 workers shards in a group of 2 (valid).
+    assert sum(space.removed.values()) == 11 and len(space.candidates) == 21
+    report = space.pruning_report()
+    assert "32 combinations, 21 valid, 11 removed" in report
+    assert "8 x global_batch" in report and "3 x zero.offload_param" in report
+
+
+@pytest.mark.parametrize("patch, expected", [
+    ({"space": {"strategy": {"zero": {"stagee": [1]}}}}, r"space.strategy: .*zero.stagee: unknown knob; allowed: stage, reduce_bucket_size"),
+    ({"space": {"strategy": {"megatron": {}}}}, r"unknown strategy 'megatron'; allowed: ddp, fsdp, zero"),
+    ({"space": {"micro_batch": []}}, r"micro_batch: empty list; allowed: one or more choices"),
+    ({"space": {"env": {"NCCL_PROTO": ["LL256"]}}}, r"space.env.NCCL_PROTO: got 'LL256'; allowed"),
+    ({"space": {"env": {"HF_TOKEN": ["x"]}}}, r"space.env.HF_TOKEN: not a communication setting"),
+    ({"fixed": {"zero": {"stage": 2}}}, r"fixed: zero: set by the sweep, not fixed; put its choices under space.zero"),
+    ({"fixed": {"micro_batch": 2}}, r"micro_batch: both fixed and swept; allowed: fixed.micro_batch or space.micro_batch"),
+    ({"fixed": {"sequence": 2}}, r"fixed: sequence: not a plan field; allowed: model, "),
+    ({"fixed": {"seq_len": 2}}, r"fixed.seq_len: got 2; Input should be greater than or equal to 8"),
+    ({"search": {"algorithm": "bayes"}}, r"search.algorithm: got 'bayes'; Input should be 'tpe', 'random' or 'grid'"),
+])
+def test_space_errors_name_the_key_path_and_what_is_allowed(tmp_path, patch, expected):
+    import yaml
+
+    data = json.loads(json.dumps(SPACE))
+    for section, value in patch.items():
+        data[section] = {**data.get(section, {}), **value}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(SpaceError, match=expected) as err:
+        load_space(path)
+    assert str(path) in str(err.value)
+
+
+def test_a_space_with_no_valid_plan_is_rejected():
+    data = {**SPACE, "space": {"strategy": {"ddp": {}}, "micro_batch": [3]}}
+    with pytest.raises(SpaceError, match="no valid plan among 1 combinations"):
+        space_from_dict(data)
+
+
+def test_the_searcher_can_only_propose_valid_points():
+    space = space_from_dict(SPACE)
+    tree = CandidateTree(space)
+    valid = {point_key(p["choices"], p["env"]) for p in all_points(space)}
+    assert len(valid) == 42  # 21 structures x 2 env choices
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
+    sample = tree.define_by_run()
+    seen = set()
+    for _ in range(150):
+        trial = study.ask()
+        key = sample(trial)["point"]
+        assert key in valid
+        seen.add(key)
+        study.tell(trial, 1.0)
+    assert len(seen) > 30
+    # A known point replays under the same parameters (warm start on resume).
+    params, dists = tree.optuna_params(key)
+    replay = optuna.create_study()
+    replay.add_trial(optuna.trial.create_trial(params=params, distributions=dists, value=1.0))
+    assert sample(optuna.trial.FixedTrial(params))["point"] == key
+
+
+def _result(tps: float, spread: float, plan: dict) -> TrialResult:
+    return TrialResult(status="ok", plan=plan, world_size=2, tokens_per_s_per_gpu=tps, step_time_spread=spread)
+
+
+def test_verdict_ties_go_to_the_simpler_plan():
+    ddp = load_plan_dict({"strategy": "ddp"}).to_dict()
+    zero3 = load_plan_dict({"strategy": "zero", "zero": {"stage": 3}}).to_dict()
+    fsdp = load_plan_dict({"strategy": "fsdp"}).to_dict()
+    assert complexity(ddp) < complexity(fsdp) < complexity(zero3)
+    standings = [Standing("z3", "zero-3", zero3, [_result(1000, 0.04, zero3), _result(1010, 0.04, zero3)]),
+                 Standing("ddp", "ddp", ddp, [_result(985, 0.04, ddp), _result(995, 0.04, ddp)]),
+                 Standing("fsdp", "fsdp", fsdp, [_result(700, 0.02, fsdp)])]
+    verdict = decide(standings)
+    assert [s.key for s in verdict.ranked] == ["z3", "ddp", "fsdp"]
+    assert {s.key for s in verdict.tied_with_best} == {"z3", "ddp"}
+    assert verdict.winner.key == "ddp"  # 1.5% slower, inside the noise, and simpler
+    clear = decide([standings[0], Standing("ddp", "ddp", ddp, [_result(800, 0.01, ddp)])])
+    assert clear.winner.key == "z3" and len(clear.tied_with_best) == 1
+
+
+def test_exported_winner_loads_back(tmp_path):
+    plan = load_plan_dict({"strategy": "zero", "zero": {"stage": 3, "overlap_comm": True}, "env": {"NCCL_ALGO": "Tree"}})
+    written = export_winner(plan, tmp_path / "winner", {"label": "zero-3"})
+    names = {p.name for p in written}
+    assert {"plan.yaml", "deepspeed.json", "env.sh", "job.sh", "summary.json"} <= names
+    assert load_plan(tmp_path / "winner" / "plan.yaml") == plan
+    ds = json.loads((tmp_path / "winner" / "deepspeed.json").read_text())
+    assert ds["zero_optimization"]["stage"] == 3 and ds["train_batch_size"] == plan.global_batch
+    assert ds["gradient_clipping"] == plan.grad_clip
+    assert "export NCCL_ALGO=Tree" in (tmp_path / "winner" / "env.sh").read_text()
+    assert "ray job submit" in (tmp_path / "winner" / "job.sh").read_text()
+    fsdp = export_winner(load_plan_dict({"strategy": "fsdp", "fsdp": {"sharding": "grad_op"}}), tmp_path / "f", {})
+    settings = json.loads((tmp_path / "f" / "fsdp.json").read_text())
+    assert settings["reshard_after_forward"] is False and any(p.name == "fsdp.json" for p in fsdp)

@@ -1,0 +1,90 @@
+"""A real sweep: Ray Tune + Optuna on in-process Ray, trials as Ray Train jobs, a real MLflow store."""
+
+import json
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from paratune.plan import load_plan
+from paratune.space import load_space
+from paratune.sweep import Ledger, SweepError, run_sweep
+
+pytestmark = pytest.mark.integration
+
+FIXED = {"model": "tiny-llama", "seq_len": 32, "global_batch": 8, "num_workers": 2, "warmup_steps": 1,
+         "measure_steps": 2, "profile_comm": False, "lr": 0.01, "trial_timeout_s": 300}
+
+
+def _space(tmp_path, name, space, search, budget=None):
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"name": name, "fixed": FIXED, "space": space, "search": search,
+                                    "objective": {"memory_budget_gb": budget}}))
+    return load_space(path)
+
+
+def _children(client, parent_id, phase):
+    runs = client.search_runs([client.get_run(parent_id).info.experiment_id],
+                              f"tags.mlflow.parentRunId = '{parent_id}' and tags.`paratune.phase` = '{phase}'")
+    return sorted(runs, key=lambda r: r.info.start_time)
+
+
+def test_grid_sweep_logs_to_mlflow_and_resumes_without_rerunning(ray_local, tmp_path):
+    # DeepSpeed's default 5e8-element buckets take ~2 GB per rank: over a 1 GB budget, so the
+    # zero trial fails (oom, over budget) while the ddp ones succeed.
+    space = _space(tmp_path, "grid", {"strategy": {"ddp": {"bucket_cap_mb": [25]}, "zero": {"stage": [2]}},
+                                      "micro_batch": [2, 4]},
+                   {"algorithm": "grid", "trials": 2, "top_k": 2, "remeasure_rounds": 1}, budget=1.0)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = tmp_path / "sweep"
+    first = run_sweep(space, out, tracking_uri=uri)
+    client = MlflowClient(uri)
+    assert len(_children(client, first.parent_run_id, "search")) == 2
+    assert len(_children(client, first.parent_run_id, "remeasure")) == 2  # top 2, interleaved once
+    with pytest.raises(SweepError, match="use --resume"):
+        run_sweep(space, out, tracking_uri=uri)
+
+    # "Interrupted" after 2 of 3 trials: resume runs only the missing one.
+    report = run_sweep(space, out, trials=3, resume=True, tracking_uri=uri)
+    assert report.parent_run_id == first.parent_run_id
+    ledger = Ledger(out / "ledger.jsonl")
+    search = ledger.search_entries()
+    assert [e.number for e in search] == [1, 2, 3] and len({e.key for e in search}) == 3
+    children = _children(client, report.parent_run_id, "search")
+    assert len(children) == 3 and len(_children(client, report.parent_run_id, "remeasure")) == 2
+
+    ok = [r for r in children if r.data.tags["paratune.status"] == "ok"]
+    failed = [r for r in children if r.data.tags["paratune.status"] == "failed"]
+    assert len(ok) == 2 and len(failed) == 1
+    assert failed[0].data.tags["paratune.failure_reason"] == "oom"
+    assert "over budget" in failed[0].data.tags["paratune.failure_message"]
+    assert failed[0].data.params["zero.stage"] == "2" and failed[0].data.params["failure_reason"] == "oom"
+    for run in ok:
+        assert {"strategy", "micro_batch", "grad_accum", "global_batch", "ddp.bucket_cap_mb"} <= set(run.data.params)
+        assert {"tokens_per_s_per_gpu", "step_time_median_s", "step_time_spread", "peak_memory_gib"} <= set(run.data.metrics)
+        assert len(client.get_metric_history(run.info.run_id, "loss")) == 3  # every step's loss
+        assert run.data.metrics["failed"] == 0.0
+
+    parent = client.get_run(report.parent_run_id)
+    assert parent.data.metrics["best_tokens_per_s_per_gpu"] > 0
+    assert parent.data.tags["paratune.winner"].startswith("ddp")
+    assert parent.data.params["fixed.model"] == "tiny-llama"
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"space", "winner"}
+    winner = load_plan(out / "winner" / "plan.yaml")
+    assert winner.strategy == "ddp" and winner.global_batch == 8
+    assert report.winner_parity is not None and report.winner_parity < 1e-4
+    summary = json.loads((out / "winner" / "summary.json").read_text())
+    assert summary["measurements"] >= 2
+
+    space.source.write_text(space.source.read_text().replace("trials: 2", "trials: 5"))
+    with pytest.raises(SweepError, match="space file changed"):
+        run_sweep(load_space(space.source), out, resume=True, tracking_uri=uri)
+
+
+def test_tpe_never_proposes_a_point_twice(ray_local, tmp_path):
+    space = _space(tmp_path, "tpe", {"strategy": {"ddp": {}}, "micro_batch": [2, 4]},
+                   {"algorithm": "tpe", "trials": 4, "remeasure_rounds": 0, "seed": 3})
+    report = run_sweep(space, tmp_path / "sweep", tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    keys = [e.key for e in report.entries if e.phase == "search"]
+    assert len(keys) == 2 and len(set(keys)) == 2  # the space holds 2 points: the sweep stops there
+    assert report.verdict.winner is not None
