@@ -69,3 +69,21 @@ def test_invalid_plan_is_rejected_before_any_worker_starts(ray_local):
     assert ray.available_resources().get("CPU") == before
     result = run_trial({**BASE_PLAN, "model": "no-such-model"})
     assert result.reason == "invalid_config" and "allowed presets" in result.message
+
+
+def test_hanging_worker_is_ended_by_the_trial_timeout(ray_local):
+    import time
+
+    import ray
+
+    plan = load_plan_dict({**BASE_PLAN, "trial_timeout_s": 25, "env": {"PARATUNE_FAULT": "hang:rank=0:step=1"}})
+    t0 = time.perf_counter()
+    result = run_trial(plan)
+    assert result.status == "failed" and result.reason == "hang", result.message
+    assert time.perf_counter() - t0 < 25 + 75  # the deadline, plus abort and teardown
+    # Its workers are gone: the cluster's CPUs are free again and the next trial runs.
+    deadline = time.time() + 30
+    while ray.available_resources().get("CPU", 0) < 2 and time.time() < deadline:
+        time.sleep(1)
+    assert ray.available_resources().get("CPU", 0) >= 2
+    assert run_trial(load_plan_dict({**BASE_PLAN, "measure_steps": 1})).ok

@@ -77,6 +77,7 @@ def _cmd_ui(args: argparse.Namespace, console: Console) -> int:
 
     uri = args.tracking_uri or default_tracking_uri()
     console.print(f"MLflow UI on http://{args.host}:{args.port} for {uri} (Ctrl-C to stop)")
+    os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")  # ~0.5 GB instead of ~3 GB
     mlflow = Path(sys.executable).parent / "mlflow"
     os.execv(str(mlflow), [str(mlflow), "ui", "--backend-store-uri", uri, "--host", args.host,
                            "--port", str(args.port)])
