@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -51,9 +52,18 @@ def run_on_gloo(plan) -> dict:
     procs = [ctx.Process(target=_worker, args=(r, world, port, plan.to_dict(), queue)) for r in range(world)]
     for p in procs:
         p.start()
-    status, payload = queue.get()
+    status, payload = "error", "a worker process died before reporting"
+    while True:
+        if not queue.empty():
+            status, payload = queue.get()
+            break
+        if any(p.exitcode not in (None, 0) for p in procs) or all(p.exitcode is not None for p in procs):
+            if not queue.empty():
+                continue
+            break
+        time.sleep(0.2)
     for p in procs:
-        p.join(timeout=120)
+        p.join(timeout=120 if status == "ok" else 5)
         if p.is_alive():
             p.kill()
     if status != "ok":

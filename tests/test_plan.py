@@ -102,3 +102,28 @@ def test_flat_params_cover_strategy_knobs():
     flat = load_plan_dict({"strategy": "zero", "zero": {"stage": 3}}).flat()
     assert flat["zero.stage"] == 3 and flat["strategy"] == "zero" and flat["grad_accum"] == 2
     assert isinstance(Plan().flat()["ddp.bucket_cap_mb"], float)
+
+
+def test_parallel_degrees_rules():
+    plan = load_plan_dict({"num_workers": 8, "tp": 2, "strategy": "fsdp", "global_batch": 16, "micro_batch": 2})
+    assert plan.dp_degree == 4 and plan.grad_accum == 2
+    with pytest.raises(PlanError, match=r"num_workers: 4 is not divisible by tp x pp = 3 x 1; allowed: dp4 x tp1 x pp1"):
+        load_plan_dict({"num_workers": 4, "tp": 3})
+    with pytest.raises(PlanError, match=r"tp: 4 must divide attention heads \(4\) and KV heads \(2\); allowed: \[1, 2\]"):
+        load_plan_dict({"num_workers": 4, "tp": 4, "global_batch": 8, "micro_batch": 1})
+    with pytest.raises(PlanError, match=r"tp: 8 crosses node boundaries \(gpus_per_node 4\); allowed: \[1, 2, 4\]"):
+        load_plan_dict({"model": "llama3-8b", "num_workers": 8, "tp": 8, "gpus_per_node": 4, "global_batch": 8,
+                        "micro_batch": 1})
+    with pytest.raises(PlanError, match=r"pp: 4 with schedule '1f1b' needs >= 4 layers, model has 2"):
+        load_plan_dict({"num_workers": 4, "pp": 4, "global_batch": 8, "micro_batch": 1})
+    with pytest.raises(PlanError, match=r"grad_accum: 1 micro-batches per step with pp 2 leaves stages idle"):
+        load_plan_dict({"num_workers": 2, "pp": 2, "global_batch": 8, "micro_batch": 8})
+    with pytest.raises(PlanError, match=r"strategy: 'zero' with tp 2"):
+        load_plan_dict({"num_workers": 2, "tp": 2, "strategy": "zero"})
+    with pytest.raises(PlanError, match=r"strategy: 'ddp' over dp 2 with tp 2: .*allowed: 'fsdp' for dp x tp"):
+        load_plan_dict({"num_workers": 4, "tp": 2, "global_batch": 8, "micro_batch": 2})
+    with pytest.raises(PlanError, match="sequence_parallel: true needs tp > 1"):
+        load_plan_dict({"sequence_parallel": True})
+    # A pipeline of 2 over 4 workers leaves dp 2: the global batch is split over dp only.
+    assert load_plan_dict({"num_workers": 4, "pp": 2, "strategy": "fsdp", "global_batch": 8,
+                           "micro_batch": 2}).grad_accum == 2

@@ -88,3 +88,17 @@ def test_tpe_never_proposes_a_point_twice(ray_local, tmp_path):
     keys = [e.key for e in report.entries if e.phase == "search"]
     assert len(keys) == 2 and len(set(keys)) == 2  # the space holds 2 points: the sweep stops there
     assert report.verdict.winner is not None
+
+
+def test_sweep_over_parallel_degrees_logs_them(ray_local, tmp_path):
+    space = _space(tmp_path, "degrees", {"strategy": {"fsdp": {"sharding": ["full"]}}, "micro_batch": [1],
+                                         "tp": "auto", "pp": "auto"},
+                   {"algorithm": "grid", "trials": 3, "remeasure_rounds": 0})
+    # 2 workers: dp2, tp2, pp2 are valid; tp2 x pp2 needs 4 workers and is pruned.
+    assert len(space.candidates) == 3 and sum(space.removed.values()) == 1
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    report = run_sweep(space, tmp_path / "sweep", tracking_uri=uri)
+    runs = _children(MlflowClient(uri), report.parent_run_id, "search")
+    degrees = {(r.data.params["tp"], r.data.params["pp"]) for r in runs}
+    assert degrees == {("1", "1"), ("2", "1"), ("1", "2")}
+    assert all(r.data.tags["paratune.status"] == "ok" for r in runs), [r.data.tags for r in runs]

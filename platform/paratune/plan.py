@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 Strategy = Literal["ddp", "fsdp", "zero"]
 FsdpSharding = Literal["full", "grad_op", "hybrid", "no_shard"]
 Checkpointing = Literal["none", "full"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Precision = Literal["fp32", "bf16"]
 
 # Environment variables a plan may set on its workers. Communication settings are swept; site
@@ -112,7 +113,13 @@ class Plan(_Strict):
     global_batch: int = Field(8, ge=1)
     micro_batch: int = Field(2, ge=1)
     grad_accum: int | None = Field(None, ge=1)  # None: derived from the global batch
-    num_workers: int = Field(2, ge=1, le=100_000)
+    num_workers: int = Field(2, ge=1, le=100_000)  # world size: dp x tp x pp
+    # Model-parallel degrees; the data-parallel degree is what is left: num_workers / (tp x pp).
+    tp: int = Field(1, ge=1, le=1024)
+    pp: int = Field(1, ge=1, le=1024)
+    pp_schedule: PipelineSchedule = "1f1b"  # micro-batches in flight = grad_accum (>= pp)
+    sequence_parallel: bool = False  # shard norms/residual along the sequence inside the tp group
+    gpus_per_node: int | None = Field(None, ge=1)  # the cluster's node size: tp must stay inside it
 
     strategy: Strategy = "ddp"
     ddp: DDPOptions | None = None
@@ -138,7 +145,7 @@ class Plan(_Strict):
 
     @property
     def dp_degree(self) -> int:
-        return self.num_workers
+        return self.num_workers // (self.tp * self.pp)
 
     @property
     def total_steps(self) -> int:
@@ -167,6 +174,7 @@ class Plan(_Strict):
 
     @model_validator(mode="after")
     def _check_rules(self) -> "Plan":
+        _check_degrees(self)
         dp = self.dp_degree
         per_step = self.micro_batch * dp
         if self.grad_accum is None:
@@ -184,6 +192,10 @@ class Plan(_Strict):
                 f"{self.micro_batch * self.grad_accum * dp} != {self.global_batch}; allowed "
                 f"micro_batch: {_divisors(self.global_batch, dp)} (grad_accum follows)"
             )
+        if self.pp > 1 and self.grad_accum < self.pp:
+            raise ValueError(
+                f"grad_accum: {self.grad_accum} micro-batches per step with pp {self.pp} leaves stages idle; "
+                f"allowed: grad_accum >= pp (micro_batch <= {self.global_batch // (self.pp * dp)})")
         for key, value in self.env.items():
             check_env(key, value)
         if self.fsdp is not None:
@@ -224,6 +236,60 @@ class Plan(_Strict):
     def flat(self) -> dict[str, Any]:
         """The plan flattened to dotted keys (for parameters in tracking and tables)."""
         return flatten_dict(self.to_dict())
+
+
+def _factorizations(world: int) -> str:
+    return ", ".join(f"dp{world // (t * p)} x tp{t} x pp{p}" for t in range(1, world + 1) if world % t == 0
+                     for p in range(1, world // t + 1) if (world // t) % p == 0)
+
+
+def _check_degrees(plan: "Plan") -> None:
+    """Static rules of the parallel degrees (torchtitan's ParallelDims, with the model's shape)."""
+    tp, pp, world = plan.tp, plan.pp, plan.num_workers
+    if world % (tp * pp):
+        raise ValueError(
+            f"num_workers: {world} is not divisible by tp x pp = {tp} x {pp}; allowed: "
+            f"{_factorizations(world)[:400]}")
+    if plan.sequence_parallel and tp == 1:
+        raise ValueError("sequence_parallel: true needs tp > 1, got tp 1; allowed: false with tp 1")
+    if tp == 1 and pp == 1:
+        return
+    if plan.strategy == "zero":
+        raise ValueError(f"strategy: 'zero' with tp {tp} / pp {pp}; allowed: 'ddp' or 'fsdp' with tp/pp > 1 "
+                         "(DeepSpeed's own model parallelism is not wired in)")
+    if tp > 1 and pp > 1:
+        raise ValueError(f"pp: {pp} together with tp {tp} is not supported yet; allowed: tp > 1 or pp > 1")
+    if tp > 1 and plan.strategy == "ddp" and world // (tp * pp) > 1:
+        raise ValueError(f"strategy: 'ddp' over dp {world // (tp * pp)} with tp {tp}: DDP over DTensor weights "
+                         "(torch's private transform) lost loss parity in our tests; allowed: 'fsdp' for dp x tp, "
+                         "or ddp with dp 1")
+    if pp > 1 and plan.strategy == "ddp" and world // (tp * pp) > 1:
+        raise ValueError(f"strategy: 'ddp' over dp {world // (tp * pp)} with pp {pp}: DDP's reducer breaks under "
+                         "pipeline schedules (torch 2.13); allowed: 'fsdp' with pp, or ddp with dp 1")
+    if plan.fsdp is not None and plan.fsdp.sharding in ("hybrid", "no_shard"):
+        raise ValueError(f"fsdp.sharding: '{plan.fsdp.sharding}' with tp/pp; allowed: 'full' or 'grad_op'")
+    if tp > 1 and plan.gpus_per_node and (tp > plan.gpus_per_node or plan.gpus_per_node % tp):
+        raise ValueError(f"tp: {tp} crosses node boundaries (gpus_per_node {plan.gpus_per_node}); allowed: "
+                         f"{[d for d in range(1, plan.gpus_per_node + 1) if plan.gpus_per_node % d == 0]}")
+    from paratune.models import ModelError, load_config_dict
+
+    try:
+        config = load_config_dict(plan.model, plan.model_overrides)
+    except ModelError:
+        return  # the model's own error is reported where the model is built
+    heads = config.get("num_attention_heads", 1)
+    kv_heads = config.get("num_key_value_heads") or heads
+    layers = config.get("num_hidden_layers", 1)
+    if tp > 1 and (heads % tp or kv_heads % tp):
+        raise ValueError(f"tp: {tp} must divide attention heads ({heads}) and KV heads ({kv_heads}); allowed: "
+                         f"{[d for d in range(1, kv_heads + 1) if heads % d == 0 and kv_heads % d == 0]}")
+    if tp > 1 and config.get("vocab_size", 0) % tp:
+        raise ValueError(f"tp: {tp} must divide vocab_size {config['vocab_size']} (embedding and head are sharded)")
+    if pp > 1:
+        stages = pp * (2 if plan.pp_schedule == "interleaved_1f1b" else 1)
+        if layers < stages:
+            raise ValueError(f"pp: {pp} with schedule '{plan.pp_schedule}' needs >= {stages} layers, model has "
+                             f"{layers}; allowed pp: {[d for d in range(1, layers + 1) if stages // pp * d <= layers]}")
 
 
 def _divisors(global_batch: int, dp: int) -> list[int]:

@@ -19,6 +19,10 @@ def strategy_label(plan: dict) -> str:
     else:
         label = strategy
     extras = [f"mb{plan['micro_batch']}x{plan['grad_accum']}"]
+    if plan.get("tp", 1) > 1:
+        extras.append(f"tp{plan['tp']}" + ("+sp" if plan.get("sequence_parallel") else ""))
+    if plan.get("pp", 1) > 1:
+        extras.append(f"pp{plan['pp']}:{plan.get('pp_schedule', '1f1b')}")
     if plan.get("activation_checkpointing", "none") != "none":
         extras.append("ckpt")
     if plan.get("precision") == "bf16":

@@ -33,7 +33,7 @@ from paratune.plan import (
 
 STRATEGY_OPTIONS: dict[str, type[BaseModel]] = {"ddp": DDPOptions, "fsdp": FSDPOptions, "zero": ZeroOptions}
 # Plan fields that may be swept at the top level (besides strategy and env).
-SWEEPABLE = ("micro_batch", "activation_checkpointing", "precision")
+SWEEPABLE = ("micro_batch", "activation_checkpointing", "precision", "tp", "pp", "pp_schedule", "sequence_parallel")
 # Fields the sweep owns: they may not be fixed, since the sweep sets them per trial. The
 # SWEEPABLE ones and env may be fixed when the space does not sweep them (env: other keys).
 SWEEP_OWNED = ("strategy", "ddp", "fsdp", "zero", "grad_accum")
@@ -67,6 +67,12 @@ class SpacePart(_Strict):
     micro_batch: list[int] | None = None
     activation_checkpointing: list[str] | None = None
     precision: list[str] | None = None
+    # Parallel degrees: a list, or "auto" for every factorization of the world size (the plan's
+    # rules then remove what the model or the node size does not allow).
+    tp: list[int] | Literal["auto"] | None = None
+    pp: list[int] | Literal["auto"] | None = None
+    pp_schedule: list[str] | None = None
+    sequence_parallel: list[bool] | None = None
     env: dict[str, list[str]] = Field(default_factory=dict)
 
     @field_validator("strategy")
@@ -176,7 +182,7 @@ def _rule_of(message: str) -> str:
     """The rule a plan broke, without its numbers, so equal rules group together."""
     first = message.splitlines()[0].removeprefix("plan: ")
     head = first.split(";")[0]
-    return re.sub(r"-?\d+(\.\d+)?(e[+-]?\d+)?", "N", head)
+    return re.sub(r"(?<![A-Za-z])-?\d+(\.\d+)?(e[+-]?\d+)?(?![A-Za-z])", "N", head)
 
 
 def enumerate_candidates(spec: SpaceFile) -> tuple[list[Candidate], int, Counter, dict[str, str]]:
@@ -185,7 +191,10 @@ def enumerate_candidates(spec: SpaceFile) -> tuple[list[Candidate], int, Counter
     removed: Counter = Counter()
     examples: dict[str, str] = {}
     total = 0
-    shared = [(name, getattr(spec.space, name)) for name in SWEEPABLE if getattr(spec.space, name) is not None]
+    world = spec.fixed.get("num_workers", Plan.model_fields["num_workers"].default)
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    shared = [(name, divisors if getattr(spec.space, name) == "auto" else getattr(spec.space, name))
+              for name in SWEEPABLE if getattr(spec.space, name) is not None]
     for strategy, knobs in spec.space.strategy.items():
         knob_names = list(knobs)
         for knob_values in itertools.product(*(knobs[k] for k in knob_names)):

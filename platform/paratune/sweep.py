@@ -444,7 +444,7 @@ def _finish(space: Space, report: SweepReport, ledger: Ledger, tracker, budget_g
         export_winner(plan, out_dir_winner, summary)
         best_metrics = {"tokens_per_s_per_gpu": winner.median, "relative_spread": winner.relative_spread,
                         "parity_max_abs_loss_diff": parity}
-    tracker.finish_parent(report.parent_run_id, best_metrics, load_plan_dict(winner.plan).flat() if winner else None,
+    tracker.finish_parent(report.parent_run_id, best_metrics, winner.plan if winner else None,
                           report.winner_dir)
 
 

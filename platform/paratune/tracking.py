@@ -102,13 +102,16 @@ class SweepTracker:
 
     def finish_parent(self, parent_id: str, best: dict[str, float], winner: dict[str, Any] | None,
                       winner_dir: Path | None, status: str = "FINISHED") -> None:
+        """winner: the winning plan as a plain (nested) dict."""
+        from paratune.plan import flatten_dict
+
         from mlflow.entities import Metric
 
         if best:
             self.client.log_batch(parent_id, metrics=[Metric(f"best_{k}", v, 0, 0) for k, v in best.items()])
         if winner:
             self.client.set_tag(parent_id, "paratune.winner", strategy_label(winner))
-            self._log_params(parent_id, {f"winner.{k}": v for k, v in winner.items()})
+            self._log_params(parent_id, {f"winner.{k}": v for k, v in flatten_dict(winner).items()})
         if winner_dir is not None and winner_dir.is_dir():
             self.client.log_artifacts(parent_id, str(winner_dir), artifact_path="winner")
         self.client.set_terminated(parent_id, status=status)

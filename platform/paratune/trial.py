@@ -46,6 +46,7 @@ class TrialResult(BaseModel):
     mfu: float | None = None
     flops_per_token: float | None = None
     peak_memory_bytes: list[int] = Field(default_factory=list)  # per rank
+    local_parameter_counts: list[int] = Field(default_factory=list)  # per rank: what it holds
     memory_method: str | None = None
     comm_share: float | None = None
     comm_method: str | None = None
@@ -119,15 +120,31 @@ def _tracked_peak_bytes(runner, micro) -> tuple[int, str]:
     if not isinstance(optimizer, torch.optim.Optimizer):  # DeepSpeed wraps the torch optimizer
         optimizer = getattr(optimizer, "optimizer", None)
     tracker.track_external(*(x for x in (runner.model, optimizer) if x is not None))
-    runner.before_micro_batch = tracker.reset_mod_stats  # it refuses repeated module calls otherwise
+    # MemTracker refuses a module called twice in one context, and every micro-batch calls the
+    # model again: reset its per-module stats as each micro-batch enters (its peak is kept). A
+    # global hook registered before the tracker's own runs first.
+    roots = {id(m) for m in runner.micro_batch_roots()}
+
+    def reset_per_micro_batch(module, args):
+        if id(module) in roots:  # roots are never recomputed by activation checkpointing
+            tracker.reset_mod_stats()
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(reset_per_micro_batch)
     try:
         with tracker:
             runner.train_step(micro)
     finally:
-        runner.before_micro_batch = lambda: None
+        handle.remove()
     peak = tracker.get_tracker_snapshot("peak")
     total = sum(v.get("Total", 0) for v in peak.values())
     return int(total), "torch MemTracker (tensor storage, one extra step)"
+
+
+def _local_parameter_count(model: torch.nn.Module) -> int:
+    """Parameter elements this rank holds (sharded by FSDP/TP/ZeRO-3, split by PP)."""
+    from torch.distributed.tensor import DTensor
+
+    return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
 
 
 def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, device: torch.device) -> dict[str, Any]:
@@ -137,17 +154,20 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     from paratune.data import TokenBatches
     from paratune.models import build_config, build_model
     from paratune.parallel import parallelize
+    from paratune.parallel.dims import ParallelDims
 
+    dims = ParallelDims.from_plan(plan, device.type)
+    dp_rank = dims.dp_rank(rank)
     env_seen = {key: os.environ.get(key) for key in plan.env}
     config = build_config(plan.model, plan.model_overrides)
     model = build_model(config, seed=plan.seed, device=device)  # same seed: same weights everywhere
     model.train()
     runner = parallelize(model, plan, device, local_world)
-    torch.manual_seed(plan.seed + 1 + rank)  # dropout differs per data rank, deterministically
+    torch.manual_seed(plan.seed + 1 + dp_rank)  # dropout differs per data rank (same within a tp group)
     data = TokenBatches(plan.data, config.vocab_size, plan.seq_len, plan.global_batch, plan.seed)
 
     def batches(step: int) -> list[torch.Tensor]:
-        return [m.to(device) for m in data.micro_batches(step, rank, world, plan.micro_batch)]
+        return [m.to(device) for m in data.micro_batches(step, dp_rank, dims.dp, plan.micro_batch)]
 
     losses, times = [], []
     first_step_at = None
@@ -164,15 +184,19 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         times.append(time.perf_counter() - t0)
         losses.append(loss)
 
-    # One collective per quantity, after the timed loop: mean loss over ranks, slowest rank's time.
-    loss_t = torch.stack(losses).to(device)
+    # One collective per quantity, after the timed loop: mean loss over the ranks that compute one
+    # (all of them, except pipeline stages before the last), slowest rank's time.
+    holds_loss = losses[0] is not None
+    loss_t = torch.stack([x if x is not None else torch.zeros((), device=device) for x in losses]).to(device)
+    loss_t = torch.cat([loss_t, torch.tensor([1.0 if holds_loss else 0.0], device=device)])
     dist.all_reduce(loss_t, op=dist.ReduceOp.SUM)
+    loss_t = loss_t[:-1] / loss_t[-1]
     time_t = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(time_t, op=dist.ReduceOp.MAX)
     step_times = time_t.tolist()[plan.warmup_steps :]
 
     out: dict[str, Any] = {
-        "losses": (loss_t / world).tolist(),
+        "losses": loss_t.tolist(),
         "step_times_s": step_times,
         "first_step_epoch_s": first_step_at,
         "env_seen": env_seen,
@@ -198,6 +222,13 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
         method = "torch.cuda.max_memory_allocated over the measured steps"
+    elif plan.track_memory and plan.pp > 1:
+        # MemTracker breaks inside pipeline schedules (and a failure on one rank would leave the
+        # others waiting in the schedule's p2p), so pipeline plans report the process RSS.
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        method = "process max RSS (pipeline plans: MemTracker cannot follow the schedule)"
     elif plan.track_memory:
         try:
             peak, method = _tracked_peak_bytes(runner, batches(extra_step))
@@ -211,6 +242,9 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     peaks: list[Any] = [None] * world
     dist.all_gather_object(peaks, int(peak))
     out["peak_memory_bytes"] = peaks
+    held: list[Any] = [None] * world
+    dist.all_gather_object(held, _local_parameter_count(runner.model))
+    out["local_parameter_counts"] = held
     out["memory_method"] = method
     return out
 
@@ -380,6 +414,7 @@ def summarize(plan: Plan, out: dict[str, Any], flops_tok: float, wall_s: float |
         step_time_median_s=stats.median, step_time_p10_s=stats.p10, step_time_p90_s=stats.p90,
         step_time_spread=stats.spread, mfu=measure.mfu(tps, flops_tok, peak), flops_per_token=flops_tok,
         peak_memory_bytes=out.get("peak_memory_bytes", []), memory_method=out.get("memory_method"),
+        local_parameter_counts=out.get("local_parameter_counts", []),
         comm_share=out.get("comm_share"), comm_method=out.get("comm_method"),
         losses=out["losses"], step_times_s=step_times, launch_s=out.get("launch_s"), wall_s=wall_s,
         env_seen=out.get("env_seen", {}),

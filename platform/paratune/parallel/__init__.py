@@ -42,31 +42,37 @@ class StepRunner:
         device: torch.device,
         sync_context: Callable[[int, bool], ContextManager] | None = None,
         autocast: bool = False,
+        clip: Callable[[], object] | None = None,
+        forward_extra: Callable[[torch.Tensor], dict] | None = None,
     ):
         self.model, self.optimizer, self.plan, self.device = model, optimizer, plan, device
         self._sync_context = sync_context or (lambda step, last: contextlib.nullcontext())
         self._autocast = autocast
+        self._clip = clip or (lambda: torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.plan.grad_clip))
+        self._forward_extra = forward_extra or (lambda ids: {})
         self.steps_done = 0
-        # Called before every micro-batch (the memory tracker resets its per-module stats here).
-        self.before_micro_batch: Callable[[], None] = lambda: None
+
+    def micro_batch_roots(self) -> list[nn.Module]:
+        """The modules each micro-batch enters through (for per-micro-batch instrumentation)."""
+        return [self.model]
 
     def _autocast_ctx(self) -> ContextManager:
         if not self._autocast:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
-    def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+    def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor | None:
+        """One optimizer step; the mean loss, or None on a rank that computes no loss (a PP stage)."""
         n = len(micro_batches)
         total = torch.zeros((), device=self.device)
         for i, ids in enumerate(micro_batches):
-            self.before_micro_batch()
             with self._sync_context(self.steps_done, i == n - 1):
                 with self._autocast_ctx():
-                    loss = self.model(input_ids=ids, labels=ids).loss
+                    loss = self.model(input_ids=ids, labels=ids, **self._forward_extra(ids)).loss
                 (loss / n).backward()
             total += loss.detach().float()
         if self.plan.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.plan.grad_clip)
+            self._clip()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
@@ -74,7 +80,11 @@ class StepRunner:
 
 
 def parallelize(model: nn.Module, plan: Plan, device: torch.device, local_world_size: int) -> StepRunner:
-    """Dispatch to the plan's strategy."""
+    """Dispatch to the plan's strategy (and its tensor/pipeline degrees)."""
+    if plan.tp > 1 or plan.pp > 1:
+        from paratune.parallel.nd import parallelize_model_parallel
+
+        return parallelize_model_parallel(model, plan, device)
     if plan.strategy == "ddp":
         from paratune.parallel.ddp import parallelize_ddp
 

@@ -51,7 +51,6 @@ class DeepSpeedRunner(StepRunner):
         engine = self.model
         total = torch.zeros((), device=self.device)
         for ids in micro_batches:
-            self.before_micro_batch()
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()  # applies the optimizer only at the accumulation boundary
