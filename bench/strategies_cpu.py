@@ -36,6 +36,10 @@ VARIANTS = [
     {"strategy": "zero", "zero": {"stage": 2, **SMALL_BUCKETS}},
     {"strategy": "zero", "zero": {"stage": 2}},  # DeepSpeed's default 5e8-element buckets
     {"strategy": "zero", "zero": {"stage": 3, **SMALL_BUCKETS}},
+    {"strategy": "ddp", "tp": 2},
+    {"strategy": "ddp", "tp": 2, "sequence_parallel": True},
+    {"strategy": "ddp", "pp": 2, "pp_schedule": "1f1b"},
+    {"strategy": "ddp", "pp": 2, "pp_schedule": "gpipe"},
 ]
 
 
@@ -61,7 +65,9 @@ def main() -> None:
         f"transformers {machine.get('transformers')}",
         f"- model: {BASE['model']}, seq_len {BASE['seq_len']}, global batch {BASE['global_batch']}, "
         f"2 gloo workers, {BASE['warmup_steps']} warm-up + {BASE['measure_steps']} measured steps per trial",
-        "- peak memory: per rank, tensor storage tracked by torch's MemTracker over one extra step",
+        "- peak memory: per rank, tensor storage tracked by torch's MemTracker over one extra step "
+        "(pipeline rows: process max RSS, which includes the Python runtime; not comparable)",
+        "- tp/pp rows: 2 workers as one tensor-parallel group or two pipeline stages (dp 1)",
         "- comm: share of one profiled step with a collective in flight", "",
         "| plan | status | tokens/s/worker | step median ms | p10-p90 ms | spread | peak MiB/rank | comm | launch s |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
