@@ -25,6 +25,8 @@ _PATTERNS: list[tuple[str, re.Pattern[str]]] = [
         r"worker died|died unexpectedly|"
         r"SYSTEM_ERROR|exit code|SIGKILL|SIGSEGV|Connection reset by peer|Connection closed by peer|"
         r"ActorUnavailableError|node died|NodeDiedError", re.I)),
+    # Not a communication problem: the cluster had no room for the workers in time.
+    ("error", re.compile(r"WorkerGroupStartupTimeoutError|insufficient cluster resources", re.I)),
     ("comm_timeout", re.compile(
         r"timed out|Timeout|timeout|watchdog|NCCLHangError|DistBackendError.*time", re.I)),
 ]

@@ -288,17 +288,42 @@ def _placement_groups() -> dict[str, str]:
     return {pg_id: info["state"] for pg_id, info in placement_group_table().items()}
 
 
+def _idle_placement_groups(candidates: set[str]) -> set[str]:
+    """Those of the given placement groups in which nothing runs (all their resources free)."""
+    import ray
+
+    total, free = ray.cluster_resources(), ray.available_resources()
+    idle = set()
+    for pg_id in candidates:
+        keys = [k for k in total if k.endswith(f"_group_{pg_id}")]
+        if keys and all(free.get(k, 0) >= total[k] for k in keys):
+            idle.add(pg_id)
+    return idle
+
+
 def _remove_leaked_placement_groups(before: set[str]) -> int:
-    """A failed process-group setup can leave its placement group behind, starving later trials."""
+    """A failed process-group setup leaves its placement group behind (seen with Ray 2.60),
+    starving every later trial. Remove the groups created since this trial started once they
+    hold nothing (their failed workers take a few seconds to go), seen idle in two checks 1 s
+    apart, so a concurrent trial's group (busy) is left alone."""
     import ray
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-    removed = 0
-    for pg_id, state in _placement_groups().items():
-        if pg_id not in before and state not in ("REMOVED",):
-            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
-            removed += 1
-    return removed
+    new = {pg_id for pg_id, state in _placement_groups().items() if pg_id not in before and state == "CREATED"}
+    idle: set[str] = set()
+    previous: set[str] = set()
+    for _ in range(15):
+        if not new:
+            break
+        now_idle = _idle_placement_groups(new)
+        idle = now_idle & previous
+        if idle == new:
+            break
+        previous = now_idle
+        time.sleep(1)
+    for pg_id in idle:
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+    return len(idle)
 
 
 class TrialTimeout(RuntimeError):
