@@ -129,3 +129,24 @@ def test_exported_winner_loads_back(tmp_path):
     fsdp = export_winner(load_plan_dict({"strategy": "fsdp", "fsdp": {"sharding": "grad_op"}}), tmp_path / "f", {})
     settings = json.loads((tmp_path / "f" / "fsdp.json").read_text())
     assert settings["reshard_after_forward"] is False and any(p.name == "fsdp.json" for p in fsdp)
+
+
+def test_the_sweep_searcher_never_repeats_and_finishes_when_the_space_is_spent(tmp_path):
+    from ray.tune.search import Searcher
+
+    from paratune.sweep import Ledger, _searcher
+
+    space = space_from_dict({**SPACE, "space": {"strategy": {"ddp": {}, "fsdp": {"sharding": ["full"]}},
+                                                "micro_batch": [1, 2]}})
+    searcher = _searcher(space, "tpe", seed=0, ledger=Ledger(tmp_path / "ledger.jsonl"), budget_gb=None, trials=10)
+    seen = []
+    for i in range(6):
+        config = searcher.suggest(f"t{i}")
+        if config == Searcher.FINISHED:
+            break
+        key = config["point"]
+        seen.append(key)
+        plan = load_plan_dict({**SPACE["fixed"], **{k: v for k, v in json.loads(key)["choices"].items() if "." not in k}})
+        result = TrialResult(status="ok", plan=plan.to_dict(), world_size=2, tokens_per_s_per_gpu=100.0 + i)
+        searcher.on_trial_complete(f"t{i}", {"point": key, "trial_result": result.model_dump_json()})
+    assert len(seen) == 4 and len(set(seen)) == 4  # 2 strategies x 2 micro-batches, then FINISHED

@@ -370,15 +370,20 @@ def load_plan_dict(data: dict[str, Any], source: str = "plan") -> Plan:
         raise PlanError(format_validation_error(err, source)) from None
 
 
-def load_plan(path: str | Path) -> Plan:
-    """Read a plan YAML file; errors name the file, the field, the value and what is allowed."""
-    path = Path(path)
+def read_yaml_mapping(path: Path, what: str, error: type[ValueError]) -> dict[str, Any]:
+    """A YAML file that must hold a mapping; errors name the file."""
     try:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError:
-        raise PlanError(f"{path}: no such plan file") from None
+        raise error(f"{path}: no such {what} file") from None
     except yaml.YAMLError as err:
-        raise PlanError(f"{path}: not valid YAML: {err}") from None
+        raise error(f"{path}: not valid YAML: {err}") from None
     if not isinstance(data, dict):
-        raise PlanError(f"{path}: a plan must be a mapping of fields, got {type(data).__name__}")
-    return load_plan_dict(data, source=str(path))
+        raise error(f"{path}: a {what} file must be a mapping of fields, got {type(data).__name__}")
+    return data
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan YAML file; errors name the file, the field, the value and what is allowed."""
+    path = Path(path)
+    return load_plan_dict(read_yaml_mapping(path, "plan", PlanError), source=str(path))

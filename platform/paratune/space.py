@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from paratune.plan import (
@@ -29,6 +28,7 @@ from paratune.plan import (
     check_env,
     format_validation_error,
     load_plan_dict,
+    read_yaml_mapping,
 )
 
 STRATEGY_OPTIONS: dict[str, type[BaseModel]] = {"ddp": DDPOptions, "fsdp": FSDPOptions, "zero": ZeroOptions}
@@ -217,15 +217,7 @@ def enumerate_candidates(spec: SpaceFile) -> tuple[list[Candidate], int, Counter
 def load_space(path: str | Path) -> Space:
     """Read and validate a space file; every error names the file, the key path and what is allowed."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise SpaceError(f"{path}: no such space file") from None
-    except yaml.YAMLError as err:
-        raise SpaceError(f"{path}: not valid YAML: {err}") from None
-    if not isinstance(data, dict):
-        raise SpaceError(f"{path}: a space file must be a mapping with fixed/space/search keys")
-    return space_from_dict(data, source=path)
+    return space_from_dict(read_yaml_mapping(path, "space", SpaceError), source=path)
 
 
 def space_from_dict(data: dict[str, Any], source: Path | None = None) -> Space:

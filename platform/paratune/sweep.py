@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,11 +150,8 @@ class Ledger:
 
 def objective_value(result: TrialResult, memory_budget_gb: float | None) -> float:
     """tokens/s/GPU, or 0 for a failed or over-budget trial (so the searcher learns to avoid it)."""
-    if not result.ok or not result.tokens_per_s_per_gpu:
-        return 0.0
-    if memory_budget_gb and result.peak_memory_bytes and max(result.peak_memory_bytes) > memory_budget_gb * 2**30:
-        return 0.0
-    return float(result.tokens_per_s_per_gpu)
+    result = apply_budget(result, memory_budget_gb)
+    return float(result.tokens_per_s_per_gpu) if result.ok and result.tokens_per_s_per_gpu else 0.0
 
 
 def apply_budget(result: TrialResult, memory_budget_gb: float | None) -> TrialResult:
@@ -185,8 +183,9 @@ def _searcher(space: Space, algorithm: str, seed: int, ledger: Ledger, budget_gb
 
     sampler = (optuna.samplers.TPESampler(seed=seed, n_startup_trials=max(2, min(5, trials // 3)))
                if algorithm == "tpe" else optuna.samplers.RandomSampler(seed=seed))
-    total_points = len(all_points(space))
+    every_point = [point_key(p["choices"], p["env"]) for p in all_points(space)]
     tree = CandidateTree(space)
+    fallback = random.Random(seed)
 
     class DedupOptunaSearch(OptunaSearch):
         def __init__(self) -> None:
@@ -206,9 +205,10 @@ def _searcher(space: Space, algorithm: str, seed: int, ledger: Ledger, budget_gb
             """See save()."""
 
         def suggest(self, trial_id: str):
-            if len(self.known) + len(self.pending) >= total_points:
+            untried = [k for k in every_point if k not in self.known and k not in self.pending]
+            if not untried:
                 return Searcher.FINISHED
-            for attempt in range(200):
+            for attempt in range(50):
                 alt = f"{trial_id}~{attempt}"
                 config = super().suggest(alt)
                 key = config["point"]
@@ -221,7 +221,13 @@ def _searcher(space: Space, algorithm: str, seed: int, ledger: Ledger, budget_gb
                 self._ot_trials[trial_id] = self._ot_trials.pop(alt)
                 self.pending.add(key)
                 return {"point": key}
-            return Searcher.FINISHED  # the sampler keeps returning tried points: the space is spent
+            # The sampler keeps returning tried points: hand it an untried one (as it would a warm
+            # start) so the budget is spent on new measurements.
+            key = fallback.choice(untried)
+            self._ot_study.enqueue_trial(tree.optuna_params(key)[0])
+            config = super().suggest(trial_id)
+            self.pending.add(config["point"])
+            return {"point": config["point"]}
 
         def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
             value = 0.0
