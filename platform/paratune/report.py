@@ -18,6 +18,10 @@ def strategy_label(plan: dict) -> str:
         label = f"zero-{z['stage']}" + ("+offload" if z.get("offload_optimizer") or z.get("offload_param") else "")
     else:
         label = strategy
+        if plan.get("ddp", {}).get("bucket_cap_mb", 25) != 25:
+            label += f" bucket{plan['ddp']['bucket_cap_mb']:g}MB"
+    if strategy == "zero" and plan["zero"].get("reduce_bucket_size", 500_000_000) != 500_000_000:
+        label += f" bucket{plan['zero']['reduce_bucket_size'] / 1e6:g}M"
     extras = [f"mb{plan['micro_batch']}x{plan['grad_accum']}"]
     if plan.get("tp", 1) > 1:
         extras.append(f"tp{plan['tp']}" + ("+sp" if plan.get("sequence_parallel") else ""))
