@@ -120,8 +120,8 @@ def test_parallel_degrees_rules():
         load_plan_dict({"num_workers": 2, "pp": 2, "global_batch": 8, "micro_batch": 8})
     with pytest.raises(PlanError, match=r"strategy: 'zero' with tp 2"):
         load_plan_dict({"num_workers": 2, "tp": 2, "strategy": "zero"})
-    with pytest.raises(PlanError, match=r"strategy: 'ddp' over dp 2 with tp 2: .*allowed: 'fsdp' for dp x tp"):
-        load_plan_dict({"num_workers": 4, "tp": 2, "global_batch": 8, "micro_batch": 2})
+    with pytest.raises(PlanError, match=r"strategy: 'ddp' over dp 2 with pp 2: DDP's reducer breaks"):
+        load_plan_dict({"num_workers": 4, "pp": 2, "global_batch": 8, "micro_batch": 2})
     with pytest.raises(PlanError, match="sequence_parallel: true needs tp > 1"):
         load_plan_dict({"sequence_parallel": True})
     # A pipeline of 2 over 4 workers leaves dp 2: the global batch is split over dp only.

@@ -259,10 +259,6 @@ def _check_degrees(plan: "Plan") -> None:
                          "(DeepSpeed's own model parallelism is not wired in)")
     if tp > 1 and pp > 1:
         raise ValueError(f"pp: {pp} together with tp {tp} is not supported yet; allowed: tp > 1 or pp > 1")
-    if tp > 1 and plan.strategy == "ddp" and world // (tp * pp) > 1:
-        raise ValueError(f"strategy: 'ddp' over dp {world // (tp * pp)} with tp {tp}: DDP over DTensor weights "
-                         "(torch's private transform) lost loss parity in our tests; allowed: 'fsdp' for dp x tp, "
-                         "or ddp with dp 1")
     if pp > 1 and plan.strategy == "ddp" and world // (tp * pp) > 1:
         raise ValueError(f"strategy: 'ddp' over dp {world // (tp * pp)} with pp {pp}: DDP's reducer breaks under "
                          "pipeline schedules (torch 2.13); allowed: 'fsdp' with pp, or ddp with dp 1")

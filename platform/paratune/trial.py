@@ -140,11 +140,16 @@ def _tracked_peak_bytes(runner, micro) -> tuple[int, str]:
     return int(total), "torch MemTracker (tensor storage, one extra step)"
 
 
-def _local_parameter_count(model: torch.nn.Module) -> int:
-    """Parameter elements this rank holds (sharded by FSDP/TP/ZeRO-3, split by PP)."""
+def _local_parameter_count(runner) -> int:
+    """Parameter elements this rank optimizes (sharded by FSDP/TP/ZeRO, split by PP).
+
+    Counted from the optimizer, which holds what the rank really updates (DDP's TP transform
+    and DeepSpeed swap the module's own parameters around)."""
     from torch.distributed.tensor import DTensor
 
-    return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+    groups = getattr(runner.optimizer, "param_groups", None)
+    params = {id(p): p for g in groups for p in g["params"]}.values() if groups else runner.model.parameters()
+    return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
 
 
 def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, device: torch.device) -> dict[str, Any]:
@@ -243,7 +248,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     dist.all_gather_object(peaks, int(peak))
     out["peak_memory_bytes"] = peaks
     held: list[Any] = [None] * world
-    dist.all_gather_object(held, _local_parameter_count(runner.model))
+    dist.all_gather_object(held, _local_parameter_count(runner))
     out["local_parameter_counts"] = held
     out["memory_method"] = method
     return out

@@ -43,6 +43,10 @@ def _wrap_dp(module: nn.Module, blocks: list[nn.Module], plan: Plan, dims: Paral
             fully_shard(block, mesh=dp_mesh, **kwargs)
         fully_shard(module, mesh=dp_mesh, **kwargs)
         return module
+    if dims.tp > 1:  # DDP over DTensor weights: torch turns them into local shards around forward
+        from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+
+        _pre_dp_module_transform(module)
     opts = plan.ddp
     assert opts is not None
     return DistributedDataParallel(module, process_group=dp_mesh.get_group(), bucket_cap_mb=opts.bucket_cap_mb,
@@ -75,7 +79,7 @@ def parallelize_model_parallel(model: nn.Module, plan: Plan, device: torch.devic
 
     return StepRunner(wrapped, make_optimizer(params, plan), plan, device, _sync_context(wrapped, plan),
                       autocast=plan.precision == "bf16" and plan.strategy == "ddp",
-                      clip=lambda: clip_grad_norm(params, plan.grad_clip),
+                      clip=lambda: clip_grad_norm(params, plan.grad_clip, tp_group=dims.mesh["tp"].get_group()),
                       forward_extra=forward_extra if plan.sequence_parallel else None)
 
 
