@@ -17,14 +17,13 @@ def fsdp_settings(plan: Plan) -> dict[str, Any]:
     """What to pass to torch.distributed.fsdp.fully_shard (FSDP2), per decoder block then root."""
     f = plan.fsdp
     assert f is not None
-    reshard = f.reshard_after_forward if f.reshard_after_forward is not None else f.sharding != "grad_op"
     return {
         "api": "torch.distributed.fsdp.fully_shard" if f.sharding != "no_shard"
         else "torch.distributed._composable.replicate_with_fsdp.replicate",
         "sharding": f.sharding,
         "mesh": {"hybrid": ["replicate", "shard"]}.get(f.sharding, ["shard"] if f.sharding != "no_shard" else ["replicate"]),
         "shard_group_size": f.shard_group_size,
-        "reshard_after_forward": reshard,
+        "reshard_after_forward": f.reshards_after_forward,
         "forward_backward_prefetch_blocks": f.prefetch,
         "mp_policy": {"param_dtype": "bfloat16", "reduce_dtype": "float32"} if plan.precision == "bf16" else None,
         "offload_policy": "CPUOffloadPolicy" if f.cpu_offload else None,

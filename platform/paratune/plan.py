@@ -72,6 +72,11 @@ class FSDPOptions(_Strict):
     prefetch: int = Field(0, ge=0, le=4)
     cpu_offload: bool = False
 
+    @property
+    def reshards_after_forward(self) -> bool:
+        """The explicit setting, else what the sharding implies (grad_op keeps weights gathered)."""
+        return self.reshard_after_forward if self.reshard_after_forward is not None else self.sharding != "grad_op"
+
 
 class ZeroOptions(_Strict):
     """DeepSpeed ZeRO knobs (names as in DeepSpeed's config)."""

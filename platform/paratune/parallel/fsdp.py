@@ -18,15 +18,22 @@ from paratune.parallel import StepRunner, apply_activation_checkpointing, make_o
 from paratune.plan import Plan
 
 
+def fsdp_policies(plan: Plan, device: torch.device) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
+    """FSDP2's mixed-precision and offload policies for a plan (shared with tp/pp plans)."""
+    assert plan.fsdp is not None
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if plan.precision == "bf16" else MixedPrecisionPolicy())
+    # Pinned host memory needs an accelerator; on CPU-only workers offload must not pin.
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if plan.fsdp.cpu_offload else OffloadPolicy()
+    return mp, offload
+
+
 def parallelize_fsdp(model: nn.Module, plan: Plan, device: torch.device, local_world_size: int) -> StepRunner:
     opts = plan.fsdp
     assert opts is not None
     world = plan.num_workers
     apply_activation_checkpointing(model, plan)
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if plan.precision == "bf16" else MixedPrecisionPolicy())
-    # Pinned host memory needs an accelerator; on CPU-only workers offload must not pin.
-    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if opts.cpu_offload else OffloadPolicy()
+    mp, offload = fsdp_policies(plan, device)
 
     if opts.sharding == "no_shard":
         from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -46,9 +53,7 @@ def parallelize_fsdp(model: nn.Module, plan: Plan, device: torch.device, local_w
             mesh = init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
         else:
             mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
-        reshard = opts.reshard_after_forward
-        if reshard is None:
-            reshard = opts.sharding != "grad_op"
+        reshard = opts.reshards_after_forward
         blocks = decoder_blocks(model)
         for block in blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)

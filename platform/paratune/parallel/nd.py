@@ -15,18 +15,6 @@ from paratune.parallel.tp import apply_tp, clip_grad_norm
 from paratune.plan import Plan
 
 
-def _fsdp_kwargs(plan: Plan) -> dict:
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    assert plan.fsdp is not None
-    reshard = plan.fsdp.reshard_after_forward
-    if reshard is None:
-        reshard = plan.fsdp.sharding != "grad_op"
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if plan.precision == "bf16" else MixedPrecisionPolicy())
-    return {"reshard_after_forward": reshard, "mp_policy": mp}
-
-
 def _wrap_dp(module: nn.Module, blocks: list[nn.Module], plan: Plan, dims: ParallelDims) -> nn.Module:
     """Data parallelism over the dp axis of the mesh (nothing to do when dp is 1).
 
@@ -38,7 +26,11 @@ def _wrap_dp(module: nn.Module, blocks: list[nn.Module], plan: Plan, dims: Paral
     if plan.strategy == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        kwargs = _fsdp_kwargs(plan)
+        from paratune.parallel.fsdp import fsdp_policies
+
+        mp, offload = fsdp_policies(plan, torch.device(dp_mesh.device_type))
+        kwargs = {"reshard_after_forward": plan.fsdp.reshards_after_forward, "mp_policy": mp,
+                  "offload_policy": offload}
         for block in blocks:
             fully_shard(block, mesh=dp_mesh, **kwargs)
         fully_shard(module, mesh=dp_mesh, **kwargs)
