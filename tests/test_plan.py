@@ -55,7 +55,9 @@ def test_unknown_fields_are_rejected():
 def test_env_allows_communication_settings_only():
     plan = load_plan_dict({"env": {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple", "NCCL_MIN_CTAS": "4"}})
     assert plan.env["NCCL_ALGO"] == "Ring"
-    with pytest.raises(PlanError, match=r"env.AWS_SECRET_ACCESS_KEY: not a communication setting; allowed prefixes: NCCL_"):
+    with pytest.raises(PlanError, match=r"env.HOME: not a communication setting; allowed prefixes: NCCL_"):
+        load_plan_dict({"env": {"HOME": "/x"}})
+    with pytest.raises(PlanError, match=r"env.AWS_SECRET_ACCESS_KEY: looks like a credential"):
         load_plan_dict({"env": {"AWS_SECRET_ACCESS_KEY": "x"}})
     with pytest.raises(PlanError, match=r"env.NCCL_PROTO: got 'LL256'; allowed: \['LL', 'LL128', 'Simple'\]"):
         load_plan_dict({"env": {"NCCL_PROTO": "LL256"}})

@@ -47,7 +47,7 @@ def test_static_pruning_counts_and_reasons():
     ({"space": {"strategy": {"megatron": {}}}}, r"unknown strategy 'megatron'; allowed: ddp, fsdp, zero"),
     ({"space": {"micro_batch": []}}, r"micro_batch: empty list; allowed: one or more choices"),
     ({"space": {"env": {"NCCL_PROTO": ["LL256"]}}}, r"space.env.NCCL_PROTO: got 'LL256'; allowed"),
-    ({"space": {"env": {"HF_TOKEN": ["x"]}}}, r"space.env.HF_TOKEN: not a communication setting"),
+    ({"space": {"env": {"HF_TOKEN": ["x"]}}}, r"space.env.HF_TOKEN: looks like a credential"),
     ({"fixed": {"zero": {"stage": 2}}}, r"fixed: zero: set by the sweep, not fixed; put its choices under space.zero"),
     ({"fixed": {"micro_batch": 2}}, r"micro_batch: both fixed and swept; allowed: fixed.micro_batch or space.micro_batch"),
     ({"fixed": {"sequence": 2}}, r"fixed: sequence: not a plan field; allowed: model, "),

@@ -53,12 +53,6 @@ def test_out_of_memory_comes_back_classified(ray_local):
     assert "allocate" in result.message
 
 
-def test_dying_worker_comes_back_classified(ray_local):
-    plan = load_plan_dict({**BASE_PLAN, "env": {"PARATUNE_FAULT": "kill:rank=1:step=1"}})
-    result = run_trial(plan)
-    assert result.status == "failed" and result.reason == "worker_died", result.message
-
-
 def test_invalid_plan_is_rejected_before_any_worker_starts(ray_local):
     import ray
 
@@ -76,11 +70,15 @@ def test_hanging_worker_is_ended_by_the_trial_timeout(ray_local):
 
     import ray
 
-    plan = load_plan_dict({**BASE_PLAN, "trial_timeout_s": 25, "env": {"PARATUNE_FAULT": "hang:rank=0:step=1"}})
+    # Rank 0 stuck in Python, rank 1 waiting in a collective whose timeout (300 s) is far off:
+    # the trial's deadline ends it.
+    # (A worker killed mid-trial, and a hang inside a collective, are tests against a real
+    # cluster in test_cluster_jobs.py.)
+    plan = load_plan_dict({**BASE_PLAN, "trial_timeout_s": 20, "env": {"PARATUNE_FAULT": "hang:rank=0:step=1"}})
     t0 = time.perf_counter()
     result = run_trial(plan)
     assert result.status == "failed" and result.reason == "hang", result.message
-    assert time.perf_counter() - t0 < 25 + 75  # the deadline, plus abort and teardown
+    assert time.perf_counter() - t0 < 20 + 75  # the deadline, plus abort and teardown
     # Its workers are gone: the cluster's CPUs are free again and the next trial runs.
     deadline = time.time() + 30
     while ray.available_resources().get("CPU", 0) < 2 and time.time() < deadline:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from paratune.plan import PlanError, load_plan
 
@@ -24,7 +25,7 @@ def _cmd_trial(args: argparse.Namespace, console: Console) -> int:
             if args.workers:
                 plan = plan.with_changes(num_workers=args.workers)
         except PlanError as err:
-            console.print(f"[red]invalid plan[/red]\n{err}")
+            console.print(f"[red]invalid plan[/red]\n{escape(str(err))}")
             return 2
         plans.append((Path(path).stem, plan))
     rows: list[tuple[str, TrialResult, float | None]] = []
@@ -55,9 +56,11 @@ def _cmd_tune(args: argparse.Namespace, console: Console) -> int:
     try:
         space = load_space(args.space)
     except SpaceError as err:
-        console.print(f"[red]invalid space[/red]\n{err}")
+        console.print(f"[red]invalid space[/red]\n{escape(str(err))}")
         return 2
-    out = Path(args.out) if args.out else Path("paratune_runs") / space.spec.name
+    from paratune.trial import paratune_home
+
+    out = Path(args.out) if args.out else paratune_home() / space.spec.name
     try:
         report = run_sweep(space, out, trials=args.trials, algorithm=args.search, seed=args.seed,
                            resume=args.resume, tracking_uri=args.tracking_uri, console=console)
@@ -68,6 +71,32 @@ def _cmd_tune(args: argparse.Namespace, console: Console) -> int:
     uri = args.tracking_uri or default_tracking_uri()
     console.print(f"compare the trials in MLflow:  .venv/bin/paratune ui --tracking-uri {uri}")
     return 0 if report.verdict and report.verdict.winner else 1
+
+
+def _cmd_train(args: argparse.Namespace, console: Console) -> int:
+    from paratune.training import run_training
+
+    try:
+        plan = load_plan(args.plan)
+    except PlanError as err:
+        console.print(f"[red]invalid plan[/red]\n{escape(str(err))}")
+        return 2
+    if args.workers:
+        plan = plan.with_changes(num_workers=args.workers)
+    result = run_training(plan, steps=args.steps, checkpoint_every=args.checkpoint_every,
+                          max_failures=args.max_failures, name=args.name, tracking_uri=args.tracking_uri,
+                          storage_path=args.storage)
+    if result.ok:
+        restarts = f", resumed at step(s) {result.resumed_at_steps}" if result.resumed_at_steps else ""
+        console.print(f"trained {result.name}: {result.steps} steps, final loss {result.losses[-1]:.4f}, "
+                      f"{result.tokens_per_s_per_gpu or 0:,.0f} tokens/s/GPU{restarts}")
+        console.print(f"last checkpoint: {result.checkpoint}")
+    else:
+        console.print(f"[red]training {result.name} failed ({result.reason})[/red]: {escape(result.message or '')}")
+        console.print(f"run it again with --name {result.name} to continue from its last checkpoint")
+    if args.json:
+        Path(args.json).write_text(result.model_dump_json(indent=1))
+    return 0 if result.ok else 1
 
 
 def _cmd_ui(args: argparse.Namespace, console: Console) -> int:
@@ -88,7 +117,7 @@ def _cmd_validate(args: argparse.Namespace, console: Console) -> int:
     try:
         plan = load_plan(args.plan)
     except PlanError as err:
-        console.print(f"[red]invalid plan[/red]\n{err}")
+        console.print(f"[red]invalid plan[/red]\n{escape(str(err))}")
         return 2
     console.print(plan.to_yaml())
     return 0
@@ -126,8 +155,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--search", choices=["tpe", "random", "grid"], help="search algorithm (default: the space's)")
     p.add_argument("--seed", type=int, help="searcher seed (default: the space's)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted sweep in --out")
-    p.add_argument("--out", help="sweep folder (default: paratune_runs/<space name>)")
+    p.add_argument("--out", help="sweep folder (default: $PARATUNE_HOME or ./paratune_runs, /<space name>)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or ./mlflow.db)")
+    p = sub.add_parser("train", help="train with a plan (e.g. a winner): checkpoints, resumes after faults")
+    p.add_argument("plan", help="plan YAML (e.g. <sweep>/winner/plan.yaml)")
+    p.add_argument("--steps", type=int, default=1000, help="optimizer steps to train")
+    p.add_argument("--checkpoint-every", type=int, default=100, help="checkpoint every N steps")
+    p.add_argument("--max-failures", type=int, default=3, help="worker-group restarts from the last checkpoint")
+    p.add_argument("--name", help="run name; the same name again resumes from its last checkpoint")
+    p.add_argument("--workers", type=int, help="override num_workers")
+    p.add_argument("--storage", help="checkpoint storage (default: $PARATUNE_STORAGE or $PARATUNE_HOME/ray)")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or ./mlflow.db)")
+    p.add_argument("--json", help="write the result to this JSON file")
     p = sub.add_parser("ui", help="open the MLflow UI on the sweep store (127.0.0.1)")
     p.add_argument("--tracking-uri")
     p.add_argument("--host", default="127.0.0.1")
@@ -137,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("models", help="list model presets and their parameter counts")
     args = parser.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 160)
-    handler = {"trial": _cmd_trial, "tune": _cmd_tune, "ui": _cmd_ui, "validate": _cmd_validate,
+    handler = {"trial": _cmd_trial, "tune": _cmd_tune, "train": _cmd_train, "ui": _cmd_ui, "validate": _cmd_validate,
                "models": _cmd_models}[args.command]
     return handler(args, console)
 

@@ -39,11 +39,14 @@ def ddp_settings(plan: Plan) -> dict[str, Any]:
             "activation_checkpointing": plan.activation_checkpointing}
 
 
-def job_command(plan_path: str, steps: int = 1000) -> str:
-    """The `ray job submit` command that trains with an exported plan (see jobs/train.py)."""
+def job_command(plan_path: str, steps: int = 1000, checkpoint_every: int = 100, name: str | None = None) -> str:
+    """The `ray job submit` command that trains with an exported plan (see jobs/train.py).
+
+    The plan path is absolute: the job's driver runs on the machine the sweep ran on (the head)."""
+    name_arg = f" --name {shlex.quote(name)}" if name else ""
     return (f"ray job submit --address {JOB_ADDRESS} --working-dir . "
-            f"--runtime-env jobs/runtime_env.yaml -- python jobs/train.py --plan {shlex.quote(plan_path)} "
-            f"--steps {steps}")
+            f"--runtime-env jobs/runtime_env.yaml -- python jobs/train.py {shlex.quote(plan_path)} "
+            f"--steps {steps} --checkpoint-every {checkpoint_every}{name_arg}")
 
 
 def export_winner(plan: Plan, out_dir: Path, summary: dict[str, Any]) -> list[Path]:
@@ -68,12 +71,9 @@ def export_winner(plan: Plan, out_dir: Path, summary: dict[str, Any]) -> list[Pa
     env_lines = ["# Communication settings of the winner: set before the process group starts"]
     env_lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(plan.env.items())] or ["# (none: defaults won)"]
     write("env.sh", "\n".join(env_lines) + "\n")
-    plan_path = (out_dir / "plan.yaml").resolve()
-    try:  # relative to the repo root the job is submitted from (--working-dir .)
-        plan_rel = str(plan_path.relative_to(Path.cwd()))
-    except ValueError:
-        plan_rel = str(plan_path)
-    write("job.sh", "#!/usr/bin/env bash\n# Train with the winner on the Ray cluster (from the repo root):\n"
-          + job_command(plan_rel) + "\n")
+    plan_path = str((out_dir / "plan.yaml").resolve())
+    write("job.sh", "#!/usr/bin/env bash\n# Train with the winner on the Ray cluster (from the repo root; needs\n"
+          "# RAY_AUTH_MODE=token and the cluster's token, see README 'On a GPU cluster'):\n"
+          + job_command(plan_path, name=f"{summary.get('sweep', 'winner')}-train") + "\n")
     write("summary.json", json.dumps(summary, indent=2, default=str) + "\n")
     return written

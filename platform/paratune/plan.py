@@ -300,9 +300,17 @@ def _divisors(global_batch: int, dp: int) -> list[int]:
     return [d for d in range(1, per_rank + 1) if per_rank % d == 0]
 
 
+# Names that hold credentials: never in a plan (plans are logged to MLflow and exported), and
+# their values are scrubbed from anything paratune logs.
+SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_KEY|ACCESS_KEY|PRIVATE_KEY|AUTH", re.I)
+
+
 def check_env(key: str, value: str) -> None:
     if not re.fullmatch(r"[A-Z_][A-Z0-9_]*", key):
         raise ValueError(f"env.{key}: not a valid environment variable name; allowed: [A-Z_][A-Z0-9_]*")
+    if SECRET_NAME.search(key):
+        raise ValueError(f"env.{key}: looks like a credential; secrets never go in a plan (it is logged "
+                         "and exported); allowed: communication settings only (set secrets in the job's environment)")
     if not key.startswith(ALLOWED_ENV_PREFIXES):
         raise ValueError(
             f"env.{key}: not a communication setting; allowed prefixes: {', '.join(ALLOWED_ENV_PREFIXES)}"

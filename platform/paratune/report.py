@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from paratune.trial import TrialResult
@@ -65,7 +66,7 @@ def print_results(rows: list[tuple[str, TrialResult, float | None]], console: Co
     console.print(results_table(rows))
     for name, r, _ in rows:
         if not r.ok:
-            console.print(f"[red]{name}[/red]: {r.reason}: {r.message}")
+            console.print(f"[red]{name}[/red]: {r.reason}: {escape(r.message or '')}")
     methods = {r.memory_method for _, r, _ in rows if r.memory_method}
     if methods:
         console.print("peak memory measured by: " + "; ".join(sorted(methods)))
@@ -90,7 +91,7 @@ def print_sweep(report, console: Console | None = None) -> None:
     if failed:
         console.print(f"[red]{len(failed)} failed trial(s):[/red]")
         for e in failed:
-            console.print(f"  - {strategy_label(e.result.plan)}: {e.result.reason}: {e.result.message}")
+            console.print(f"  - {strategy_label(e.result.plan)}: {e.result.reason}: {escape(e.result.message or '')}")
     t = report.time_split
     if t.get("trials_wall_s"):
         console.print(f"time: {t['trials_wall_s']:.0f} s in trials = {t['launch_s']:.0f} s launching "

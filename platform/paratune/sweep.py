@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from ray.tune import Callback
 from rich.console import Console
+from rich.markup import escape
 
 from paratune.plan import Plan, load_plan_dict
 from paratune.report import strategy_label
@@ -109,16 +110,15 @@ class LedgerEntry:
     key: str
     result: TrialResult
     phase: str = "search"
-    mlflow_run_id: str | None = None
 
     def to_json(self) -> str:
         return json.dumps({"number": self.number, "key": self.key, "phase": self.phase,
-                           "mlflow_run_id": self.mlflow_run_id, "result": self.result.model_dump()})
+                           "result": self.result.model_dump()})
 
     @classmethod
     def from_json(cls, line: str) -> "LedgerEntry":
         d = json.loads(line)
-        return cls(d["number"], d["key"], TrialResult.model_validate(d["result"]), d["phase"], d["mlflow_run_id"])
+        return cls(d["number"], d["key"], TrialResult.model_validate(d["result"]), d["phase"])
 
 
 class Ledger:
@@ -324,6 +324,10 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
     remaining = max(0, trials - done)
     if done:
         console.print(f"resuming: {done} finished trial(s) kept, {remaining} to run")
+    if resume and ledger.entries:
+        filled = tracker.sync_ledger(parent, ledger.entries)
+        if filled:
+            console.print(f"logged {filled} finished trial(s) to MLflow that the interrupted driver had not")
     plans = {point_key(p["choices"], p["env"]): space.plan_for(p["choices"], p["env"]).to_dict()
              for p in all_points(space)}
     remaining = min(remaining, len(plans) - len(ledger.keys()))
@@ -379,9 +383,10 @@ class _LedgerCallback(Callback):
             return
         number = len(self.ledger.search_entries()) + 1
         result = apply_budget(result, self.budget_gb)
-        run_id = self.tracker.log_trial(self.parent, number, result)
-        self.ledger.append(LedgerEntry(number, key, result, "search", run_id))
-        what = f"{result.tokens_per_s_per_gpu:,.0f} tokens/s/GPU" if result.ok else f"[red]{result.reason}[/red]: {result.message}"
+        # The ledger first (the durable record), then MLflow (idempotent; a resume fills gaps).
+        self.ledger.append(LedgerEntry(number, key, result, "search"))
+        self.tracker.log_trial(self.parent, number, result)
+        what = f"{result.tokens_per_s_per_gpu:,.0f} tokens/s/GPU" if result.ok else f"[red]{result.reason}[/red]: {escape(result.message or '')}"
         self.console.print(f"trial {number}/{self.total} {strategy_label(result.plan)}: {what}")
 
     def on_trial_complete(self, iteration, trials, trial, **info):
@@ -414,8 +419,8 @@ def _finish(space: Space, report: SweepReport, ledger: Ledger, tracker, budget_g
             for s in top:  # interleaved: every plan once per round, so drift hits all alike
                 result = apply_budget(run_trial(load_plan_dict(s.plan)), budget_gb)
                 number = len(ledger.entries) + 1
-                run_id = tracker.log_trial(report.parent_run_id, number, result, phase="remeasure")
-                ledger.append(LedgerEntry(number, s.key, result, "remeasure", run_id))
+                ledger.append(LedgerEntry(number, s.key, result, "remeasure"))
+                tracker.log_trial(report.parent_run_id, number, result, phase="remeasure")
                 s.results.append(result)
                 console.print(f"re-measure {round_ + 1}/{settings.remeasure_rounds} {s.label}: "
                               f"{result.tokens_per_s_per_gpu or 0:,.0f} tokens/s/GPU")
@@ -442,7 +447,7 @@ def _finish(space: Space, report: SweepReport, ledger: Ledger, tracker, budget_g
     best_metrics = {}
     if winner is not None:
         plan = load_plan_dict(winner.plan)
-        summary = {"label": winner.label, "tokens_per_s_per_gpu_median": winner.median,
+        summary = {"sweep": space.spec.name, "label": winner.label, "tokens_per_s_per_gpu_median": winner.median,
                    "relative_spread": winner.relative_spread, "measurements": len(winner.values),
                    "parity_max_abs_loss_diff": parity, "tied_with": [s.label for s in verdict.tied_with_best],
                    "mfu": winner.results[0].mfu, "peak_memory_bytes": winner.results[0].peak_memory_bytes}

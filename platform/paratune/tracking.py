@@ -8,6 +8,7 @@ secret from the environment can reach the store.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -22,6 +23,17 @@ DEFAULT_EXPERIMENT = "paratune"
 # The metrics every child run carries (when measured), so the compare view lines them up.
 SCALAR_METRICS = ("tokens_per_s_per_gpu", "mfu", "step_time_median_s", "step_time_p10_s", "step_time_p90_s",
                   "step_time_spread", "comm_share", "launch_s", "wall_s", "flops_per_token")
+
+
+def redact(text: str) -> str:
+    """Scrub the values of credential-like environment variables (HF_TOKEN, AWS_SECRET_ACCESS_KEY,
+    ...) from text about to be logged: Ray's error messages can quote a worker's environment."""
+    from paratune.plan import SECRET_NAME
+
+    for key, value in os.environ.items():
+        if SECRET_NAME.search(key) and len(value) >= 6 and value in text:
+            text = text.replace(value, f"<{key} redacted>")
+    return text
 
 
 def default_tracking_uri() -> str:
@@ -74,18 +86,37 @@ class SweepTracker:
         for i in range(0, len(items), 100):
             self.client.log_batch(run_id, params=items[i : i + 100])
 
+    def _logged_children(self, parent_id: str) -> dict[tuple[str, int], Any]:
+        """(phase, number) -> the child run, for children logged completely (others are deleted:
+        a driver killed while logging leaves a partial run behind)."""
+        done = {}
+        for run in self.child_runs(parent_id):
+            tags = run.data.tags
+            if tags.get("paratune.logged") == "1" and "paratune.trial_number" in tags:
+                done[(tags.get("paratune.phase", "search"), int(tags["paratune.trial_number"]))] = run
+            else:
+                self.client.delete_run(run.info.run_id)
+        return done
+
     def log_trial(self, parent_id: str, number: int, result: TrialResult, phase: str = "search",
                   extra_params: dict[str, Any] | None = None) -> str:
-        """A child run: the flattened plan as params, measurements as metrics, loss/time series."""
+        """A child run: the flattened plan as params, measurements as metrics, loss/time series.
+
+        Idempotent per (phase, number): logging a trial that is already there returns that run,
+        so a resumed sweep never holds the same trial twice."""
         from mlflow.entities import Metric
 
         from paratune.plan import flatten_dict
 
+        existing = self._logged_children(parent_id).get((phase, number))
+        if existing is not None:
+            return existing.info.run_id
         tags = {"mlflow.parentRunId": parent_id, "paratune.kind": "trial", "paratune.phase": phase,
+                "paratune.trial_number": str(number),
                 "paratune.status": result.status, "paratune.strategy": strategy_label(result.plan)}
         if result.reason:
             tags["paratune.failure_reason"] = result.reason
-            tags["paratune.failure_message"] = (result.message or "")[:5000]
+            tags["paratune.failure_message"] = redact(result.message or "")[:5000]
         run = self.client.create_run(self.experiment_id, run_name=f"{phase}-{number:03d} {strategy_label(result.plan)}",
                                      tags=tags)
         run_id = run.info.run_id
@@ -97,8 +128,19 @@ class SweepTracker:
         metrics += [Metric("step_time_s", v, 0, i) for i, v in enumerate(result.step_times_s)]
         for i in range(0, len(metrics), 500):
             self.client.log_batch(run_id, metrics=metrics[i : i + 500])
+        self.client.set_tag(run_id, "paratune.logged", "1")  # last: marks the run complete
         self.client.set_terminated(run_id, status="FINISHED" if result.ok else "FAILED")
         return run_id
+
+    def sync_ledger(self, parent_id: str, entries: list[Any]) -> int:
+        """Make MLflow hold exactly the ledger's trials (a resumed sweep calls this first): log those
+        missing (the driver died between the ledger and MLflow), drop partial runs. Returns how
+        many were logged."""
+        done = self._logged_children(parent_id)
+        missing = [e for e in entries if (e.phase, e.number) not in done]
+        for e in missing:
+            self.log_trial(parent_id, e.number, e.result, phase=e.phase)
+        return len(missing)
 
     def finish_parent(self, parent_id: str, best: dict[str, float], winner: dict[str, Any] | None,
                       winner_dir: Path | None, status: str = "FINISHED") -> None:
@@ -119,3 +161,72 @@ class SweepTracker:
     def child_runs(self, parent_id: str) -> list[Any]:
         return self.client.search_runs([self.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_id}'",
                                        max_results=10_000)
+
+
+# --------------------------------------------------------------------------- training runs
+def _client(tracking_uri: str | None):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri or default_tracking_uri())
+
+
+def start_training_run(tracking_uri: str | None, plan, name: str, steps: int, checkpoint_every: int,
+                       experiment: str = DEFAULT_EXPERIMENT) -> str:
+    """One MLflow run per training run (not a sweep child): the plan as params, loss per step."""
+    from paratune.plan import flatten_dict
+
+    client = _client(tracking_uri)
+    existing = client.get_experiment_by_name(experiment)
+    experiment_id = existing.experiment_id if existing else client.create_experiment(experiment)
+    found = client.search_runs([experiment_id], f"tags.`paratune.train_name` = '{name}'", max_results=1)
+    if found:  # the same name again: a resumed run continues its MLflow run
+        client.update_run(found[0].info.run_id, status="RUNNING")
+        return found[0].info.run_id
+    run = client.create_run(experiment_id, run_name=f"train {name} {strategy_label(plan.to_dict())}",
+                            tags={"paratune.kind": "train", "paratune.train_name": name,
+                                  "paratune.code_version": code_version(),
+                                  "paratune.strategy": strategy_label(plan.to_dict())})
+    from mlflow.entities import Param
+
+    params = {**flatten_dict(plan.to_dict()), "train.steps": steps, "train.checkpoint_every": checkpoint_every}
+    items = [Param(k, str(v)[:6000]) for k, v in sorted(params.items())]
+    for i in range(0, len(items), 100):
+        client.log_batch(run.info.run_id, params=items[i : i + 100])
+    return run.info.run_id
+
+
+def log_training_progress(tracking_uri: str | None, run_id: str, report: dict[str, Any], tokens_per_step: int,
+                          world: int, checkpoint_path: str | None) -> None:
+    """One checkpoint's worth of steps: loss and step time per step, throughput, the checkpoint."""
+    from mlflow.entities import Metric
+
+    now = int(__import__("time").time() * 1000)
+    first = int(report["first_step"])
+    metrics = [Metric("loss", float(v), now, first + i) for i, v in enumerate(report["losses"])]
+    metrics += [Metric("step_time_s", float(v), now, first + i) for i, v in enumerate(report["step_times_s"])]
+    metrics.append(Metric("checkpoint_step", float(report["step"]), now, int(report["step"])))
+    client = _client(tracking_uri)
+    client.log_batch(run_id, metrics=metrics)
+    if checkpoint_path:
+        client.set_tag(run_id, "paratune.last_checkpoint", checkpoint_path)
+
+
+def log_training_restart(tracking_uri: str | None, run_id: str, worker_errors: dict[int, str]) -> None:
+    client = _client(tracking_uri)
+    run = client.get_run(run_id)
+    restarts = int(run.data.metrics.get("restarts", 0)) + 1
+    client.log_metric(run_id, "restarts", restarts)
+    client.set_tag(run_id, f"paratune.restart_{restarts}", redact(json.dumps(worker_errors))[:5000])
+
+
+def finish_training_run(tracking_uri: str | None, run_id: str, outcome) -> None:
+    client = _client(tracking_uri)
+    if outcome.tokens_per_s_per_gpu is not None:
+        client.log_metric(run_id, "tokens_per_s_per_gpu", outcome.tokens_per_s_per_gpu)
+    if outcome.losses:
+        client.log_metric(run_id, "final_loss", outcome.losses[-1])
+    client.set_tag(run_id, "paratune.status", outcome.status)
+    if outcome.reason:
+        client.set_tag(run_id, "paratune.failure_reason", outcome.reason)
+        client.set_tag(run_id, "paratune.failure_message", redact(outcome.message or "")[:5000])
+    client.set_terminated(run_id, status="FINISHED" if outcome.ok else "FAILED")

@@ -25,7 +25,8 @@ from paratune import measure
 from paratune.failures import Reason, classify
 from paratune.plan import Plan, PlanError, load_plan_dict
 
-FAULT_ENV = "PARATUNE_FAULT"  # fault injection for tests: "kill:rank=1:step=2" | "hang:rank=0:step=1"
+# Fault injection for tests: "kill:rank=1:step=2[:delay_s=3]" | "hang:rank=0:step=1" | "none".
+FAULT_ENV = "PARATUNE_FAULT"
 
 
 class TrialResult(BaseModel):
@@ -68,24 +69,41 @@ class TrialResult(BaseModel):
 
 
 # --------------------------------------------------------------------------- worker side
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _maybe_inject_fault(rank: int, step: int) -> None:
+def maybe_inject_fault(rank: int, step: int) -> None:
     spec = os.environ.get(FAULT_ENV)
-    if not spec:
+    if not spec or spec == "none":
         return
     kind, *fields = spec.split(":")
     where = dict(f.split("=", 1) for f in fields)
     if int(where.get("rank", -1)) != rank or int(where.get("step", -1)) != step:
         return
+    time.sleep(float(where.get("delay_s", 0)))  # e.g. a node lost some seconds into the step
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "hang":
         while True:
             time.sleep(1)
+
+
+def reduce_losses_and_times(losses: list[torch.Tensor | None], times: list[float],
+                            device: torch.device) -> tuple[list[float], list[float]]:
+    """One collective per quantity, after the timed loop: the mean loss over the ranks that
+    compute one (all of them, except pipeline stages before the last), the slowest rank's time."""
+    import torch.distributed as dist
+
+    holds_loss = losses[0] is not None
+    loss_t = torch.stack([x if x is not None else torch.zeros((), device=device) for x in losses]).to(device)
+    loss_t = torch.cat([loss_t, torch.tensor([1.0 if holds_loss else 0.0], device=device)])
+    dist.all_reduce(loss_t, op=dist.ReduceOp.SUM)
+    loss_t = loss_t[:-1] / loss_t[-1]
+    time_t = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(time_t, op=dist.ReduceOp.MAX)
+    return loss_t.tolist(), time_t.tolist()
 
 
 def _comm_share_from_profile(prof, step_seconds: float) -> float:
@@ -177,31 +195,23 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     losses, times = [], []
     first_step_at = None
     for step in range(plan.total_steps):
-        _maybe_inject_fault(rank, step)
+        maybe_inject_fault(rank, step)
         micro = batches(step)
         if step == plan.warmup_steps and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        _sync(device)
+        sync_device(device)
         t0 = time.perf_counter()
         first_step_at = first_step_at or time.time()
         loss = runner.train_step(micro)
-        _sync(device)
+        sync_device(device)
         times.append(time.perf_counter() - t0)
         losses.append(loss)
 
-    # One collective per quantity, after the timed loop: mean loss over the ranks that compute one
-    # (all of them, except pipeline stages before the last), slowest rank's time.
-    holds_loss = losses[0] is not None
-    loss_t = torch.stack([x if x is not None else torch.zeros((), device=device) for x in losses]).to(device)
-    loss_t = torch.cat([loss_t, torch.tensor([1.0 if holds_loss else 0.0], device=device)])
-    dist.all_reduce(loss_t, op=dist.ReduceOp.SUM)
-    loss_t = loss_t[:-1] / loss_t[-1]
-    time_t = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(time_t, op=dist.ReduceOp.MAX)
-    step_times = time_t.tolist()[plan.warmup_steps :]
+    all_losses, all_times = reduce_losses_and_times(losses, times, device)
+    step_times = all_times[plan.warmup_steps :]
 
     out: dict[str, Any] = {
-        "losses": loss_t.tolist(),
+        "losses": all_losses,
         "step_times_s": step_times,
         "first_step_epoch_s": first_step_at,
         "env_seen": env_seen,
@@ -214,11 +224,11 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         micro = batches(extra_step)
         extra_step += 1
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        _sync(device)
+        sync_device(device)
         with profile(activities=acts) as prof:
             t0 = time.perf_counter()
             runner.train_step(micro)
-            _sync(device)
+            sync_device(device)
             seconds = time.perf_counter() - t0
         share = torch.tensor([_comm_share_from_profile(prof, seconds)], dtype=torch.float64, device=device)
         dist.all_reduce(share, op=dist.ReduceOp.SUM)
@@ -373,8 +383,16 @@ def _timed_trainer_class():
     return TimedTorchTrainer
 
 
-def default_storage() -> Path:
-    return Path(os.environ.get("PARATUNE_HOME", Path.cwd() / "paratune_runs")).resolve() / "ray"
+def paratune_home() -> Path:
+    """Where sweeps and training runs write (PARATUNE_HOME, else ./paratune_runs). Under `ray job
+    submit` the working directory is a temporary copy, so jobs/runtime_env.yaml sets it."""
+    return Path(os.environ.get("PARATUNE_HOME") or Path.cwd() / "paratune_runs").expanduser().resolve()
+
+
+def default_storage() -> str:
+    """Ray Train's storage_path: PARATUNE_STORAGE (shared storage: NFS path or s3://... on a
+    multi-node cluster, where checkpoints must outlive a node), else under paratune_home()."""
+    return os.environ.get("PARATUNE_STORAGE") or str(paratune_home() / "ray")
 
 
 def run_trial(plan: Plan | dict[str, Any], *, storage_path: str | Path | None = None,

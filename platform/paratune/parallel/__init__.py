@@ -78,6 +78,28 @@ class StepRunner:
         self.steps_done += 1
         return total / n
 
+    def save_state(self, path: str) -> None:
+        """Model and optimizer state, sharded as the strategy holds it (torch.distributed.checkpoint:
+        each rank writes its own shards, so a checkpoint never gathers the model on one rank)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self._state_module(), self.optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+
+    def load_state(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        module = self._state_module()
+        model_state, optim_state = get_state_dict(module, self.optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def _state_module(self) -> nn.Module:
+        return self.model if isinstance(self.model, nn.Module) else nn.ModuleList(self.model)
+
 
 def parallelize(model: nn.Module, plan: Plan, device: torch.device, local_world_size: int) -> StepRunner:
     """Dispatch to the plan's strategy (and its tensor/pipeline degrees)."""

@@ -58,6 +58,15 @@ class DeepSpeedRunner(StepRunner):
         self.steps_done += 1
         return total / len(micro_batches)
 
+    def save_state(self, path: str) -> None:
+        """DeepSpeed's own checkpoint (its ZeRO partitions per rank, fp32 master weights included)."""
+        self.model.save_checkpoint(path, tag="state")
+
+    def load_state(self, path: str) -> None:
+        load_path, _ = self.model.load_checkpoint(path, tag="state")
+        if load_path is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint under {path}")
+
 
 def parallelize_zero(model: nn.Module, plan: Plan, device: torch.device) -> StepRunner:
     import deepspeed

@@ -1,0 +1,245 @@
+"""A real Ray cluster on 127.0.0.1 (`ray start --head`, token auth on), driven the way users drive
+one: `ray job submit --runtime-env jobs/runtime_env.yaml -- python jobs/...`, with an MLflow
+tracking server (`paratune ui`) beside it. Faults are real: SIGKILLed workers and drivers, a
+worker that hangs in the middle of a step."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from paratune.sweep import Ledger
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SECRET = "hf_" + secrets.token_hex(12)  # a token in the cluster's environment: must never reach MLflow
+FIXED = {"model": "tiny-llama", "seq_len": 32, "global_batch": 8, "num_workers": 2, "warmup_steps": 1,
+         "measure_steps": 2, "profile_comm": False, "lr": 0.01, "trial_timeout_s": 60, "comm_timeout_s": 10}
+
+
+@dataclass
+class Cluster:
+    address: str  # the job server (dashboard), http://127.0.0.1:PORT
+    tracking_uri: str  # the MLflow server
+    env: dict[str, str]  # what a user's shell has: RAY_AUTH_MODE=token and the token's path
+    tmp: Path
+
+    def ray(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([str(BIN / "ray"), *args], cwd=REPO, env=self.env, capture_output=True, text=True,
+                              timeout=timeout)
+
+    def submit(self, *entrypoint: str, wait: bool = True, timeout: float = 600) -> tuple[str, subprocess.CompletedProcess]:
+        """The README's command; returns the job id and the CLI's output."""
+        args = ["job", "submit", "--address", self.address, "--working-dir", ".", "--runtime-env",
+                "jobs/runtime_env.yaml", *([] if wait else ["--no-wait"]), "--", "python", *entrypoint]
+        proc = self.ray(*args, timeout=timeout)
+        for _ in range(30):  # the job agent registers a few seconds after the dashboard answers
+            if "No available agent" not in proc.stderr + proc.stdout:
+                break
+            time.sleep(2)
+            proc = self.ray(*args, timeout=timeout)
+        found = re.search(r"raysubmit_\w+", proc.stdout + proc.stderr)
+        assert found, proc.stdout + proc.stderr
+        return found.group(0), proc
+
+    def status(self, job_id: str) -> str:
+        out = self.ray("job", "status", job_id, "--address", self.address)
+        text = out.stdout + out.stderr
+        running = re.search(r"Status for job '[^']+': (\w+)", text)
+        finished = re.search(r"Job '[^']+' (succeeded|failed|stopped)", text)
+        return finished.group(1).upper() if finished else running.group(1) if running else "UNKNOWN"
+
+    def logs(self, job_id: str) -> str:
+        return self.ray("job", "logs", job_id, "--address", self.address).stdout
+
+    def wait(self, job_id: str, timeout: float = 600) -> str:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            status = self.status(job_id)
+            if status in ("SUCCEEDED", "FAILED", "STOPPED"):
+                return status
+            time.sleep(2)
+        return "TIMEOUT"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, timeout: float = 90) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except Exception:  # noqa: BLE001 - not up yet (401 counts as up)
+            if "401" in str(sys.exc_info()[1]):
+                return
+            time.sleep(1)
+    raise TimeoutError(url)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """`ray start --block` stops its whole cluster on SIGTERM; SIGKILL the group if it lingers."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=5)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    tmp = Path(tempfile.mkdtemp(prefix="ptc", dir="/tmp"))  # short: Ray's socket paths live under it
+    token = tmp / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN_PATH": str(token), "HF_TOKEN": SECRET}
+    env.pop("RAY_ADDRESS", None)
+    dash, mlflow_port = _free_port(), _free_port()
+    head = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={_free_port()}",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=2", "--num-gpus=0",
+         f"--temp-dir={tmp / 'ray'}", "--include-dashboard=true"],
+        env=env, stdout=(tmp / "head.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    server = subprocess.Popen(
+        [str(BIN / "paratune"), "ui", "--tracking-uri", f"sqlite:///{tmp / 'mlflow.db'}", "--host", "127.0.0.1",
+         "--port", str(mlflow_port)],
+        cwd=tmp, env=env, stdout=(tmp / "mlflow.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_http(f"http://127.0.0.1:{dash}/api/version")
+        _wait_http(f"http://127.0.0.1:{mlflow_port}/health")
+        yield Cluster(f"http://127.0.0.1:{dash}", f"http://127.0.0.1:{mlflow_port}", env, tmp)
+    finally:
+        _stop(head)
+        _stop(server)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _no_secret_in(client: MlflowClient, runs) -> None:
+    for run in runs:
+        blob = json.dumps({"params": run.data.params, "tags": run.data.tags, "metrics": run.data.metrics})
+        assert SECRET not in blob, f"secret leaked into MLflow run {run.info.run_id}"
+
+
+def _alive_train_workers(cluster: Cluster) -> list[str]:
+    out = cluster.ray("list", "actors", "--address", cluster.address, "--filter", "state=ALIVE", "--format", "yaml")
+    return [line for line in out.stdout.splitlines() if "RayTrainWorker" in line]
+
+
+def test_sweep_job_survives_a_dead_worker_a_hang_and_a_killed_driver(cluster):
+    """One sweep, three trials on a 2-CPU cluster (one trial at a time): a worker that hangs in a
+    collective, a worker SIGKILLed mid-trial, a healthy plan. The driver itself is SIGKILLed after
+    the first trial and the sweep is resumed with --resume: nothing lost, nothing re-run, no
+    duplicate in MLflow; every trial after a fault still gets the cluster's CPUs (the faulty
+    trial's workers are gone)."""
+    space_path = cluster.tmp / "faults.yaml"
+    space_path.write_text(yaml.safe_dump({
+        "name": "faults", "fixed": FIXED,
+        "space": {"strategy": {"ddp": {}}, "micro_batch": [2],
+                  "env": {"PARATUNE_FAULT": ["hang:rank=0:step=1", "kill:rank=1:step=1", "none"]}},
+        "search": {"algorithm": "grid", "trials": 3, "top_k": 1, "remeasure_rounds": 0}}))
+    out = cluster.tmp / "sweep-faults"
+    args = ["jobs/sweep.py", str(space_path), "--out", str(out), "--tracking-uri", cluster.tracking_uri]
+    job, _ = cluster.submit(*args, wait=False)
+
+    # Kill the driver once the first trial (the hang) is in the ledger.
+    ledger_path = out / "ledger.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (ledger_path.exists() and ledger_path.read_text().strip()):
+        assert cluster.status(job) in ("PENDING", "RUNNING"), cluster.logs(job)
+        time.sleep(1)
+    first_lines = ledger_path.read_text().splitlines()
+    assert len(first_lines) >= 1, cluster.logs(job)
+    driver = subprocess.run(["pgrep", "-f", f"jobs/sweep.py {space_path}"], capture_output=True, text=True)
+    pids = [int(p) for p in driver.stdout.split()]
+    assert pids, "the sweep driver is not running"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    assert cluster.wait(job, timeout=120) == "FAILED"
+
+    resumed, proc = cluster.submit(*args, "--resume", timeout=600)
+    assert cluster.status(resumed) == "SUCCEEDED", cluster.logs(resumed)[-4000:]
+    log = cluster.logs(resumed)
+    assert "resuming:" in log and "finished trial(s) kept" in log
+
+    ledger = Ledger(ledger_path)
+    search = ledger.search_entries()
+    assert [e.number for e in search] == [1, 2, 3] and len({e.key for e in search}) == 3
+    assert ledger_path.read_text().splitlines()[: len(first_lines)] == first_lines  # nothing rewritten
+    by_fault = {e.result.plan["env"]["PARATUNE_FAULT"]: e.result for e in search}
+    hang = by_fault["hang:rank=0:step=1"]
+    assert hang.reason in ("hang", "comm_timeout"), hang.message
+    assert hang.wall_s < FIXED["trial_timeout_s"] + 60  # within the configured bound (+ teardown)
+    assert by_fault["kill:rank=1:step=1"].reason == "worker_died", by_fault["kill:rank=1:step=1"].message
+    assert by_fault["none"].ok  # ran after the faults: their workers had released the CPUs
+    assert not _alive_train_workers(cluster)
+
+    client = MlflowClient(cluster.tracking_uri)
+    parent_id = json.loads((out / "sweep.json").read_text())["parent_run_id"]
+    experiment = client.get_run(parent_id).info.experiment_id
+    children = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent_id}'")
+    numbers = sorted(int(r.data.tags["paratune.trial_number"]) for r in children
+                     if r.data.tags["paratune.phase"] == "search")
+    assert numbers == [1, 2, 3]  # every trial once: none lost, none duplicated
+    reasons = {r.data.tags.get("paratune.failure_reason", "ok") for r in children}
+    assert {"worker_died", "ok"} <= reasons and reasons & {"hang", "comm_timeout"}
+    assert client.get_run(parent_id).data.tags["paratune.winner"].startswith("ddp")
+    assert (out / "winner" / "job.sh").read_text().count("ray job submit") == 1
+    _no_secret_in(client, [client.get_run(parent_id), *children])
+
+
+def test_training_job_checkpoints_and_resumes_after_a_worker_is_killed(cluster):
+    """The winner's training job, submitted as users submit it: checkpoints every 2 steps; rank 1
+    is SIGKILLed 3 s into step 3; Ray Train restarts the worker group from the step-2 checkpoint,
+    and the loss curve is the uninterrupted one step for step (the same training run on one
+    process without interruption, which every fp32 strategy matches to < 1e-5)."""
+    from paratune.plan import load_plan_dict
+    from paratune.reference import reference_losses
+
+    plan = {**FIXED, "strategy": "fsdp", "fsdp": {"sharding": "full"},
+            "env": {"PARATUNE_FAULT": "kill:rank=1:step=3:delay_s=3"}}
+    plan_path, result_path = cluster.tmp / "train.yaml", cluster.tmp / "train.json"
+    plan_path.write_text(yaml.safe_dump(plan))
+    job, _ = cluster.submit("jobs/train.py", str(plan_path), "--steps", "6", "--checkpoint-every", "2",
+                            "--name", "faulty", "--storage", str(cluster.tmp / "checkpoints"),
+                            "--tracking-uri", cluster.tracking_uri, "--json", str(result_path))
+    assert cluster.status(job) == "SUCCEEDED", cluster.logs(job)[-4000:]
+    result = json.loads(result_path.read_text())
+    assert result["status"] == "ok" and result["resumed_at_steps"] == [2]
+    uninterrupted = reference_losses(load_plan_dict(plan), steps=6)
+    assert len(result["losses"]) == 6
+    assert max(abs(a - b) for a, b in zip(result["losses"], uninterrupted)) < 1e-5
+    assert Path(result["checkpoint"]).name == "step_00000006"
+
+    client = MlflowClient(cluster.tracking_uri)
+    run = client.get_run(result["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.metrics["restarts"] == 1
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(6))  # each step once, across the restart
+    assert [m.value for m in sorted(history, key=lambda m: m.step)] == pytest.approx(result["losses"])
+    _no_secret_in(client, [run])
