@@ -99,6 +99,43 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     return 0 if result.ok else 1
 
 
+def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    import time
+
+    from paratune.estimate import estimate_space, get_device
+    from paratune.report import print_estimates
+    from paratune.space import SpaceError, read_yaml_mapping, space_from_dict
+
+    t0 = time.perf_counter()
+    try:
+        device = get_device(args.device, args.devices)
+        raw = read_yaml_mapping(Path(args.space), "space", SpaceError)
+        fixed = dict(raw.get("fixed") or {})
+        gpus = args.gpus_per_node or device.gpus_per_node
+        if args.nodes:
+            fixed.update(num_workers=args.nodes * gpus, gpus_per_node=gpus)
+        space = space_from_dict({**raw, "fixed": fixed}, source=Path(args.space))
+    except (SpaceError, ValueError) as err:
+        console.print(f"[red]cannot plan[/red]\n{escape(str(err))}")
+        return 2
+    budget = space.spec.objective.memory_budget_gb
+    capacity = min(device.memory_gib, budget) if budget else None  # the budget is per rank, in GiB
+    estimates = estimate_space(space, device, capacity_gib=capacity, margin=args.margin,
+                               activation_model="formula" if args.formula else "trace")
+    first = space.candidates[0].plan
+    console.print(space.pruning_report())
+    print_estimates(estimates, device, console, top=args.top,
+                    title=f"{space.spec.name}: {first.model}, {first.num_workers} x {device.name} "
+                          f"({first.num_workers // (first.gpus_per_node or first.num_workers)} node(s)), "
+                          "predicted, fastest first")
+    console.print(f"{len(estimates)} plans estimated in {time.perf_counter() - t0:.1f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            [{"plan": e.plan.to_dict(), "fits": e.fits, "overflow": e.overflow, **e.summary()} for e in estimates],
+            indent=1))
+    return 0 if any(e.fits for e in estimates) else 1
+
+
 def _cmd_ui(args: argparse.Namespace, console: Console) -> int:
     import os
 
@@ -167,6 +204,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--storage", help="checkpoint storage (default: $PARATUNE_STORAGE or $PARATUNE_HOME/ray)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or ./mlflow.db)")
     p.add_argument("--json", help="write the result to this JSON file")
+    p = sub.add_parser("plan", help="predict memory, communication and speed of a space's plans (no GPU needed)")
+    p.add_argument("space", help="search space YAML")
+    p.add_argument("--device", default="h100-80gb", help="device from the table (see --devices)")
+    p.add_argument("--devices", help="a JSON/YAML file adding or overriding devices")
+    p.add_argument("--nodes", type=int, help="nodes (sets num_workers = nodes x gpus-per-node)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the device's)")
+    p.add_argument("--margin", type=float, default=0.0, help="fraction over capacity tolerated before rejecting")
+    p.add_argument("--formula", action="store_true", help="activations from DESIGN.md's formula, not a trace")
+    p.add_argument("--top", type=int, default=20, help="rows of fitting plans to print")
+    p.add_argument("--json", help="write every estimate to this JSON file")
     p = sub.add_parser("ui", help="open the MLflow UI on the sweep store (127.0.0.1)")
     p.add_argument("--tracking-uri")
     p.add_argument("--host", default="127.0.0.1")
@@ -176,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("models", help="list model presets and their parameter counts")
     args = parser.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 160)
-    handler = {"trial": _cmd_trial, "tune": _cmd_tune, "train": _cmd_train, "ui": _cmd_ui, "validate": _cmd_validate,
+    handler = {"trial": _cmd_trial, "tune": _cmd_tune, "train": _cmd_train, "plan": _cmd_plan, "ui": _cmd_ui, "validate": _cmd_validate,
                "models": _cmd_models}[args.command]
     return handler(args, console)
 

@@ -257,6 +257,8 @@ def _check_degrees(plan: "Plan") -> None:
             f"{_factorizations(world)[:400]}")
     if plan.sequence_parallel and tp == 1:
         raise ValueError("sequence_parallel: true needs tp > 1, got tp 1; allowed: false with tp 1")
+    if plan.pp_schedule != "1f1b" and pp == 1:  # the same training as 1f1b: a sweep would run it twice
+        raise ValueError(f"pp_schedule: '{plan.pp_schedule}' needs pp > 1, got pp 1; allowed: '1f1b' with pp 1")
     if tp == 1 and pp == 1:
         return
     if plan.strategy == "zero":

@@ -35,6 +35,19 @@ def strategy_label(plan: dict) -> str:
     return f"{label} {' '.join(extras)}"
 
 
+def strategy_options(plan: dict) -> str:
+    """The strategy's options that differ from their defaults (what the label leaves out)."""
+    from paratune.plan import DDPOptions, FSDPOptions, ZeroOptions
+
+    strategy = plan.get("strategy", "ddp")
+    defaults = {"ddp": DDPOptions, "fsdp": FSDPOptions, "zero": ZeroOptions}[strategy]().model_dump()
+    shown = {"sharding", "stage", "cpu_offload", "offload_optimizer", "offload_param", "reduce_bucket_size",
+             "bucket_cap_mb"}  # already in the label
+    parts = [f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+             for k, v in (plan.get(strategy) or {}).items() if k not in shown and defaults.get(k) != v]
+    return " ".join(parts)
+
+
 def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
@@ -92,6 +105,13 @@ def print_sweep(report, console: Console | None = None) -> None:
         console.print(f"[red]{len(failed)} failed trial(s):[/red]")
         for e in failed:
             console.print(f"  - {strategy_label(e.result.plan)}: {e.result.reason}: {escape(e.result.message or '')}")
+    c = getattr(report, "calibration", None)
+    if c:
+        mem, step = c.get("memory_prediction_error_median_abs"), c.get("step_time_prediction_error_median_abs")
+        console.print(f"cost model on {c['device']}: median |error| of predicted peak memory "
+                      f"{_fmt(mem, '.0%')}, of predicted step time {_fmt(step, '.0%')} (time model refitted "
+                      f"after each trial: compute at {c['compute_efficiency']:.0%} of peak, "
+                      f"+{c['overhead_s'] * 1e3:.0f} ms per step)")
     t = report.time_split
     if t.get("trials_wall_s"):
         console.print(f"time: {t['trials_wall_s']:.0f} s in trials = {t['launch_s']:.0f} s launching "
@@ -106,3 +126,39 @@ def print_sweep(report, console: Console | None = None) -> None:
             console.print("train with it:  " + (report.winner_dir / "job.sh").read_text().splitlines()[-1])
     else:
         console.print("[red]no winner: no plan finished and passed the loss-parity check[/red]")
+
+
+def print_estimates(estimates, device, console: Console, top: int = 20, title: str = "") -> None:
+    """`paratune plan`: the plans predicted to fit, fastest first, then why the others do not."""
+    from collections import Counter
+
+    gib = 2**30
+    fitting = [e for e in estimates if e.fits]
+    table = Table(title=title or f"predicted on {device.name} ({device.memory_gib:g} GiB), fastest first")
+    for col in ("#", "plan", "options", "weights", "grads", "optim", "activ.", "buffers", "peak GiB",
+                "comm GB/step", "step s", "tokens/s/GPU"):
+        table.add_column(col, justify="left" if col in ("plan", "options") else "right")
+    for i, e in enumerate(fitting[:top], 1):
+        m = e.memory
+        table.add_row(str(i), strategy_label(e.plan.to_dict()), strategy_options(e.plan.to_dict()),
+                      *(f"{v / gib:.1f}" for v in m.parts().values()),
+                      f"{m.total / gib:.1f}", f"{e.comm.total / 1e9:.1f}", f"{e.time.step_s:.2f}",
+                      f"{e.time.tokens_per_s_per_gpu:,.0f}")
+    console.print(table)
+    if len(fitting) > top:
+        console.print(f"... and {len(fitting) - top} more that fit (--top N to see them, --json for all)")
+    rejected = [e for e in estimates if not e.fits]
+    if rejected:
+        console.print(f"[red]{len(rejected)} plan(s) predicted not to fit[/red] (capacity "
+                      f"{rejected[0].capacity_bytes / gib:.1f} GiB per GPU):")
+        by_strategy: Counter = Counter(strategy_label(e.plan.to_dict()).split()[0] for e in rejected)
+        shown = set()
+        for e in rejected:
+            label = strategy_label(e.plan.to_dict()).split()[0]
+            if label in shown:
+                continue
+            shown.add(label)
+            console.print(f"  - {label} ({by_strategy[label]} plan(s)), e.g. {strategy_label(e.plan.to_dict())}: "
+                          f"{escape(e.overflow or '')}")
+    console.print(f"memory: {estimates[0].memory.method if estimates else '-'}; time: roofline with "
+                  f"{'fitted' if estimates and estimates[0].extras.get('fitted') else 'default'} constants")

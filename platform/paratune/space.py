@@ -62,6 +62,18 @@ class SearchSettings(_Strict):
     remeasure_rounds: int = Field(2, ge=0, le=10)
 
 
+class EstimateSettings(_Strict):
+    """The cost model's part in a sweep (paratune.estimate)."""
+
+    # Device of the table (`paratune plan --devices`), or auto: the cluster's GPU type, else "cpu".
+    device: str = "auto"
+    # Skip plans predicted over min(device memory, memory_budget_gb) by more than `margin`.
+    skip_predicted_oom: bool = True
+    margin: float = Field(0.05, ge=0.0, le=1.0)
+    # The first trials measure the plans predicted fastest (then the searcher takes over).
+    start_from_predicted: int = Field(2, ge=0, le=20)
+
+
 class SpacePart(_Strict):
     strategy: dict[str, dict[str, list[Any]]] = Field(default_factory=lambda: {"ddp": {}})
     micro_batch: list[int] | None = None
@@ -110,6 +122,7 @@ class SpaceFile(_Strict):
     objective: Objective = Field(default_factory=Objective)
     space: SpacePart = Field(default_factory=SpacePart)
     search: SearchSettings = Field(default_factory=SearchSettings)
+    estimate: EstimateSettings = Field(default_factory=EstimateSettings)
 
     @field_validator("fixed")
     @classmethod

@@ -175,8 +175,10 @@ def _trainable(config: dict[str, Any], *, plans: dict[str, dict], storage: str) 
                  "trial_result": result.model_dump_json()})
 
 
-def _searcher(space: Space, algorithm: str, seed: int, ledger: Ledger, budget_gb: float | None, trials: int):
-    """OptunaSearch (TPE or random) that never proposes a point twice and starts from the ledger."""
+def _searcher(space: Space, algorithm: str, seed: int, ledger: Ledger, budget_gb: float | None, trials: int,
+              first: list[str] | None = None):
+    """OptunaSearch (TPE or random) that never proposes a point twice, starts from the ledger and
+    then measures `first` (the plans predicted fastest) before sampling."""
     import optuna
     from ray.tune.search import Searcher
     from ray.tune.search.optuna import OptunaSearch
@@ -197,6 +199,9 @@ def _searcher(space: Space, algorithm: str, seed: int, ledger: Ledger, budget_gb
                 params, dists = tree.optuna_params(entry.key)
                 self._ot_study.add_trial(optuna.trial.create_trial(params=params, distributions=dists, value=value))
                 self.known[entry.key] = value
+            for key in first or []:
+                if key not in self.known:
+                    self._ot_study.enqueue_trial(tree.optuna_params(key)[0])
 
         def save(self, checkpoint_path: str) -> None:
             """No Tune checkpoint of the searcher: paratune resumes from its ledger instead."""
@@ -255,6 +260,7 @@ class SweepReport:
     winner_parity: float | None = None
     time_split: dict[str, float] = field(default_factory=dict)
     pruning: str = ""
+    calibration: dict[str, Any] = field(default_factory=dict)  # the cost model's errors and constants
 
 
 class SweepError(RuntimeError):
@@ -319,6 +325,7 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
                            "paratune.device": _device_tag(), "paratune.space": space.spec.name})}
         state_path.write_text(json.dumps(state, indent=2))
     parent = state["parent_run_id"]
+    space, calibration, ranked = _predict(space, budget_gb, console)
     console.print(space.pruning_report())
     done = len(ledger.search_entries())
     remaining = max(0, trials - done)
@@ -333,18 +340,21 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
     remaining = min(remaining, len(plans) - len(ledger.keys()))
 
     if remaining > 0:
-        callback = _LedgerCallback(ledger, tracker, parent, budget_gb, console, total=done + remaining, plans=plans)
+        callback = _LedgerCallback(ledger, tracker, parent, budget_gb, console, total=done + remaining, plans=plans,
+                                   calibration=calibration)
         trainable = tune.with_resources(
             tune.with_parameters(_trainable, plans=plans, storage=str(out_dir / "ray")),
             {"CPU": 0, "memory": 1},  # the trial's workers hold the CPUs; 1 CPU here deadlocks 2-CPU clusters
         )
         if algorithm == "grid":
-            todo = [k for k in plans if k not in ledger.keys()][:remaining]
+            todo = sorted((k for k in plans if k not in ledger.keys()), key=lambda k: ranked.get(k, len(ranked)))
+            todo = todo[:remaining]
             tune_config = tune.TuneConfig(num_samples=1, max_concurrent_trials=_concurrency(space))
             param_space = {"point": tune.grid_search(todo)}
         else:
             tune_config = tune.TuneConfig(
-                search_alg=_searcher(space, algorithm, seed, ledger, budget_gb, trials),
+                search_alg=_searcher(space, algorithm, seed, ledger, budget_gb, trials,
+                                     first=sorted(ranked, key=ranked.get)[: space.spec.estimate.start_from_predicted]),
                 num_samples=remaining, max_concurrent_trials=_concurrency(space))
             param_space = {}
         tuner = tune.Tuner(trainable, param_space=param_space, tune_config=tune_config,
@@ -353,9 +363,65 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
         tuner.fit()
 
     report = SweepReport(out_dir, parent, ledger.entries, pruning=space.pruning_report())
-    _finish(space, report, ledger, tracker, budget_gb, console)
+    if calibration is not None and not calibration.errors:  # resumed: calibrate on the ledger
+        for e in ledger.search_entries():
+            _observe(calibration, e.result)
+    _finish(space, report, ledger, tracker, budget_gb, console, calibration)
     report.time_split["sweep_wall_s"] = time.perf_counter() - t_sweep
     return report
+
+
+def _predict(space: Space, budget_gb: float | None, console: Console):
+    """The cost model before anything runs: skip plans predicted not to fit (counted with the
+    static pruning, reason and an example recorded), rank the rest by predicted speed.
+    Returns (the space without the skipped plans, the calibration, point key -> predicted rank)."""
+    import dataclasses
+
+    import ray
+
+    from paratune.estimate import Calibration, device_for_cluster
+
+    settings = space.spec.estimate
+    first = space.candidates[0].plan
+    try:
+        device = device_for_cluster(settings.device, ray.cluster_resources(), first.num_workers)
+        capacity = min(device.memory_gib, budget_gb) if budget_gb else device.memory_gib
+        calibration = Calibration(device, capacity)
+        estimates = {c.key: calibration.predict(c.plan, settings.margin) for c in space.candidates}
+    except Exception as err:  # noqa: BLE001 - the sweep still runs, unguided, and says so
+        console.print(f"[yellow]no predictions ({type(err).__name__}: {escape(str(err))[:300]}); "
+                      "every plan will be measured[/yellow]")
+        return space, None, {}
+    kept = [c for c in space.candidates if estimates[c.key].fits or not settings.skip_predicted_oom]
+    if not kept:
+        smallest = min(estimates.values(), key=lambda e: e.memory.total)
+        raise SweepError(f"every plan is predicted not to fit on {device.name}; the smallest: "
+                         f"{strategy_label(smallest.plan.to_dict())}: {smallest.overflow}. Raise "
+                         "estimate.margin, add sharding/offload/checkpointing to the space, or set "
+                         "estimate.skip_predicted_oom: false to measure anyway")
+    removed, examples = space.removed.copy(), dict(space.examples)
+    for c in space.candidates:
+        if c not in kept:
+            rule = f"predicted out of memory on {device.name} (over {estimates[c.key].capacity_bytes / 2**30:.1f} GiB by > {settings.margin:.0%})"
+            removed[rule] += 1
+            examples.setdefault(rule, f"{strategy_label(c.plan.to_dict())}: {estimates[c.key].overflow}")
+    space = dataclasses.replace(space, candidates=kept, removed=removed, examples=examples)
+    order = sorted(kept, key=lambda c: -estimates[c.key].time.tokens_per_s_per_gpu)
+    env0 = space.env_grid()[0] if space.env_grid() else {}
+    ranked: dict[str, int] = {}
+    for rank, c in enumerate(order):
+        for env in space.env_grid() or [{}]:
+            ranked.setdefault(point_key(c.choices, env), rank * 1000 + (0 if env == env0 else 1))
+    return space, calibration, ranked
+
+
+def _observe(calibration, result: TrialResult) -> dict[str, float]:
+    """Predicted beside measured for one trial (and a refit of the time model)."""
+    if calibration is None:
+        return {}
+    plan = load_plan_dict(result.plan)
+    peak = max(result.peak_memory_bytes) if result.ok and result.peak_memory_bytes else None
+    return calibration.observe(plan, peak, result.step_time_median_s if result.ok else None)
 
 
 def _device_tag() -> str:
@@ -369,8 +435,9 @@ class _LedgerCallback(Callback):
     """Driver side: as each trial finishes, record it in the ledger and MLflow, and say so."""
 
     def __init__(self, ledger: Ledger, tracker, parent: str, budget_gb: float | None, console: Console, total: int,
-                 plans: dict[str, dict]):
+                 plans: dict[str, dict], calibration=None):
         self.ledger, self.tracker, self.parent, self.plans = ledger, tracker, parent, plans
+        self.calibration = calibration
         self.budget_gb, self.console, self.total = budget_gb, console, total
 
     def __getstate__(self) -> dict:
@@ -385,7 +452,7 @@ class _LedgerCallback(Callback):
         result = apply_budget(result, self.budget_gb)
         # The ledger first (the durable record), then MLflow (idempotent; a resume fills gaps).
         self.ledger.append(LedgerEntry(number, key, result, "search"))
-        self.tracker.log_trial(self.parent, number, result)
+        self.tracker.log_trial(self.parent, number, result, extra_metrics=_observe(self.calibration, result))
         what = f"{result.tokens_per_s_per_gpu:,.0f} tokens/s/GPU" if result.ok else f"[red]{result.reason}[/red]: {escape(result.message or '')}"
         self.console.print(f"trial {number}/{self.total} {strategy_label(result.plan)}: {what}")
 
@@ -401,7 +468,8 @@ class _LedgerCallback(Callback):
             self._record(key, TrialResult.failed(self.plans[key], "error", str(error)[:2000]))
 
 
-def _finish(space: Space, report: SweepReport, ledger: Ledger, tracker, budget_gb: float | None, console: Console) -> None:
+def _finish(space: Space, report: SweepReport, ledger: Ledger, tracker, budget_gb: float | None, console: Console,
+            calibration=None) -> None:
     """Re-measure the top plans side by side, decide with the noise, check parity, export."""
     from paratune.export import export_winner
     from paratune.verdict import Standing, complexity, decide
@@ -455,6 +523,12 @@ def _finish(space: Space, report: SweepReport, ledger: Ledger, tracker, budget_g
         export_winner(plan, out_dir_winner, summary)
         best_metrics = {"tokens_per_s_per_gpu": winner.median, "relative_spread": winner.relative_spread,
                         "parity_max_abs_loss_diff": parity}
+    if calibration is not None:
+        from mlflow.entities import Metric
+
+        report.calibration = {"device": calibration.device.name, **calibration.summary()}
+        tracker.client.log_batch(report.parent_run_id, metrics=[
+            Metric(f"calibration_{k}", float(v), 0, 0) for k, v in report.calibration.items() if isinstance(v, float)])
     tracker.finish_parent(report.parent_run_id, best_metrics, winner.plan if winner else None,
                           report.winner_dir)
 

@@ -99,7 +99,7 @@ class SweepTracker:
         return done
 
     def log_trial(self, parent_id: str, number: int, result: TrialResult, phase: str = "search",
-                  extra_params: dict[str, Any] | None = None) -> str:
+                  extra_params: dict[str, Any] | None = None, extra_metrics: dict[str, float] | None = None) -> str:
         """A child run: the flattened plan as params, measurements as metrics, loss/time series.
 
         Idempotent per (phase, number): logging a trial that is already there returns that run,
@@ -123,7 +123,7 @@ class SweepTracker:
         params = {**flatten_dict(result.plan), "status": result.status, "failure_reason": result.reason or "none",
                   **(extra_params or {})}
         self._log_params(run_id, params)
-        metrics = [Metric(k, v, 0, 0) for k, v in trial_metrics(result).items()]
+        metrics = [Metric(k, float(v), 0, 0) for k, v in {**trial_metrics(result), **(extra_metrics or {})}.items()]
         metrics += [Metric("loss", v, 0, i) for i, v in enumerate(result.losses)]
         metrics += [Metric("step_time_s", v, 0, i) for i, v in enumerate(result.step_times_s)]
         for i in range(0, len(metrics), 500):

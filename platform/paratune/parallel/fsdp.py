@@ -63,9 +63,13 @@ def parallelize_fsdp(model: nn.Module, plan: Plan, device: torch.device, local_w
                 block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + opts.prefetch])
                 block.set_modules_to_backward_prefetch(blocks[max(0, i - opts.prefetch) : i][::-1])
 
+    sharded = opts.sharding != "no_shard"
+
     def sync_context(step: int, last_micro: bool):
-        # Reduce-scatter (or all-reduce) only after the last micro-batch of the step.
-        model.set_requires_gradient_sync(last_micro)
+        # Sharded: reduce-scatter after every micro-batch, so only gradient shards accumulate
+        # (skipping it would hold the whole model's unsharded gradients on every rank, which is
+        # what sharding is for avoiding). Replicated: all-reduce after the last micro-batch only.
+        model.set_requires_gradient_sync(last_micro or sharded)
         return contextlib.nullcontext()
 
     return StepRunner(model, make_optimizer(model.parameters(), plan), plan, device, sync_context)

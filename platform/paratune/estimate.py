@@ -1,0 +1,615 @@
+"""Predict before you spend: peak memory per GPU, communication per step and step time of a plan.
+
+Memory follows docs/DESIGN.md ("Memory model"), per rank, in five parts:
+- weights, gradients, optimizer states: bytes per parameter by strategy and precision, divided by
+  the ranks that shard them (ZeRO/FSDP over dp; TP and PP split the model first);
+- activations: what one micro-batch's forward saves for backward, plus the loss's logits buffers.
+  By default measured *exactly* by tracing the model's forward on fake tensors with PyTorch's
+  MemTracker (no memory, any size: a 1- and a 2-layer copy of the model give the per-layer and
+  the rest), scaled by tokens and layers; `activation_model="formula"` uses the DESIGN.md
+  formula instead (s·b·h·(34 + 5·a·s/h) bytes per layer at 16 bits; 2·s·b·h with recompute);
+- communication buffers (DeepSpeed buckets, FSDP's gathered and reduce-scatter buffers).
+The peak is taken at the start of the last micro-batch's backward: every activation is alive,
+the logits gradient is being formed, and whatever gradients accumulate between micro-batches are
+held (DDP's buckets always; FSDP2's unsharded gradients under no-sync accumulation).
+
+Where this differs from DeepSpeed's own estimators (`estimate_zero2_model_states_mem_needs`,
+`estimate_zero3_model_states_mem_needs_*`, checked in tests/test_estimate.py): DeepSpeed counts
+fp16/bf16 weights and gradients (4P) plus 16P/N for the fp32 master, moments and fp32 gradient
+partition (ZeRO-2; ZeRO-3 accumulates that partition in fp32 and has no 16-bit one). paratune
+counts the same model states for ZeRO in bf16 at the optimizer step, and then: (a) the fp32 copy
+of the gradient partition exists only at the step, not at the backward peak, so the peak is the
+larger of the two moments; (b) in fp32 DeepSpeed still makes an fp32 copy of each partition (its
+flat groups), so the "master" is counted in fp32 too; (c) ZeRO-3 adds the prefetch bucket in
+flight to DeepSpeed's "largest layer x 4 bytes"; (d) the bucket buffers, which DeepSpeed's
+estimator leaves out, are counted (its default 5e8-element buckets are 2 GB in fp32).
+
+Time is a roofline: compute = model FLOPs (x4/3 with full recompute) over the device's dense
+peak; communication = ring-collective bytes over the slowest link the group spans; the DP part
+overlaps with backward, TP's does not; PP adds its bubble. Three constants (compute efficiency,
+communication efficiency, a fixed per-step overhead) are fitted from measured trials
+(`fit_time_constants`); until then DESIGN.md's reference MFU (~40%) and 70% of link bandwidth.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+from paratune.plan import Plan
+
+GiB = 2**30
+BYTES = {"fp32": 4, "bf16": 2}
+ActivationModel = Literal["trace", "formula"]
+
+
+# --------------------------------------------------------------------------- devices
+@dataclass(frozen=True)
+class Device:
+    """One accelerator (per-GPU figures). Links: the bandwidth one GPU gets in a ring collective."""
+
+    name: str
+    memory_gib: float
+    tflops: dict[str, float]  # dense peak per precision
+    intra_node_gbps: float  # GB/s per GPU inside a node (NVLink)
+    inter_node_gbps: float  # GB/s per GPU across nodes (InfiniBand/EFA)
+    gpus_per_node: int = 8
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * GiB
+
+
+def load_devices(extra: str | Path | None = None) -> dict[str, Device]:
+    """The shipped device table (presets/devices.json), extended or overridden by a user file
+    (JSON or YAML, same fields)."""
+    text = resources.files("paratune").joinpath("presets/devices.json").read_text()
+    table = {k: v for k, v in json.loads(text).items() if not k.startswith("_")}
+    if extra is not None:
+        from paratune.plan import read_yaml_mapping
+
+        table.update(read_yaml_mapping(Path(extra), "device table"))
+    devices = {}
+    for name, spec in table.items():
+        try:
+            devices[name] = Device(name=name, **spec)
+        except TypeError as err:
+            raise ValueError(f"device {name}: {err}; fields: memory_gib, tflops, intra_node_gbps, "
+                             "inter_node_gbps, gpus_per_node") from err
+    return devices
+
+
+def get_device(name: str, extra: str | Path | None = None) -> Device:
+    devices = load_devices(extra)
+    if name not in devices:
+        raise ValueError(f"device: got '{name}'; allowed: {', '.join(sorted(devices))} (or add it with --devices FILE)")
+    return devices[name]
+
+
+# --------------------------------------------------------------------------- model shape
+@dataclass(frozen=True)
+class ModelShape:
+    """Parameter counts by place (exact, from the real architecture on the meta device)."""
+
+    total: int
+    embedding: int
+    head: int  # untied LM head (0 when tied)
+    layer: int  # one decoder block
+    rest: int  # final norm and anything else outside the blocks
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    compute: int  # N in 6N
+
+
+@lru_cache(maxsize=64)
+def _shape_from_json(config_json: str) -> ModelShape:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from paratune.models import decoder_blocks, parameter_counts
+
+    data = json.loads(config_json)
+    config = AutoConfig.for_model(data.pop("model_type"), **data)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    counts = parameter_counts(config)
+    embedding = model.get_input_embeddings().weight.numel()
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    head = 0 if tied else model.get_output_embeddings().weight.numel()
+    blocks = decoder_blocks(model)
+    layer = sum(p.numel() for p in blocks[0].parameters())
+    heads = config.num_attention_heads
+    return ModelShape(
+        total=counts["total"], embedding=embedding, head=head, layer=layer,
+        rest=counts["total"] - embedding - head - layer * len(blocks), layers=len(blocks), hidden=config.hidden_size,
+        intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size), vocab=config.vocab_size,
+        heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, compute=counts["compute"])
+
+
+def _config_json(config) -> str:
+    data = config.to_dict()
+    keep = {k: v for k, v in data.items() if not k.startswith("_") and k not in ("transformers_version",)}
+    return json.dumps(keep, sort_keys=True, default=str)
+
+
+def model_shape(plan: Plan) -> ModelShape:
+    from paratune.models import build_config
+
+    return _shape_from_json(_config_json(build_config(plan.model, plan.model_overrides)))
+
+
+# --------------------------------------------------------------------------- activations
+@dataclass(frozen=True)
+class ActivationCoefficients:
+    """What one micro-batch's forward saves for backward: bytes per token, per decoder block and
+    for the rest, and bytes that do not grow with tokens (autocast's low-precision weight copies,
+    saved for backward when the parameters themselves are fp32, as under DDP)."""
+
+    per_layer: float
+    rest: float
+    method: str
+    per_layer_fixed: float = 0.0
+    rest_fixed: float = 0.0
+
+
+@lru_cache(maxsize=64)
+def _traced_coefficients(config_json: str, checkpointing: str, precision: str) -> ActivationCoefficients:
+    """Trace the forward of a 1- and a 2-layer copy of the model, at 64 and 128 tokens, on fake
+    tensors (no memory) with PyTorch's MemTracker: their differences give one block's and the
+    rest's bytes per token and the parts that do not grow with tokens. Linear in tokens (SDPA
+    keeps no s x s matrix)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    saved: dict[tuple[int, int], float] = {}
+    for layers in (1, 2):
+        data = json.loads(config_json)
+        data["num_hidden_layers"] = layers
+        config = AutoConfig.for_model(data.pop("model_type"), **data)
+        for tokens in (64, 128):
+            with FakeTensorMode():
+                model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+                model.train()
+                if checkpointing == "full":
+                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                ids = torch.randint(0, config.vocab_size, (1, tokens))
+                tracker = MemTracker()
+                tracker.track_external(model)
+                with tracker:
+                    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16"
+                                else torch.autocast("cpu", enabled=False))
+                    with autocast:
+                        loss = model(input_ids=ids, labels=ids).loss  # held: its graph is what is saved
+                    snapshot = tracker.get_tracker_snapshot("current")
+                    del loss
+            params = sum(p.numel() * p.element_size() for p in model.parameters())
+            saved[(layers, tokens)] = sum(v.get("Total", 0) for v in snapshot.values()) - params
+    layer_64, layer_128 = saved[(2, 64)] - saved[(1, 64)], saved[(2, 128)] - saved[(1, 128)]
+    rest_64, rest_128 = saved[(1, 64)] - layer_64, saved[(1, 128)] - layer_128
+    per_layer, rest = (layer_128 - layer_64) / 64, (rest_128 - rest_64) / 64
+    return ActivationCoefficients(per_layer=per_layer, rest=rest, method="traced (fake tensors, MemTracker)",
+                                  per_layer_fixed=max(0.0, layer_64 - 64 * per_layer),
+                                  rest_fixed=max(0.0, rest_64 - 64 * rest))
+
+
+def _formula_coefficients(shape: ModelShape, checkpointing: str, precision: str, seq_len: int) -> ActivationCoefficients:
+    """DESIGN.md: s·b·h·(34 + 5·a·s/h) bytes per layer at 16 bits (x2 in fp32); 2·s·b·h with
+    full recompute; the rest is the logits (tokens x vocab) in fp32."""
+    scale = BYTES[precision] / 2
+    h, a = shape.hidden, shape.heads
+    per_layer = (2 * h if checkpointing == "full" else h * (34 + 5 * a * seq_len / h)) * scale
+    return ActivationCoefficients(per_layer=per_layer, rest=4.0 * shape.vocab + 2 * h * scale, method="formula (DESIGN.md)")
+
+
+def activation_coefficients(plan: Plan, model: ActivationModel = "trace") -> ActivationCoefficients:
+    shape = model_shape(plan)
+    if model == "trace":
+        from paratune.models import build_config
+
+        try:
+            return _traced_coefficients(_config_json(build_config(plan.model, plan.model_overrides)),
+                                        plan.activation_checkpointing, plan.precision)
+        except Exception:  # noqa: BLE001 - a model the fake-tensor trace cannot follow
+            pass
+    return _formula_coefficients(shape, plan.activation_checkpointing, plan.precision, plan.seq_len)
+
+
+# --------------------------------------------------------------------------- memory
+@dataclass
+class MemoryEstimate:
+    """Predicted peak bytes per rank, by part."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    comm_buffers: float
+    method: str = ""
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.comm_buffers
+
+    def parts(self) -> dict[str, float]:
+        return {"weights": self.weights, "gradients": self.gradients, "optimizer": self.optimizer,
+                "activations": self.activations, "comm_buffers": self.comm_buffers}
+
+    def overflow(self, capacity_bytes: float) -> str | None:
+        """None if it fits; else the reason, naming the part that overflows."""
+        if self.total <= capacity_bytes:
+            return None
+        parts = self.parts()
+        big = max(parts, key=parts.get)
+        states = self.weights + self.gradients + self.optimizer
+        if states > capacity_bytes:
+            what = f"weights+grads+optimizer {states / GiB:.1f} GiB alone"
+        else:
+            what = f"{big} {parts[big] / GiB:.1f} GiB is the largest part"
+        return f"predicted {self.total / GiB:.1f} GiB > {capacity_bytes / GiB:.1f} GiB per GPU ({what})"
+
+
+def _local_params(plan: Plan, shape: ModelShape) -> tuple[float, float]:
+    """(parameters this rank's model-parallel slice holds, of which in one decoder block).
+
+    TP shards every block and the (vocab-parallel) embedding and head; norms are small and
+    counted as sharded. PP gives a stage its layers; the heavier end stage (embedding on the
+    first, norm and head on the last) sets the peak."""
+    t, p = plan.tp, plan.pp
+    layers_here = math.ceil(shape.layers / p)
+    if p > 1:
+        ends = max(shape.embedding, shape.head + shape.rest if shape.head else shape.embedding + shape.rest)
+    else:
+        ends = shape.embedding + shape.head + shape.rest
+    return (layers_here * shape.layer + ends) / t, shape.layer / t
+
+
+@dataclass
+class ModelStates:
+    """Bytes per rank of the model's state. `step_gradients`: gradient bytes that exist only at
+    the optimizer step (DeepSpeed's fp32 copy of the gradient partition)."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    buffers: float
+    step_gradients: float = 0.0
+
+
+def model_states(plan: Plan, shape: ModelShape | None = None) -> ModelStates:
+    """Weights, gradients, optimizer states and communication buffers per rank, by strategy.
+
+    At the start of the last micro-batch's backward (the activation peak): gradients are those
+    that accumulate between micro-batches; at the optimizer step add `step_gradients`."""
+    shape = shape or model_shape(plan)
+    local, layer = _local_params(plan, shape)
+    dp, ga, pb = plan.dp_degree, plan.grad_accum, BYTES[plan.precision]
+    if plan.strategy == "ddp":
+        # Autocast keeps fp32 parameters; gradients live in DDP's buckets (views) all the time.
+        unbucketed = plan.ddp is not None and not plan.ddp.gradient_as_bucket_view
+        return ModelStates(4 * local, 4 * local, 8 * local, 4 * local if unbucketed else 0.0)
+    if plan.strategy == "fsdp":
+        f = plan.fsdp
+        assert f is not None
+        shard = {"full": dp, "grad_op": dp, "hybrid": f.shard_group_size or plan.gpus_per_node or dp,
+                 "no_shard": 1}[f.sharding]
+        shard = max(1, min(shard, dp))
+        weights, optim = 4 * local / shard, 8 * local / shard  # fp32 shards and their moments
+        root = (shape.embedding + shape.head + shape.rest) / plan.tp
+        if shard > 1:
+            if f.reshards_after_forward:
+                weights += pb * (layer * (1 + f.prefetch) + root)  # gathered: blocks in flight + root
+            else:
+                weights += pb * local  # grad_op: everything stays gathered until backward
+            # Reduce-scattered every micro-batch: only shards accumulate (fp32).
+            grads, buffers = (4 * local / shard if ga > 1 else 0.0), 4 * layer  # + the block being reduced
+            step = 4 * local / shard if ga == 1 else 0.0
+        else:
+            grads, buffers, step = 4 * local, 0.0, 0.0
+        if f.cpu_offload:  # shards, their gradients and the optimizer live in host memory
+            weights, optim, grads, step = weights - 4 * local / shard, 0.0, 0.0, 0.0
+        return ModelStates(weights, grads, optim, buffers, step)
+    z = plan.zero
+    assert z is not None
+    stage, part = z.stage, dp if z.stage >= 1 else 1
+    weights = pb * local / (dp if stage == 3 else 1)
+    # Gathered under ZeRO-3: the largest module in use and its gradient (DeepSpeed's own
+    # "largest layer" term), plus the prefetch bucket.
+    largest = max(layer, shape.embedding / plan.tp, shape.head / plan.tp)
+    gathered = pb * (2 * largest + min(z.stage3_prefetch_bucket_size, local))
+    if stage == 3:
+        weights += gathered
+    # DeepSpeed keeps an fp32 flat copy of each partition (the master, even in fp32) + 2 moments.
+    optim = (12 if stage >= 1 else 8) * local / part
+    step = 0.0
+    if stage == 3:
+        grads = 4 * local / dp  # ZeRO-3 accumulates its gradient partition in fp32
+    elif stage == 2:
+        grads = pb * local / dp  # the averaged gradient partition (bucket by bucket in backward)
+        step = 4 * local / dp  # + its fp32 copy for the optimizer step
+    else:
+        grads = pb * local if ga > 1 else 0.0  # whole gradients, reduced at the boundary
+        step = 4 * local / part if stage == 1 else 0.0
+    buffers = pb * min(z.reduce_bucket_size, max(local, 1)) * (2 if z.overlap_comm else 1)
+    if stage < 3:
+        buffers += pb * min(z.allgather_bucket_size, max(local / part, 1))
+    if z.offload_optimizer:  # master weights, moments and the fp32 gradients live in host memory
+        optim, step = 0.0, 0.0
+    if z.offload_param and stage == 3:
+        weights = gathered
+    return ModelStates(weights, grads, optim, buffers, step)
+
+
+def activation_bytes(plan: Plan, model: ActivationModel = "trace", shape: ModelShape | None = None) -> tuple[float, str]:
+    """Saved activations of the micro-batches a rank holds at once, plus the loss's logits gradient."""
+    shape = shape or model_shape(plan)
+    coeff = activation_coefficients(plan, model)
+    tokens = plan.micro_batch * plan.seq_len
+    layers_here = math.ceil(shape.layers / plan.pp)
+    in_flight = 1
+    if plan.pp > 1:  # micro-batches whose activations a stage holds at once
+        in_flight = plan.grad_accum if plan.pp_schedule == "gpipe" else min(plan.grad_accum, plan.pp)
+    tp_share = 1.0 / plan.tp if plan.sequence_parallel or plan.tp == 1 else 0.5 + 0.5 / plan.tp
+    acts = tokens * in_flight * (coeff.per_layer * layers_here * tp_share + coeff.rest)
+    if plan.strategy == "ddp":  # fp32 parameters under autocast: its bf16 weight copies are saved
+        acts += (coeff.per_layer_fixed * layers_here + coeff.rest_fixed) / plan.tp
+    acts += 2 * tokens * shape.vocab * 4  # the loss's fp32 logits gradient at the start of backward
+    return acts, coeff.method
+
+
+def estimate_memory(plan: Plan, model: ActivationModel = "trace") -> MemoryEstimate:
+    """Peak memory per rank: the larger of the backward peak (states + activations) and the
+    optimizer step (states + the step's gradient copies)."""
+    shape = model_shape(plan)
+    states = model_states(plan, shape)
+    acts, method = activation_bytes(plan, model, shape)
+    if states.step_gradients > acts:
+        return MemoryEstimate(states.weights, states.gradients + states.step_gradients, states.optimizer, 0.0,
+                              states.buffers, method=f"{method}; peak at the optimizer step")
+    return MemoryEstimate(states.weights, states.gradients, states.optimizer, acts, states.buffers, method=method)
+
+
+# --------------------------------------------------------------------------- communication
+@dataclass
+class CommVolume:
+    """Bytes one rank sends per optimizer step, by parallel dimension."""
+
+    dp: float
+    tp: float
+    pp: float
+
+    @property
+    def total(self) -> float:
+        return self.dp + self.tp + self.pp
+
+
+def comm_volume(plan: Plan) -> CommVolume:
+    """Ring-collective volume per rank (DESIGN.md "Communication model")."""
+    shape = model_shape(plan)
+    local, _ = _local_params(plan, shape)
+    dp, ga, pb = plan.dp_degree, plan.grad_accum, BYTES[plan.precision]
+    ring = 2 * (dp - 1) / dp if dp > 1 else 0.0  # all-reduce; half of it for a reduce-scatter or all-gather
+    if plan.strategy == "ddp" or (plan.strategy == "fsdp" and plan.fsdp and plan.fsdp.sharding == "no_shard"):
+        dp_bytes = ring * 4 * local  # fp32 gradients, once per step (no_sync between micro-batches)
+    elif plan.strategy == "fsdp":
+        gathers = 2 if plan.fsdp and plan.fsdp.reshards_after_forward else 1
+        dp_bytes = ring / 2 * ga * (gathers * pb * local + 4 * local)  # reduce-scatter every micro-batch
+    else:
+        stage = plan.zero.stage if plan.zero else 2
+        if stage == 3:
+            dp_bytes = ring / 2 * ga * (2 * pb * local + pb * local)
+        elif stage == 2:
+            dp_bytes = ring / 2 * (ga * pb * local + pb * local)  # reduce every micro-batch, one gather
+        else:
+            dp_bytes = ring * pb * local
+    tokens = plan.micro_batch * plan.seq_len
+    t = plan.tp
+    tp_bytes = (4 * math.ceil(shape.layers / plan.pp) * 2 * (t - 1) / t * tokens * shape.hidden * pb * ga) if t > 1 else 0.0
+    pp_bytes = 2 * tokens * shape.hidden * pb * ga if plan.pp > 1 else 0.0
+    return CommVolume(dp_bytes, tp_bytes, pp_bytes)
+
+
+# --------------------------------------------------------------------------- time
+@dataclass
+class TimeConstants:
+    """Achieved fraction of peak compute and of link bandwidth, and a fixed per-step cost."""
+
+    compute_efficiency: float = 0.4
+    comm_efficiency: float = 0.7
+    overhead_s: float = 0.0
+    fitted_on: int = 0  # trials the constants were fitted on (0: defaults)
+
+
+@dataclass
+class TimeEstimate:
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    bubble: float
+    step_s: float
+    tokens_per_s_per_gpu: float
+
+
+def _time_terms(plan: Plan, device: Device) -> tuple[float, float, float, float]:
+    """(ideal compute s, ideal DP comm s, ideal TP+PP comm s, pipeline bubble fraction)."""
+    from paratune.measure import flops_per_token
+
+    shape = model_shape(plan)
+    flops = flops_per_token(shape.compute, shape.layers, shape.heads, shape.head_dim, plan.seq_len)
+    flops *= plan.tokens_per_step / plan.num_workers
+    if plan.activation_checkpointing == "full":
+        flops *= 4 / 3  # one more forward
+    peak = device.tflops.get(plan.precision, device.tflops.get("fp32", 1.0)) * 1e12
+    compute = flops / peak
+    vol = comm_volume(plan)
+    per_node = plan.gpus_per_node or device.gpus_per_node
+    dp_span = plan.num_workers > per_node  # the dp ring crosses nodes once dp x tp x pp does
+    tp_span = plan.tp > per_node
+    bw = lambda crosses: (device.inter_node_gbps if crosses else device.intra_node_gbps) * 1e9  # noqa: E731
+    dp_s = vol.dp / bw(dp_span)
+    mp_s = vol.tp / bw(tp_span) + vol.pp / bw(plan.num_workers > per_node)
+    m = plan.grad_accum
+    bubble = (plan.pp - 1) / (m + plan.pp - 1) if plan.pp > 1 else 0.0
+    return compute, dp_s, mp_s, bubble
+
+
+def estimate_time(plan: Plan, device: Device, constants: TimeConstants | None = None) -> TimeEstimate:
+    c = constants or TimeConstants()
+    compute, dp_s, mp_s, bubble = _time_terms(plan, device)
+    compute /= c.compute_efficiency
+    comm = (dp_s + mp_s) / c.comm_efficiency
+    # DP collectives overlap with backward (about two thirds of compute); TP/PP ones do not.
+    exposed = max(0.0, dp_s / c.comm_efficiency - compute * 2 / 3) + mp_s / c.comm_efficiency
+    step = compute / (1 - bubble) + exposed + c.overhead_s
+    return TimeEstimate(compute, comm, exposed, bubble, step, plan.tokens_per_step / step / plan.num_workers)
+
+
+def fit_time_constants(samples: list[tuple[Plan, float]], device: Device) -> TimeConstants:
+    """Least squares of measured step time on the model's terms: step ≈ a·compute + b·comm + c,
+    with a, b, c >= 0 (a = 1/compute efficiency, b = 1/comm efficiency). With fewer than three
+    trials only a (then a and b) is fitted."""
+    import numpy as np
+
+    if not samples:
+        return TimeConstants()
+    rows, y = [], []
+    for plan, measured in samples:
+        compute, dp_s, mp_s, bubble = _time_terms(plan, device)
+        rows.append([compute / (1 - bubble), dp_s + mp_s, 1.0])
+        y.append(measured)
+    X, Y = np.array(rows), np.array(y)
+    n = len(samples)
+    cols = [0] if n < 2 else [0, 1] if n < 3 else [0, 1, 2]
+    coef = np.zeros(3)
+    active = list(cols)
+    for _ in range(3):  # drop terms that come out negative (non-negative least squares, by hand)
+        sol, *_ = np.linalg.lstsq(X[:, active], Y, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0
+            coef[active] = sol
+            break
+        active = [c for c, v in zip(active, sol) if v > 0] or [0]
+    a, b, c = coef
+    return TimeConstants(compute_efficiency=1 / a if a > 0 else 1.0, comm_efficiency=1 / b if b > 0 else 1e9,
+                         overhead_s=float(c), fitted_on=n)
+
+
+# --------------------------------------------------------------------------- together
+@dataclass
+class Estimate:
+    plan: Plan
+    memory: MemoryEstimate
+    comm: CommVolume
+    time: TimeEstimate
+    capacity_bytes: float
+    overflow: str | None = None
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return self.overflow is None
+
+    def summary(self) -> dict[str, float]:
+        """Flat numbers for MLflow and JSON."""
+        return {"predicted_peak_memory_gib": self.memory.total / GiB,
+                **{f"predicted_{k}_gib": v / GiB for k, v in self.memory.parts().items()},
+                "predicted_comm_gb_per_step": self.comm.total / 1e9,
+                "predicted_step_time_s": self.time.step_s,
+                "predicted_tokens_per_s_per_gpu": self.time.tokens_per_s_per_gpu}
+
+
+def estimate(plan: Plan, device: Device, constants: TimeConstants | None = None, capacity_gib: float | None = None,
+             margin: float = 0.0, activation_model: ActivationModel = "trace") -> Estimate:
+    """Memory, communication and time for one plan; `overflow` says why it would not fit in
+    min(device memory, capacity_gib) x (1 + margin)."""
+    memory = estimate_memory(plan, activation_model)
+    capacity = min(device.memory_bytes, capacity_gib * GiB if capacity_gib else math.inf)
+    result = Estimate(plan, memory, comm_volume(plan), estimate_time(plan, device, constants), capacity)
+    result.overflow = memory.overflow(capacity * (1 + margin))
+    return result
+
+
+def as_dict(obj) -> dict:
+    return asdict(obj)
+
+
+def estimate_space(space, device: Device, capacity_gib: float | None = None, margin: float = 0.0,
+                   constants: TimeConstants | None = None, activation_model: ActivationModel = "trace") -> list[Estimate]:
+    """Every valid plan of a space (env choices aside: they change neither memory nor volume),
+    those that fit first, fastest first; then those that do not, smallest first."""
+    results = [estimate(c.plan, device, constants, capacity_gib, margin, activation_model) for c in space.candidates]
+    return sorted(results, key=lambda e: (not e.fits, -e.time.tokens_per_s_per_gpu if e.fits else e.memory.total))
+
+
+class Calibration:
+    """Predictions for a sweep's plans, with the time model refitted on every measured trial.
+
+    Memory is predicted from first principles (nothing to fit); step time uses constants fitted
+    on the trials measured so far, so each trial's predicted time is an honest out-of-sample
+    guess made before it ran."""
+
+    def __init__(self, device: Device, capacity_gib: float | None, activation_model: ActivationModel = "trace"):
+        self.device, self.capacity_gib, self.activation_model = device, capacity_gib, activation_model
+        self.samples: list[tuple[Plan, float]] = []
+        self.constants = TimeConstants()
+        self.errors: list[dict[str, float]] = []
+
+    def predict(self, plan: Plan, margin: float = 0.0) -> Estimate:
+        return estimate(plan, self.device, self.constants, self.capacity_gib, margin, self.activation_model)
+
+    def observe(self, plan: Plan, measured_peak_bytes: float | None, measured_step_s: float | None) -> dict[str, float]:
+        """Record a measured trial: predicted beside measured, relative errors; then refit."""
+        predicted = self.predict(plan)
+        out = predicted.summary()
+        out["time_constants_fitted_on"] = float(self.constants.fitted_on)
+        if measured_peak_bytes:
+            out["memory_prediction_error"] = predicted.memory.total / measured_peak_bytes - 1
+        if measured_step_s:
+            out["step_time_prediction_error"] = predicted.time.step_s / measured_step_s - 1
+            self.samples.append((plan, measured_step_s))
+            self.constants = fit_time_constants(self.samples, self.device)
+        self.errors.append(out)
+        return out
+
+    def summary(self) -> dict[str, float]:
+        """Median absolute relative errors so far, and the fitted constants."""
+        import statistics
+
+        out: dict[str, float] = {}
+        for key in ("memory_prediction_error", "step_time_prediction_error"):
+            values = [abs(e[key]) for e in self.errors if key in e]
+            if values:
+                out[f"{key}_median_abs"] = statistics.median(values)
+        out.update(compute_efficiency=self.constants.compute_efficiency,
+                   comm_efficiency=min(self.constants.comm_efficiency, 1e6), overhead_s=self.constants.overhead_s)
+        return out
+
+
+def device_for_cluster(name: str, resources: dict[str, float], num_workers: int) -> Device:
+    """`auto`: the cluster's GPU type (Ray's accelerator_type resource) in the device table, or the
+    CPU with host memory shared by the workers."""
+    if name != "auto":
+        return get_device(name)
+    devices = load_devices()
+    for key in resources:
+        if key.startswith("accelerator_type:"):
+            gpu = key.split(":", 1)[1].lower()
+            for dev_name, dev in devices.items():
+                if dev_name.split("-")[0] == gpu:
+                    return dev
+    cpu = devices["cpu"]
+    host_gib = resources.get("memory", cpu.memory_gib * GiB * num_workers) / GiB
+    return Device("cpu", host_gib / max(1, num_workers), cpu.tflops, cpu.intra_node_gbps, cpu.inter_node_gbps,
+                  cpu.gpus_per_node)
