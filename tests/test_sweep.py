@@ -16,10 +16,10 @@ FIXED = {"model": "tiny-llama", "seq_len": 32, "global_batch": 8, "num_workers":
          "measure_steps": 2, "profile_comm": False, "lr": 0.01, "trial_timeout_s": 300}
 
 
-def _space(tmp_path, name, space, search, budget=None):
+def _space(tmp_path, name, space, search, budget=None, estimate=None):
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump({"name": name, "fixed": FIXED, "space": space, "search": search,
-                                    "objective": {"memory_budget_gb": budget}}))
+                                    "objective": {"memory_budget_gb": budget}, "estimate": estimate or {}}))
     return load_space(path)
 
 
@@ -32,9 +32,12 @@ def _children(client, parent_id, phase):
 def test_grid_sweep_logs_to_mlflow_and_resumes_without_rerunning(ray_local, tmp_path):
     # DeepSpeed's default 5e8-element buckets take ~2 GB per rank: over a 1 GB budget, so the
     # zero trial fails (oom, over budget) while the ddp ones succeed.
+    # (The cost model would skip it before launch; here it is told not to, so that a plan measured
+    # over budget is still caught.)
     space = _space(tmp_path, "grid", {"strategy": {"ddp": {"bucket_cap_mb": [25]}, "zero": {"stage": [2]}},
                                       "micro_batch": [2, 4]},
-                   {"algorithm": "grid", "trials": 2, "top_k": 2, "remeasure_rounds": 1}, budget=1.0)
+                   {"algorithm": "grid", "trials": 2, "top_k": 2, "remeasure_rounds": 1}, budget=1.0,
+                   estimate={"skip_predicted_oom": False})
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     out = tmp_path / "sweep"
     first = run_sweep(space, out, tracking_uri=uri)
@@ -81,13 +84,32 @@ def test_grid_sweep_logs_to_mlflow_and_resumes_without_rerunning(ray_local, tmp_
         run_sweep(load_space(space.source), out, resume=True, tracking_uri=uri)
 
 
-def test_tpe_never_proposes_a_point_twice(ray_local, tmp_path):
-    space = _space(tmp_path, "tpe", {"strategy": {"ddp": {}}, "micro_batch": [2, 4]},
-                   {"algorithm": "tpe", "trials": 4, "remeasure_rounds": 0, "seed": 3})
-    report = run_sweep(space, tmp_path / "sweep", tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    keys = [e.key for e in report.entries if e.phase == "search"]
-    assert len(keys) == 2 and len(set(keys)) == 2  # the space holds 2 points: the sweep stops there
+def test_tpe_skips_predicted_oom_starts_from_the_predicted_best_and_logs_the_calibration(ray_local, tmp_path):
+    # ZeRO-2 with DeepSpeed's default buckets is predicted at ~4 GiB per rank: over the 1 GiB
+    # budget, skipped before launch. The two DDP plans are measured, the predicted-faster one
+    # (no recomputation) first; TPE never proposes a point twice and stops when the space is spent.
+    space = _space(tmp_path, "tpe", {"strategy": {"ddp": {}, "zero": {"stage": [2]}}, "micro_batch": [4],
+                                     "activation_checkpointing": ["full", "none"]},
+                   {"algorithm": "tpe", "trials": 4, "remeasure_rounds": 0, "seed": 3}, budget=1.0,
+                   estimate={"device": "cpu", "start_from_predicted": 1})
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    report = run_sweep(space, tmp_path / "sweep", tracking_uri=uri)
+    assert "2 x predicted out of memory on cpu" in report.pruning and "comm_buffers" in report.pruning
+    search = [e for e in report.entries if e.phase == "search"]
+    assert len(search) == 2 and len({e.key for e in search}) == 2  # 2 points left: the sweep stops there
+    assert all(e.result.plan["strategy"] == "ddp" for e in search)
+    assert search[0].result.plan["activation_checkpointing"] == "none"
     assert report.verdict.winner is not None
+
+    client = MlflowClient(uri)
+    for run in _children(client, report.parent_run_id, "search"):
+        metrics = run.data.metrics
+        assert {"predicted_peak_memory_gib", "predicted_step_time_s", "memory_prediction_error",
+                "step_time_prediction_error"} <= set(metrics)
+        assert abs(metrics["memory_prediction_error"]) < 0.5
+    parent = client.get_run(report.parent_run_id).data.metrics
+    assert "calibration_memory_prediction_error_median_abs" in parent and parent["calibration_compute_efficiency"] > 0
+    assert report.calibration["device"] == "cpu"
 
 
 def test_sweep_over_parallel_degrees_logs_them(ray_local, tmp_path):

@@ -17,12 +17,14 @@ Where this differs from DeepSpeed's own estimators (`estimate_zero2_model_states
 `estimate_zero3_model_states_mem_needs_*`, checked in tests/test_estimate.py): DeepSpeed counts
 fp16/bf16 weights and gradients (4P) plus 16P/N for the fp32 master, moments and fp32 gradient
 partition (ZeRO-2; ZeRO-3 accumulates that partition in fp32 and has no 16-bit one). paratune
-counts the same model states for ZeRO in bf16 at the optimizer step, and then: (a) the fp32 copy
-of the gradient partition exists only at the step, not at the backward peak, so the peak is the
-larger of the two moments; (b) in fp32 DeepSpeed still makes an fp32 copy of each partition (its
-flat groups), so the "master" is counted in fp32 too; (c) ZeRO-3 adds the prefetch bucket in
-flight to DeepSpeed's "largest layer x 4 bytes"; (d) the bucket buffers, which DeepSpeed's
-estimator leaves out, are counted (its default 5e8-element buckets are 2 GB in fp32).
+counts the same model states for ZeRO-2 in bf16 at the optimizer step (tested equal), and then:
+(a) the fp32 copy of the gradient partition exists only at the step, not at the backward peak, so
+the peak is the larger of the two moments; (b) in fp32 DeepSpeed still makes an fp32 copy of each
+partition (seen in its flat groups), so the "master" is counted in fp32 too; (c) for ZeRO-3,
+DeepSpeed's estimator holds one largest layer (params + grads, 4 bytes) in flight, while its
+runtime keeps gathered parameters resident up to stage3_max_live_parameters (1e9 elements by
+default): paratune counts that; (d) the reduce bucket, which DeepSpeed's estimator leaves out, is
+counted at its configured size (the default 5e8 elements is 2 GB in fp32, even for a tiny model).
 
 Time is a roofline: compute = model FLOPs (x4/3 with full recompute) over the device's dense
 peak; communication = ring-collective bytes over the slowest link the group spans; the DP part
@@ -45,6 +47,7 @@ from paratune.plan import Plan
 
 GiB = 2**30
 BYTES = {"fp32": 4, "bf16": 2}
+ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters default
 ActivationModel = Literal["trace", "formula"]
 
 
@@ -325,13 +328,12 @@ def model_states(plan: Plan, shape: ModelShape | None = None) -> ModelStates:
     assert z is not None
     stage, part = z.stage, dp if z.stage >= 1 else 1
     weights = pb * local / (dp if stage == 3 else 1)
-    # Gathered under ZeRO-3: the largest module in use and its gradient (DeepSpeed's own
-    # "largest layer" term), plus the prefetch bucket.
-    largest = max(layer, shape.embedding / plan.tp, shape.head / plan.tp)
-    gathered = pb * (2 * largest + min(z.stage3_prefetch_bucket_size, local))
-    if stage == 3:
-        weights += gathered
-    # DeepSpeed keeps an fp32 flat copy of each partition (the master, even in fp32) + 2 moments.
+    if stage == 3 and dp > 1:
+        # Gathered parameters stay resident up to stage3_max_live_parameters (DeepSpeed's default
+        # 1e9 elements) plus the module in use; DeepSpeed's estimator assumes only its largest layer.
+        largest = max(layer, shape.embedding / plan.tp, shape.head / plan.tp)
+        weights += pb * min(local, ZERO3_MAX_LIVE_PARAMETERS + largest)
+    # An fp32 flat copy of each partition (the master; DeepSpeed makes it in fp32 too) + 2 moments.
     optim = (12 if stage >= 1 else 8) * local / part
     step = 0.0
     if stage == 3:
@@ -342,13 +344,16 @@ def model_states(plan: Plan, shape: ModelShape | None = None) -> ModelStates:
     else:
         grads = pb * local if ga > 1 else 0.0  # whole gradients, reduced at the boundary
         step = 4 * local / part if stage == 1 else 0.0
-    buffers = pb * min(z.reduce_bucket_size, max(local, 1)) * (2 if z.overlap_comm else 1)
-    if stage < 3:
-        buffers += pb * min(z.allgather_bucket_size, max(local / part, 1))
+    # The reduce bucket (ZeRO-2/3, with more than one rank) is allocated at its configured size
+    # whatever the model's: the default 5e8 elements is 2 GB in fp32. Two with overlap_comm
+    # (ZeRO-2). ZeRO-1 reduces at the boundary, after the backward peak.
+    buffers = 0.0
+    if stage >= 2 and dp > 1:
+        buffers = pb * z.reduce_bucket_size * (2 if z.overlap_comm and stage == 2 else 1)
     if z.offload_optimizer:  # master weights, moments and the fp32 gradients live in host memory
         optim, step = 0.0, 0.0
     if z.offload_param and stage == 3:
-        weights = gathered
+        weights -= pb * local / dp
     return ModelStates(weights, grads, optim, buffers, step)
 
 
@@ -429,6 +434,9 @@ class TimeConstants:
     compute_efficiency: float = 0.4
     comm_efficiency: float = 0.7
     overhead_s: float = 0.0
+    # Fixed cost of each micro-batch (kernel launches, Python, the loss): why bigger micro-batches
+    # run faster at the same compute.
+    micro_batch_overhead_s: float = 0.005
     fitted_on: int = 0  # trials the constants were fitted on (0: defaults)
 
 
@@ -472,14 +480,14 @@ def estimate_time(plan: Plan, device: Device, constants: TimeConstants | None = 
     comm = (dp_s + mp_s) / c.comm_efficiency
     # DP collectives overlap with backward (about two thirds of compute); TP/PP ones do not.
     exposed = max(0.0, dp_s / c.comm_efficiency - compute * 2 / 3) + mp_s / c.comm_efficiency
-    step = compute / (1 - bubble) + exposed + c.overhead_s
+    step = compute / (1 - bubble) + exposed + c.overhead_s + c.micro_batch_overhead_s * plan.grad_accum
     return TimeEstimate(compute, comm, exposed, bubble, step, plan.tokens_per_step / step / plan.num_workers)
 
 
 def fit_time_constants(samples: list[tuple[Plan, float]], device: Device) -> TimeConstants:
-    """Least squares of measured step time on the model's terms: step ≈ a·compute + b·comm + c,
-    with a, b, c >= 0 (a = 1/compute efficiency, b = 1/comm efficiency). With fewer than three
-    trials only a (then a and b) is fitted."""
+    """Least squares of measured step time on the model's terms:
+    step ≈ a·compute + b·comm + c + d·micro-batches, all >= 0 (a = 1/compute efficiency,
+    b = 1/comm efficiency). With few trials, fewer terms: a; then a, d; then all."""
     import numpy as np
 
     if not samples:
@@ -487,23 +495,23 @@ def fit_time_constants(samples: list[tuple[Plan, float]], device: Device) -> Tim
     rows, y = [], []
     for plan, measured in samples:
         compute, dp_s, mp_s, bubble = _time_terms(plan, device)
-        rows.append([compute / (1 - bubble), dp_s + mp_s, 1.0])
+        rows.append([compute / (1 - bubble), dp_s + mp_s, 1.0, float(plan.grad_accum)])
         y.append(measured)
     X, Y = np.array(rows), np.array(y)
     n = len(samples)
-    cols = [0] if n < 2 else [0, 1] if n < 3 else [0, 1, 2]
-    coef = np.zeros(3)
-    active = list(cols)
-    for _ in range(3):  # drop terms that come out negative (non-negative least squares, by hand)
+    active = [0] if n < 2 else [0, 3] if n < 4 else [0, 1, 2, 3]
+    coef = np.zeros(4)
+    for _ in range(4):  # drop terms that come out negative (non-negative least squares, by hand)
         sol, *_ = np.linalg.lstsq(X[:, active], Y, rcond=None)
         if (sol >= 0).all():
-            coef[:] = 0
             coef[active] = sol
             break
         active = [c for c, v in zip(active, sol) if v > 0] or [0]
-    a, b, c = coef
+    else:
+        coef[0] = float(np.dot(X[:, 0], Y) / np.dot(X[:, 0], X[:, 0]))
+    a, b, c, d = coef
     return TimeConstants(compute_efficiency=1 / a if a > 0 else 1.0, comm_efficiency=1 / b if b > 0 else 1e9,
-                         overhead_s=float(c), fitted_on=n)
+                         overhead_s=float(c), micro_batch_overhead_s=float(d), fitted_on=n)
 
 
 # --------------------------------------------------------------------------- together

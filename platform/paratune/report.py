@@ -132,10 +132,11 @@ def print_estimates(estimates, device, console: Console, top: int = 20, title: s
     """`paratune plan`: the plans predicted to fit, fastest first, then why the others do not."""
     from collections import Counter
 
-    gib = 2**30
     fitting = [e for e in estimates if e.fits]
+    big = max((e.memory.total for e in estimates), default=0) > 2 * 2**30
+    gib, unit = (2**30, "GiB") if big else (2**20, "MiB")
     table = Table(title=title or f"predicted on {device.name} ({device.memory_gib:g} GiB), fastest first")
-    for col in ("#", "plan", "options", "weights", "grads", "optim", "activ.", "buffers", "peak GiB",
+    for col in ("#", "plan", "options", "weights", "grads", "optim", "activ.", "buffers", f"peak {unit}",
                 "comm GB/step", "step s", "tokens/s/GPU"):
         table.add_column(col, justify="left" if col in ("plan", "options") else "right")
     for i, e in enumerate(fitting[:top], 1):
@@ -150,7 +151,7 @@ def print_estimates(estimates, device, console: Console, top: int = 20, title: s
     rejected = [e for e in estimates if not e.fits]
     if rejected:
         console.print(f"[red]{len(rejected)} plan(s) predicted not to fit[/red] (capacity "
-                      f"{rejected[0].capacity_bytes / gib:.1f} GiB per GPU):")
+                      f"{rejected[0].capacity_bytes / 2**30:.1f} GiB per GPU):")
         by_strategy: Counter = Counter(strategy_label(e.plan.to_dict()).split()[0] for e in rejected)
         shown = set()
         for e in rejected:

@@ -354,7 +354,8 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
         else:
             tune_config = tune.TuneConfig(
                 search_alg=_searcher(space, algorithm, seed, ledger, budget_gb, trials,
-                                     first=sorted(ranked, key=ranked.get)[: space.spec.estimate.start_from_predicted]),
+                                     first=[k for k in sorted(ranked, key=ranked.get) if ranked[k] % 1000 == 0]
+                                     [: space.spec.estimate.start_from_predicted]),
                 num_samples=remaining, max_concurrent_trials=_concurrency(space))
             param_space = {}
         tuner = tune.Tuner(trainable, param_space=param_space, tune_config=tune_config,

@@ -135,9 +135,13 @@ def _tracked_peak_bytes(runner, micro) -> tuple[int, str]:
 
     tracker = MemTracker()
     optimizer = runner.optimizer
+    held: list[torch.Tensor] = []
     if not isinstance(optimizer, torch.optim.Optimizer):  # DeepSpeed wraps the torch optimizer
+        # ...and keeps persistent buffers of its own (flat partitions, gradient partitions, the
+        # reduce bucket) allocated before this step: without them the peak would be too low.
+        held = _tensors_held_by(optimizer)
         optimizer = getattr(optimizer, "optimizer", None)
-    tracker.track_external(*(x for x in (runner.model, optimizer) if x is not None))
+    tracker.track_external(*(x for x in (runner.model, optimizer) if x is not None), *held)
     # MemTracker refuses a module called twice in one context, and every micro-batch calls the
     # model again: reset its per-module stats as each micro-batch enters (its peak is kept). A
     # global hook registered before the tracker's own runs first.
@@ -156,6 +160,28 @@ def _tracked_peak_bytes(runner, micro) -> tuple[int, str]:
     peak = tracker.get_tracker_snapshot("peak")
     total = sum(v.get("Total", 0) for v in peak.values())
     return int(total), "torch MemTracker (tensor storage, one extra step)"
+
+
+def _tensors_held_by(obj: object) -> list[torch.Tensor]:
+    """Tensors an object holds in its attributes, directly or in lists/tuples/dicts (one level)."""
+    found: dict[int, torch.Tensor] = {}
+
+    def add(value: object) -> None:
+        if isinstance(value, torch.Tensor) and not value.is_meta:
+            found.setdefault(id(value), value)
+
+    for value in vars(obj).values():
+        add(value)
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                add(item)
+                if isinstance(item, (list, tuple)):
+                    for inner in item:
+                        add(inner)
+        elif isinstance(value, dict):
+            for item in value.values():
+                add(item)
+    return list(found.values())
 
 
 def _local_parameter_count(runner) -> int:
