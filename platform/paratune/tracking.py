@@ -152,8 +152,13 @@ class SweepTracker:
         if best:
             self.client.log_batch(parent_id, metrics=[Metric(f"best_{k}", v, 0, 0) for k, v in best.items()])
         if winner:
+            # Tags, not params: a resumed sweep with more trials may crown another plan.
+            from mlflow.entities import RunTag
+
             self.client.set_tag(parent_id, "paratune.winner", strategy_label(winner))
-            self._log_params(parent_id, {f"winner.{k}": v for k, v in flatten_dict(winner).items()})
+            tags = [RunTag(f"winner.{k}", str(v)[:5000]) for k, v in sorted(flatten_dict(winner).items())]
+            for i in range(0, len(tags), 100):
+                self.client.log_batch(parent_id, tags=tags[i : i + 100])
         if winner_dir is not None and winner_dir.is_dir():
             self.client.log_artifacts(parent_id, str(winner_dir), artifact_path="winner")
         self.client.set_terminated(parent_id, status=status)
