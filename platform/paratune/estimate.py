@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -140,16 +140,10 @@ def _shape_from_json(config_json: str) -> ModelShape:
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, compute=counts["compute"])
 
 
-def _config_json(config) -> str:
-    data = config.to_dict()
-    keep = {k: v for k, v in data.items() if not k.startswith("_") and k not in ("transformers_version",)}
-    return json.dumps(keep, sort_keys=True, default=str)
-
-
 def model_shape(plan: Plan) -> ModelShape:
-    from paratune.models import build_config
+    from paratune.models import build_config, config_key
 
-    return _shape_from_json(_config_json(build_config(plan.model, plan.model_overrides)))
+    return _shape_from_json(config_key(build_config(plan.model, plan.model_overrides)))
 
 
 # --------------------------------------------------------------------------- activations
@@ -177,6 +171,8 @@ def _traced_coefficients(config_json: str, checkpointing: str, precision: str) -
     from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from paratune.parallel import enable_full_recompute
+
     saved: dict[tuple[int, int], float] = {}
     for layers in (1, 2):
         data = json.loads(config_json)
@@ -187,7 +183,7 @@ def _traced_coefficients(config_json: str, checkpointing: str, precision: str) -
                 model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
                 model.train()
                 if checkpointing == "full":
-                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                    enable_full_recompute(model)
                 ids = torch.randint(0, config.vocab_size, (1, tokens))
                 tracker = MemTracker()
                 tracker.track_external(model)
@@ -220,10 +216,10 @@ def _formula_coefficients(shape: ModelShape, checkpointing: str, precision: str,
 def activation_coefficients(plan: Plan, model: ActivationModel = "trace") -> ActivationCoefficients:
     shape = model_shape(plan)
     if model == "trace":
-        from paratune.models import build_config
+        from paratune.models import build_config, config_key
 
         try:
-            return _traced_coefficients(_config_json(build_config(plan.model, plan.model_overrides)),
+            return _traced_coefficients(config_key(build_config(plan.model, plan.model_overrides)),
                                         plan.activation_checkpointing, plan.precision)
         except Exception:  # noqa: BLE001 - a model the fake-tensor trace cannot follow
             pass
@@ -548,9 +544,6 @@ def estimate(plan: Plan, device: Device, constants: TimeConstants | None = None,
     result.overflow = memory.overflow(capacity * (1 + margin))
     return result
 
-
-def as_dict(obj) -> dict:
-    return asdict(obj)
 
 
 def estimate_space(space, device: Device, capacity_gib: float | None = None, margin: float = 0.0,

@@ -92,13 +92,18 @@ def _param_counts(config_json: str) -> tuple[int, int, int]:
     return total, embedding, head if tied else 0
 
 
+def config_key(config) -> str:
+    """A config as canonical JSON (model_type included): a cache key, and enough to rebuild it."""
+    data = config.to_dict()
+    keep = {k: v for k, v in data.items() if not k.startswith("_") and k not in ("transformers_version",)}
+    return json.dumps(keep, sort_keys=True, default=str)
+
+
 def parameter_counts(config) -> dict[str, int]:
     """Exact counts from the real architecture (built on the meta device: no memory, any size).
 
     `compute` is N in 6N: every parameter a token's matmuls touch, i.e. all but the input
     embedding lookup; a tied LM head is counted once as storage but still costs a matmul.
     """
-    data = config.to_dict()
-    keep = {k: v for k, v in data.items() if not k.startswith("_") and k not in ("transformers_version",)}
-    total, embedding, tied_head = _param_counts(json.dumps(keep, sort_keys=True, default=str))
+    total, embedding, tied_head = _param_counts(config_key(config))
     return {"total": total, "embedding": embedding, "compute": total - embedding + tied_head}

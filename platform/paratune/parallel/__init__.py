@@ -24,11 +24,15 @@ def make_optimizer(params, plan: Plan) -> torch.optim.Optimizer:
 def apply_activation_checkpointing(model: nn.Module, plan: Plan) -> None:
     """`full`: recompute every decoder block in backward (non-reentrant, works under DDP/FSDP2)."""
     if plan.activation_checkpointing == "full":
-        kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        enable_full_recompute(model)
+
+
+def enable_full_recompute(model: nn.Module) -> None:
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 class StepRunner:
