@@ -74,6 +74,6 @@ def export_winner(plan: Plan, out_dir: Path, summary: dict[str, Any]) -> list[Pa
     plan_path = str((out_dir / "plan.yaml").resolve())
     write("job.sh", "#!/usr/bin/env bash\n# Train with the winner on the Ray cluster (from the repo root; needs\n"
           "# RAY_AUTH_MODE=token and the cluster's token, see README 'On a GPU cluster'):\n"
-          + job_command(plan_path, name=f"{summary.get('sweep', 'winner')}-train") + "\n")
+          + job_command(plan_path, name=f"{out_dir.resolve().parent.name}-train") + "\n")  # one per sweep folder
     write("summary.json", json.dumps(summary, indent=2, default=str) + "\n")
     return written
