@@ -76,10 +76,8 @@ def _cmd_tune(args: argparse.Namespace, console: Console) -> int:
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     from paratune.training import run_training
 
-    try:
-        plan = load_plan(args.plan)
-    except PlanError as err:
-        console.print(f"[red]invalid plan[/red]\n{escape(str(err))}")
+    plan = _load_plan_or_say_why(args.plan, console)
+    if plan is None:
         return 2
     if args.workers:
         plan = plan.with_changes(num_workers=args.workers)
@@ -150,11 +148,18 @@ def _cmd_ui(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _cmd_validate(args: argparse.Namespace, console: Console) -> int:
+def _load_plan_or_say_why(path: str, console: Console):
+    """The plan, or None after printing what is wrong with it (field, value, what is allowed)."""
     try:
-        plan = load_plan(args.plan)
+        return load_plan(path)
     except PlanError as err:
         console.print(f"[red]invalid plan[/red]\n{escape(str(err))}")
+        return None
+
+
+def _cmd_validate(args: argparse.Namespace, console: Console) -> int:
+    plan = _load_plan_or_say_why(args.plan, console)
+    if plan is None:
         return 2
     console.print(plan.to_yaml())
     return 0
