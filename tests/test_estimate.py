@@ -144,3 +144,13 @@ def test_unknown_device_is_a_clear_error(capsys):
 
     assert main(["plan", "search_spaces/llama3_70b_4x8.yaml", "--device", "tpu-v9"]) == 2
     assert "device: got 'tpu-v9'; allowed: a100-40gb" in capsys.readouterr().out
+
+
+def test_offload_trades_memory_for_time():
+    device = get_device("h100-80gb")
+    plain = estimate(_plan(strategy="zero", zero={"stage": 3}), device)
+    offloaded = estimate(_plan(strategy="zero", zero={"stage": 3, "offload_optimizer": True}), device)
+    assert offloaded.memory.optimizer == 0 and offloaded.memory.total < plain.memory.total
+    # fp32 gradient partition down and bf16 parameters up over PCIe, every step, not overlapped.
+    extra = (4 + 2) * P_8B / 8 / (device.host_link_gbps * 1e9) / TimeConstants().comm_efficiency
+    assert offloaded.time.step_s - plain.time.step_s == pytest.approx(extra, rel=1e-6)

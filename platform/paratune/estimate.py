@@ -62,6 +62,7 @@ class Device:
     intra_node_gbps: float  # GB/s per GPU inside a node (NVLink)
     inter_node_gbps: float  # GB/s per GPU across nodes (InfiniBand/EFA)
     gpus_per_node: int = 8
+    host_link_gbps: float = 25.0  # GB/s between a GPU and host memory (PCIe): what offload pays
 
     @property
     def memory_bytes(self) -> float:
@@ -464,9 +465,25 @@ def _time_terms(plan: Plan, device: Device) -> tuple[float, float, float, float]
     bw = lambda crosses: (device.inter_node_gbps if crosses else device.intra_node_gbps) * 1e9  # noqa: E731
     dp_s = vol.dp / bw(dp_span)
     mp_s = vol.tp / bw(tp_span) + vol.pp / bw(plan.num_workers > per_node)
+    mp_s += _offload_bytes(plan, shape) / (device.host_link_gbps * 1e9)  # not overlapped either
     m = plan.grad_accum
     bubble = (plan.pp - 1) / (m + plan.pp - 1) if plan.pp > 1 else 0.0
     return compute, dp_s, mp_s, bubble
+
+
+def _offload_bytes(plan: Plan, shape: ModelShape) -> float:
+    """Bytes a rank moves between host and device per step because of CPU offload."""
+    local, _ = _local_params(plan, shape)
+    dp, ga, pb = plan.dp_degree, plan.grad_accum, BYTES[plan.precision]
+    moved = 0.0
+    if plan.strategy == "zero" and plan.zero is not None:
+        if plan.zero.offload_optimizer:  # fp32 gradient partition down, updated parameters up
+            moved += (4 + pb) * local / dp
+        if plan.zero.offload_param and plan.zero.stage == 3:  # parameters up for forward and backward
+            moved += 2 * ga * pb * local / dp
+    elif plan.strategy == "fsdp" and plan.fsdp is not None and plan.fsdp.cpu_offload:
+        moved += 2 * ga * 4 * local / dp + 4 * local / dp  # shards up per pass, gradients down
+    return moved
 
 
 def estimate_time(plan: Plan, device: Device, constants: TimeConstants | None = None) -> TimeEstimate:
