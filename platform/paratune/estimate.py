@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -98,7 +98,7 @@ def get_device(name: str, extra: str | Path | None = None) -> Device:
 # --------------------------------------------------------------------------- model shape
 @dataclass(frozen=True)
 class ModelShape:
-    """Parameter counts by place (exact, from the real architecture on the meta device)."""
+    """Parameter counts by place (exact, from the real architecture) and the sizes the model uses."""
 
     total: int
     embedding: int
@@ -107,44 +107,30 @@ class ModelShape:
     rest: int  # final norm and anything else outside the blocks
     layers: int
     hidden: int
-    intermediate: int
     vocab: int
     heads: int
-    kv_heads: int
     head_dim: int
     compute: int  # N in 6N
 
 
 @lru_cache(maxsize=64)
-def _shape_from_json(config_json: str) -> ModelShape:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _shape_from_key(key: str) -> ModelShape:
+    from paratune.models import config_from_key, parameter_counts, parameter_layout
 
-    from paratune.models import decoder_blocks, parameter_counts
-
-    data = json.loads(config_json)
-    config = AutoConfig.for_model(data.pop("model_type"), **data)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    counts = parameter_counts(config)
-    embedding = model.get_input_embeddings().weight.numel()
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    head = 0 if tied else model.get_output_embeddings().weight.numel()
-    blocks = decoder_blocks(model)
-    layer = sum(p.numel() for p in blocks[0].parameters())
-    heads = config.num_attention_heads
+    config = config_from_key(key)
+    layout, heads = parameter_layout(config), config.num_attention_heads
     return ModelShape(
-        total=counts["total"], embedding=embedding, head=head, layer=layer,
-        rest=counts["total"] - embedding - head - layer * len(blocks), layers=len(blocks), hidden=config.hidden_size,
-        intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size), vocab=config.vocab_size,
-        heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, compute=counts["compute"])
+        total=layout["total"], embedding=layout["embedding"], head=layout["head"], layer=layout["layer"],
+        rest=layout["total"] - layout["embedding"] - layout["head"] - layout["layer"] * layout["layers"],
+        layers=layout["layers"], hidden=config.hidden_size, vocab=config.vocab_size, heads=heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        compute=parameter_counts(config)["compute"])
 
 
 def model_shape(plan: Plan) -> ModelShape:
     from paratune.models import build_config, config_key
 
-    return _shape_from_json(config_key(build_config(plan.model, plan.model_overrides)))
+    return _shape_from_key(config_key(build_config(plan.model, plan.model_overrides)))
 
 
 # --------------------------------------------------------------------------- activations
@@ -170,15 +156,14 @@ def _traced_coefficients(config_json: str, checkpointing: str, precision: str) -
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
+    from paratune.models import config_from_key
     from paratune.parallel import enable_full_recompute
 
     saved: dict[tuple[int, int], float] = {}
     for layers in (1, 2):
-        data = json.loads(config_json)
-        data["num_hidden_layers"] = layers
-        config = AutoConfig.for_model(data.pop("model_type"), **data)
+        config = config_from_key(config_json, num_hidden_layers=layers)
         for tokens in (64, 128):
             with FakeTensorMode():
                 model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
@@ -536,7 +521,6 @@ class Estimate:
     time: TimeEstimate
     capacity_bytes: float
     overflow: str | None = None
-    extras: dict = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:

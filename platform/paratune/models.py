@@ -77,26 +77,41 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-@lru_cache(maxsize=32)
-def _param_counts(config_json: str) -> tuple[int, int, int]:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    data = json.loads(config_json)
-    config = AutoConfig.for_model(data.pop("model_type"), **data)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    total = sum(p.numel() for p in model.parameters())  # tied weights counted once
-    embedding = model.get_input_embeddings().weight.numel()
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    head = model.get_output_embeddings().weight.numel()
-    return total, embedding, head if tied else 0
-
-
 def config_key(config) -> str:
     """A config as canonical JSON (model_type included): a cache key, and enough to rebuild it."""
     data = config.to_dict()
     keep = {k: v for k, v in data.items() if not k.startswith("_") and k not in ("transformers_version",)}
     return json.dumps(keep, sort_keys=True, default=str)
+
+
+def config_from_key(key: str, **overrides: Any):
+    """The config a config_key() describes (with overrides, e.g. fewer layers)."""
+    from transformers import AutoConfig
+
+    data = {**json.loads(key), **overrides}
+    return AutoConfig.for_model(data.pop("model_type"), **data)
+
+
+@lru_cache(maxsize=64)
+def _layout(key: str) -> dict[str, int]:
+    config = config_from_key(key)
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())  # tied weights counted once
+    embedding = model.get_input_embeddings().weight.numel()
+    head = model.get_output_embeddings().weight.numel()
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    blocks = decoder_blocks(model)
+    return {"total": total, "embedding": embedding, "head": 0 if tied else head, "tied_head": head if tied else 0,
+            "layer": sum(p.numel() for p in blocks[0].parameters()), "layers": len(blocks)}
+
+
+def parameter_layout(config) -> dict[str, int]:
+    """Where the parameters are: total, input embedding, untied LM head (0 when tied), one decoder
+    block, number of blocks (exact, from the architecture built on the meta device)."""
+    return dict(_layout(config_key(config)))
 
 
 def parameter_counts(config) -> dict[str, int]:
@@ -105,5 +120,6 @@ def parameter_counts(config) -> dict[str, int]:
     `compute` is N in 6N: every parameter a token's matmuls touch, i.e. all but the input
     embedding lookup; a tied LM head is counted once as storage but still costs a matmul.
     """
-    total, embedding, tied_head = _param_counts(config_key(config))
-    return {"total": total, "embedding": embedding, "compute": total - embedding + tied_head}
+    layout = _layout(config_key(config))
+    return {"total": layout["total"], "embedding": layout["embedding"],
+            "compute": layout["total"] - layout["embedding"] + layout["tied_head"]}

@@ -161,5 +161,5 @@ def print_estimates(estimates, device, console: Console, top: int = 20, title: s
             shown.add(label)
             console.print(f"  - {label} ({by_strategy[label]} plan(s)), e.g. {strategy_label(e.plan.to_dict())}: "
                           f"{escape(e.overflow or '')}")
-    console.print(f"memory: {estimates[0].memory.method if estimates else '-'}; time: roofline with "
-                  f"{'fitted' if estimates and estimates[0].extras.get('fitted') else 'default'} constants")
+    console.print(f"memory: {estimates[0].memory.method if estimates else '-'}; time: roofline with default "
+                  "constants (a sweep refits them on its measured trials)")

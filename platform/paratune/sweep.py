@@ -35,6 +35,11 @@ def point_key(choices: dict[str, Any], env: dict[str, str]) -> str:
     return json.dumps({"choices": choices, "env": env}, sort_keys=True, default=str)
 
 
+def _candidate_key(point: str) -> str:
+    """The structural candidate a point belongs to (its choices, env aside; Candidate.key)."""
+    return json.dumps(json.loads(point)["choices"], sort_keys=True, default=str)
+
+
 def all_points(space: Space) -> list[dict[str, Any]]:
     """Every proposable point: valid structural candidates x env combinations (the grid)."""
     return [{"choices": c.choices, "env": env} for c in space.candidates for env in space.env_grid()]
@@ -325,7 +330,7 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
                            "paratune.device": _device_tag(), "paratune.space": space.spec.name})}
         state_path.write_text(json.dumps(state, indent=2))
     parent = state["parent_run_id"]
-    space, calibration, ranked = _predict(space, budget_gb, console)
+    space, calibration, fastest_first = _predict(space, budget_gb, console)
     console.print(space.pruning_report())
     done = len(ledger.search_entries())
     remaining = max(0, trials - done)
@@ -347,15 +352,16 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
             {"CPU": 0, "memory": 1},  # the trial's workers hold the CPUs; 1 CPU here deadlocks 2-CPU clusters
         )
         if algorithm == "grid":
-            todo = sorted((k for k in plans if k not in ledger.keys()), key=lambda k: ranked.get(k, len(ranked)))
+            rank = {key: i for i, key in enumerate(fastest_first)}
+            todo = sorted((k for k in plans if k not in ledger.keys()), key=lambda k: rank.get(_candidate_key(k), len(rank)))
             todo = todo[:remaining]
             tune_config = tune.TuneConfig(num_samples=1, max_concurrent_trials=_concurrency(space))
             param_space = {"point": tune.grid_search(todo)}
         else:
             tune_config = tune.TuneConfig(
                 search_alg=_searcher(space, algorithm, seed, ledger, budget_gb, trials,
-                                     first=[k for k in sorted(ranked, key=ranked.get) if ranked[k] % 1000 == 0]
-                                     [: space.spec.estimate.start_from_predicted]),
+                                     first=[point_key(json.loads(key), (space.env_grid() or [{}])[0]) for key in
+                                            fastest_first[: space.spec.estimate.start_from_predicted]]),
                 num_samples=remaining, max_concurrent_trials=_concurrency(space))
             param_space = {}
         tuner = tune.Tuner(trainable, param_space=param_space, tune_config=tune_config,
@@ -375,7 +381,7 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
 def _predict(space: Space, budget_gb: float | None, console: Console):
     """The cost model before anything runs: skip plans predicted not to fit (counted with the
     static pruning, reason and an example recorded), rank the rest by predicted speed.
-    Returns (the space without the skipped plans, the calibration, point key -> predicted rank)."""
+    Returns (the space without the skipped plans, the calibration, candidate keys fastest first)."""
     import dataclasses
 
     import ray
@@ -392,7 +398,7 @@ def _predict(space: Space, budget_gb: float | None, console: Console):
     except Exception as err:  # noqa: BLE001 - the sweep still runs, unguided, and says so
         console.print(f"[yellow]no predictions ({type(err).__name__}: {escape(str(err))[:300]}); "
                       "every plan will be measured[/yellow]")
-        return space, None, {}
+        return space, None, []
     kept = [c for c in space.candidates if estimates[c.key].fits or not settings.skip_predicted_oom]
     if not kept:
         smallest = min(estimates.values(), key=lambda e: e.memory.total)
@@ -407,13 +413,8 @@ def _predict(space: Space, budget_gb: float | None, console: Console):
             removed[rule] += 1
             examples.setdefault(rule, f"{strategy_label(c.plan.to_dict())}: {estimates[c.key].overflow}")
     space = dataclasses.replace(space, candidates=kept, removed=removed, examples=examples)
-    order = sorted(kept, key=lambda c: -estimates[c.key].time.tokens_per_s_per_gpu)
-    env0 = space.env_grid()[0] if space.env_grid() else {}
-    ranked: dict[str, int] = {}
-    for rank, c in enumerate(order):
-        for env in space.env_grid() or [{}]:
-            ranked.setdefault(point_key(c.choices, env), rank * 1000 + (0 if env == env0 else 1))
-    return space, calibration, ranked
+    fastest_first = sorted(kept, key=lambda c: -estimates[c.key].time.tokens_per_s_per_gpu)
+    return space, calibration, [c.key for c in fastest_first]
 
 
 def _observe(calibration, result: TrialResult) -> dict[str, float]:

@@ -164,10 +164,10 @@ def run_training(plan: Plan | dict[str, Any], *, steps: int, checkpoint_every: i
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from paratune.trial import _use_gpu
+    from paratune.trial import wants_gpu
 
     ensure_ray(ray_address)
-    use_gpu = _use_gpu(plan)
+    use_gpu = wants_gpu(plan)
     run_id = None
     if track:
         from paratune.tracking import default_tracking_uri, start_training_run

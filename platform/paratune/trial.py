@@ -313,7 +313,8 @@ def ensure_ray(address: str | None = None) -> None:
              include_dashboard=False if address == "local" else None)
 
 
-def _use_gpu(plan: Plan) -> bool:
+def wants_gpu(plan: Plan) -> bool:
+    """The plan's device: cuda/cpu as set, or auto = GPUs when the cluster has any."""
     import ray
 
     if plan.device == "cuda":
@@ -441,7 +442,7 @@ def run_trial(plan: Plan | dict[str, Any], *, storage_path: str | Path | None = 
     from ray.train.torch import TorchConfig
 
     ensure_ray(ray_address)
-    use_gpu = _use_gpu(plan)
+    use_gpu = wants_gpu(plan)
     before = set(_placement_groups())
     trainer_cls = _timed_trainer_class()
     trainer = trainer_cls(
