@@ -137,6 +137,14 @@ def test_paratune_plan_ranks_the_70b_space_and_rejects_ddp(tmp_path, capsys):
     assert all("weights+grads+optimizer" in r["overflow"] for r in ddp)
     assert "ddp" in printed and "weights+grads+optimizer" in printed
     assert all(r["predicted_weights_gib"] * GiB > 0 for r in rows)
+    # Construction: DDP builds the whole 70B model in fp32 on every rank (282 GB); sharded plans
+    # build only their shards. Both in the JSON and in the printed tables.
+    pure_ddp = [r for r in ddp if r["plan"]["tp"] == r["plan"]["pp"] == 1]
+    assert pure_ddp and all("construction needs 262.8 GiB per rank" in r["overflow"] for r in pure_ddp)
+    assert all(r["predicted_construction_gib"] == pytest.approx(4 * P_70B / GiB) for r in pure_ddp)
+    assert all(r["predicted_construction_gib"] * GiB <= 76 * GiB for r in fitting)
+    assert "construction: device GiB per rank while the model is built" in printed
+    assert "cannot even be built" in printed
 
 
 def test_unknown_device_is_a_clear_error(capsys):
@@ -154,3 +162,151 @@ def test_offload_trades_memory_for_time():
     # fp32 gradient partition down and bf16 parameters up over PCIe, every step, not overlapped.
     extra = (4 + 2) * P_8B / 8 / (device.host_link_gbps * 1e9) / TimeConstants().comm_efficiency
     assert offloaded.time.step_s - plain.time.step_s == pytest.approx(extra, rel=1e-6)
+
+
+# --------------------------------------------------------------------------- construction
+# Llama-3-70B by hand: per block q,o 2 x 8192^2, k,v 2 x 8192 x 1024, MLP 3 x 8192 x 28672, two
+# norms; embedding and untied head 128256 x 8192 each; the final norm 8192.
+LAYER_70B = 2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192
+EMB_70B = 128256 * 8192
+P_70B = 80 * LAYER_70B + 2 * EMB_70B + 8192
+
+
+def _plan_70b(**kw):
+    base = {"model": "llama3-70b", "seq_len": 4096, "global_batch": 256, "micro_batch": 1, "num_workers": 32,
+            "gpus_per_node": 8, "precision": "bf16", "device": "cuda", "activation_checkpointing": "full"}
+    return load_plan_dict({**base, **kw})
+
+
+def test_construction_memory_by_hand_for_llama3_70b():
+    assert P_70B == 70_553_706_496 and model_shape(_plan_70b()).largest_leaf == EMB_70B
+    cases = [
+        ({"strategy": "ddp"}, 4 * P_70B),  # every rank builds the whole model in fp32
+        ({"strategy": "zero", "zero": {"stage": 2}}, 4 * P_70B),  # replicated weights, cast to bf16 in place
+        ({"strategy": "fsdp", "fsdp": {"sharding": "no_shard"}}, 4 * P_70B),
+        ({"strategy": "fsdp", "fsdp": {"sharding": "full"}}, 4 * P_70B / 32),  # only the shard reaches the device
+        ({"strategy": "fsdp", "fsdp": {"sharding": "grad_op"}}, 4 * P_70B / 32),
+        ({"strategy": "fsdp", "fsdp": {"sharding": "hybrid", "shard_group_size": 8}}, 4 * P_70B / 8),
+        ({"strategy": "ddp", "tp": 8}, 4 * P_70B / 8),  # a tp rank's slice: every block, embedding, head / 8
+        # pp 4: the heavier end stage (20 blocks + head + final norm), sharded over dp 8.
+        ({"strategy": "fsdp", "pp": 4, "fsdp": {"sharding": "full"}}, 4 * (20 * LAYER_70B + EMB_70B + 8192) / 8),
+        # zero.Init: the bf16 partition, plus the largest module (the embedding) built whole in fp32
+        # and cast to bf16 (both alive for a moment): 4 + 2 bytes a parameter.
+        ({"strategy": "zero", "zero": {"stage": 3}}, 2 * P_70B / 32 + 6 * EMB_70B),
+        ({"strategy": "zero", "zero": {"stage": 3}, "precision": "fp32"}, 4 * P_70B / 32 + 4 * EMB_70B),
+        ({"strategy": "zero", "zero": {"stage": 3, "offload_param": True}}, 6 * EMB_70B),  # partitions on the host
+    ]
+    for kw, expected in cases:
+        assert construction_bytes(_plan_70b(**kw)) == pytest.approx(expected, rel=1e-12), kw
+
+
+def test_a_plan_that_cannot_be_built_is_rejected_and_says_so():
+    device = get_device("h100-80gb")
+    ddp = estimate(_plan_70b(strategy="ddp"), device, activation_model="formula")
+    assert not ddp.fits and ddp.construction == 4 * P_70B
+    assert "construction needs 262.8 GiB per rank (building the model, before the optimizer) > capacity 80.0 GiB" \
+        in ddp.overflow
+    full = estimate(_plan_70b(strategy="fsdp", fsdp={"sharding": "full"}), device, activation_model="formula")
+    assert full.construction == pytest.approx(4 * P_70B / 32) and "construction" not in (full.overflow or "")
+    assert full.summary()["predicted_construction_gib"] == pytest.approx(4 * P_70B / 32 / GiB)
+    # Construction alone can reject: Llama-3-8B under ZeRO-2 over 64 GPUs trains in ~24 GiB (bf16
+    # weights, sharded states) but every rank first builds the whole model in fp32: 4P = 29.9 GiB.
+    z2 = _plan(strategy="zero", zero={"stage": 2, "reduce_bucket_size": 100_000_000}, num_workers=64,
+               global_batch=64, activation_checkpointing="full")
+    tight = estimate(z2, device, capacity_gib=28, activation_model="formula")
+    assert tight.memory.total < 28 * GiB < construction_bytes(z2) == 4 * P_8B
+    assert tight.overflow == ("construction needs 29.9 GiB per rank (building the model, before the optimizer) "
+                              "> capacity 28.0 GiB per GPU")
+    # The same margin rule as the steady state: 7% over 28 GiB lets the build through.
+    assert estimate(z2, device, capacity_gib=28, margin=0.07, activation_model="formula").fits
+
+
+# --------------------------------------------------------------------------- devices: Ray and the probe
+import json  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from paratune.estimate import (  # noqa: E402
+    construction_bytes,
+    device_for_cluster,
+    device_from_probe,
+    devices_for_accelerator_type,
+    load_devices,
+)
+
+DEVICE_NAMES = json.loads((Path(__file__).parent / "data" / "gpu" / "device_names.json").read_text())["devices"]
+MiB = 2**20
+
+
+def _no_probe(accelerator_type):
+    raise AssertionError(f"probed although the type ({accelerator_type}) says which device it is")
+
+
+@pytest.mark.parametrize("entry", DEVICE_NAMES, ids=lambda e: e["name"])
+def test_ray_accelerator_types_as_ray_derives_them(entry):
+    """The accelerator type Ray 2.60 gives each real device name, and the table entries it can be."""
+    from ray._private.accelerators.nvidia_gpu import NvidiaGPUAcceleratorManager
+
+    assert NvidiaGPUAcceleratorManager._gpu_name_to_accelerator_type(entry["name"]) == entry["ray"]
+    names = [d.name for d in devices_for_accelerator_type(entry["ray"], load_devices())]
+    if "table" in entry:
+        assert entry["table"] in names
+    assert all(n.split("-")[0] in entry["ray"].lower() for n in names)  # never another model (L40 is not L4)
+
+
+def test_exact_ray_types_need_no_probe_and_ambiguous_ones_ask():
+    devices = load_devices()
+    assert [d.name for d in devices_for_accelerator_type("L40", devices)] == ["l40-48gb"]
+    assert [d.name for d in devices_for_accelerator_type("L4", devices)] == ["l4-24gb"]
+    assert [d.name for d in devices_for_accelerator_type("A100", devices)] == ["a100-80gb", "a100-40gb"]
+    assert devices_for_accelerator_type("RTX-A6000", devices) == []
+    gpus = {"GPU": 32.0}
+    assert device_for_cluster("auto", {**gpus, "accelerator_type:L40": 4}, 8, probe=_no_probe).name == "l40-48gb"
+    assert device_for_cluster("auto", {**gpus, "accelerator_type:A100-80G": 4}, 8, probe=_no_probe).name == "a100-80gb"
+    assert device_for_cluster("auto", {**gpus, "accelerator_type:A100-40G": 4}, 8, probe=_no_probe).name == "a100-40gb"
+    # Plain "A100": the GPU is asked (name, total_memory as torch reports them).
+    asked = []
+
+    def probe(accelerator_type):
+        asked.append(accelerator_type)
+        return "NVIDIA A100-SXM4-40GB", 40960 * MiB
+
+    dev = device_for_cluster("auto", {**gpus, "accelerator_type:A100": 4}, 8, probe=probe)
+    assert asked == ["A100"] and dev.name == "a100-40gb" and dev.memory_gib == 40
+    dev = device_for_cluster("auto", {**gpus, "accelerator_type:A100": 4}, 8,
+                             probe=lambda t: ("NVIDIA A100-SXM4-80GB", 81920 * MiB))
+    assert dev.name == "a100-80gb"
+    dev = device_for_cluster("auto", {**gpus, "accelerator_type:H100": 4}, 8,
+                             probe=lambda t: ("NVIDIA H100 PCIe", 81559 * MiB))
+    assert dev.name == "h100-pcie-80gb" and dev.tflops["bf16"] == 756
+
+
+def test_no_answer_falls_back_to_the_smaller_memory_with_a_warning():
+    gpus = {"GPU": 8.0}
+    with pytest.warns(UserWarning, match="can be a100-80gb, a100-40gb.*predicting with a100-40gb"):
+        dev = device_for_cluster("auto", {**gpus, "accelerator_type:A100": 1}, 8, probe=lambda t: None)
+    assert dev.name == "a100-40gb"  # never the 80 GB card for a type that may be 40 GB
+    with pytest.warns(UserWarning, match="predicting with h100-80gb"):
+        assert device_for_cluster("auto", {**gpus, "accelerator_type:H100": 1}, 8, probe=None).memory_gib == 80
+    with pytest.raises(ValueError, match="accelerator_type RTX-A6000\\) are not in the device table; allowed: "):
+        device_for_cluster("auto", {**gpus, "accelerator_type:RTX-A6000": 1}, 8, probe=lambda t: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cpu = device_for_cluster("auto", {"CPU": 16.0, "memory": 64 * GiB}, 4, probe=_no_probe)
+    assert cpu.name == "cpu" and cpu.memory_gib == 16
+
+
+@pytest.mark.parametrize("entry", [e for e in DEVICE_NAMES if "table" in e], ids=lambda e: e["name"])
+def test_a_probed_device_finds_its_entry(entry):
+    devices = load_devices()
+    for total in (entry["smi_mib"] * MiB, int(entry["smi_mib"] * MiB * 0.97)):  # torch reports a little less
+        dev = device_from_probe(entry["name"], total, devices)
+        assert dev is not None and dev.name == entry["table"]
+        assert dev.memory_gib == pytest.approx(min(devices[entry["table"]].memory_gib, total / GiB))
+
+
+def test_a_probe_that_matches_nothing_is_no_device():
+    devices = load_devices()
+    assert device_from_probe("NVIDIA A100-SXM4-40GB MIG 3g.20gb", 20 * GiB, devices) is None
+    assert device_from_probe("NVIDIA RTX A6000", 48 * GiB, devices) is None
+    assert device_from_probe("NVIDIA A100-SXM4-80GB", 20 * GiB, devices) is None  # memory of no A100 entry

@@ -41,3 +41,104 @@ def test_ray_dead_worker_boilerplate_is_not_an_oom():
             "memory usage, (2) ray stop --force was called")
     assert classify_text(text) == "worker_died"
     assert classify_text("Task was killed due to the node running low on memory.") == "oom"
+
+
+# --------------------------------------------------------------------------- GPU failures
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+from ray.exceptions import ActorDiedError  # noqa: E402
+from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError  # noqa: E402
+
+from paratune.failures import (  # noqa: E402
+    _dead_actor_ids,
+    _exception_chain,
+    classify_dead_worker_log,
+    dead_worker_logs,
+)
+
+GPU_CORPUS = Path(__file__).parent / "data" / "gpu" / "failures"
+DRIVER_TEXTS = sorted(GPU_CORPUS.glob("*.txt"))
+WORKER_LOGS = sorted((GPU_CORPUS / "logs").glob("*.log"))
+WATCHDOG = ("[PG ID 0 PG GUID 0(default_pg) Rank 3] Watchdog caught collective operation timeout: "
+            "WorkNCCL(SeqNum=1187, OpType=ALLREDUCE, NumelIn=262144, NumelOut=262144, Timeout(ms)=600000) ran for "
+            "600014 milliseconds before timing out.")
+
+
+def test_the_gpu_corpus_covers_every_reason_it_claims():
+    reasons = {p.name.split("--")[0] for p in DRIVER_TEXTS}
+    assert {"oom", "comm_timeout", "worker_died", "error"} <= reasons
+    assert len(DRIVER_TEXTS) >= 12 and len(WORKER_LOGS) >= 4
+
+
+@pytest.mark.parametrize("path", DRIVER_TEXTS, ids=lambda p: p.stem)
+def test_gpu_failure_texts(path):
+    assert classify_text(path.read_text()) == path.name.split("--")[0]
+
+
+@pytest.mark.parametrize("path", WORKER_LOGS, ids=lambda p: p.stem)
+def test_dead_worker_logs_say_why(path):
+    expected = path.name.split("--")[0]
+    found = classify_dead_worker_log(path.read_text())
+    assert (found[0] if found else "none") == expected
+
+
+@pytest.mark.parametrize("exc, reason", [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB"),
+     "oom"),
+    (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB."), "oom"),
+    (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), "oom"),
+    (RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"), "oom"),
+    (torch.distributed.DistBackendError(WATCHDOG), "comm_timeout"),
+    (torch.distributed.DistBackendError("NCCL communicator was aborted on rank 3. "), "comm_timeout"),
+    (torch.distributed.DistBackendError(
+        "NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3691, unhandled cuda error (run "
+        "with NCCL_DEBUG=INFO for details), NCCL version 2.27.5\nncclUnhandledCudaError: Call to CUDA function "
+        "failed.\nLast error:\nCuda failure 2 'out of memory'"), "oom"),
+])
+def test_gpu_exception_types_raw_and_wrapped_by_ray(exc, reason):
+    assert classify(exc)[0] == reason
+    assert classify(WorkerGroupError("Training failed due to worker errors", {2: exc}))[0] == reason
+
+
+def _dead_worker(actor_id: str = "7c3b2f9a1d4e5f60718293a4b5c6d7e801000000") -> WorkerGroupError:
+    """A worker whose process died, as Ray Train v2 reports it (health check -> ActorDiedError)."""
+    died = ActorDiedError()
+    died.actor_id = actor_id
+    health = WorkerHealthCheckFailedError("A worker health check failed.\nWorker info: Worker(...)", failure=died)
+    return WorkerGroupError("[Rank 3]\nA worker health check failed.", {3: health})
+
+
+def test_a_worker_torn_down_by_the_nccl_watchdog_is_a_comm_timeout():
+    teardown = (GPU_CORPUS / "logs" / "comm_timeout--watchdog-teardown.log").read_text()
+    reason, message = classify(_dead_worker(), worker_logs=teardown)
+    assert reason == "comm_timeout" and "Watchdog caught collective operation timeout" in message
+    # The same death with a log that proves nothing (SIGKILL, a crash) stays a dead worker.
+    silent = (GPU_CORPUS / "logs" / "none--killed-without-a-word.log").read_text()
+    assert classify(_dead_worker(), worker_logs=silent)[0] == "worker_died"
+    assert classify(_dead_worker(), worker_logs="")[0] == "worker_died"
+    oom = (GPU_CORPUS / "logs" / "oom--uncaught-cuda-oom.log").read_text()
+    assert classify(_dead_worker(), worker_logs=oom)[0] == "oom"
+
+
+def test_the_survivors_timeouts_do_not_hide_a_dead_peer():
+    """Rank 3 died (no word in its log); rank 0's collective then timed out: the death is the cause."""
+    dead = _dead_worker()
+    both = WorkerGroupError("x", {0: torch.distributed.DistBackendError(WATCHDOG), **dead.worker_failures})
+    assert classify(both, worker_logs="")[0] == "worker_died"
+
+
+def test_dead_actor_ids_are_found_in_every_layer():
+    exc = _dead_worker("0123456789abcdef0123456789abcdef01000000")
+    assert any(isinstance(e, ActorDiedError) for e in _exception_chain(exc))  # through health_check_failure
+    assert _dead_actor_ids(_exception_chain(exc)) == ["0123456789abcdef0123456789abcdef01000000"]
+    text = (GPU_CORPUS / "worker_died--ray-dead-actor.txt").read_text()
+    assert _dead_actor_ids([RuntimeError(text)]) == ["7c3b2f9a1d4e5f60718293a4b5c6d7e801000000"]
+
+
+def test_dead_worker_logs_need_a_running_ray():
+    import ray
+
+    assert not ray.is_initialized()
+    assert dead_worker_logs(_dead_worker()) == ""
+    assert dead_worker_logs(RuntimeError("no actor in here")) == ""

@@ -56,3 +56,110 @@ def test_mfu_against_the_dense_peak():
     assert measure.device_peak_flops("cpu", "bf16") is None
     assert measure.mfu(5000.0, 6e10, None) is None
     assert measure.device_peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
+
+
+# --------------------------------------------------------------------------- device names
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+GPU_DATA = Path(__file__).parent / "data" / "gpu"
+DEVICE_NAMES = json.loads((GPU_DATA / "device_names.json").read_text())["devices"]
+
+
+@pytest.mark.parametrize("entry", DEVICE_NAMES, ids=lambda e: e["name"])
+def test_device_names_match_exactly(entry):
+    model = measure.gpu_model(entry["name"])
+    if entry["model"] is None:  # unknown: no model and no peak, never a near match
+        assert model is None and measure.device_peak_flops(entry["name"], "bf16") is None
+        return
+    assert model == measure.GpuModel(entry["model"], entry["memory_gb"])
+    peaks = measure.GPU_PEAK_TFLOPS[entry["model"]]
+    assert measure.device_peak_flops(entry["name"], "fp32") == peaks["fp32"] * 1e12
+
+
+def test_an_l40_is_not_an_l4_and_a100_sizes_share_one_peak():
+    # Substring matching took "NVIDIA L40" for the L4 entry: MFU ~1.5x too high.
+    assert measure.device_peak_flops("NVIDIA L40", "bf16") == 181e12  # L40 datasheet: 181.05 dense (362.1 sparse)
+    assert measure.device_peak_flops("NVIDIA L40", "fp32") == 90.5e12
+    assert measure.device_peak_flops("NVIDIA L4", "bf16") == 121e12
+    assert measure.device_peak_flops("NVIDIA L40S", "bf16") == 362e12
+    assert measure.device_peak_flops("NVIDIA A10", "bf16") == 125e12  # not the A10G, not the A100
+    for name in ("NVIDIA A100-SXM4-40GB", "NVIDIA A100-SXM4-80GB", "NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe"):
+        assert measure.device_peak_flops(name, "bf16") == 312e12
+    assert measure.device_peak_flops("Tesla V100-SXM2-32GB", "bf16") is None  # no bf16 tensor cores
+    assert measure.device_peak_flops("NVIDIA H100 80GB HBM3", "fp8") is None  # a precision without a peak
+
+
+# --------------------------------------------------------------------------- communication share
+# One FSDP2 step as a CUDA profile lists it (names exactly as CUPTI/Kineto write them), on a 10 ms
+# step. Host side: c10d's labels, record_param_comms, FSDP's copy-in, the launches (they return
+# immediately, their kernels run later). Device side: NCCL >= 2.19 kernels (ncclDevKernel_*), an
+# older NCCL's (ncclKernel_*), compute and copy kernels, and the GPU-row copy of a c10d label.
+STEP_US = 10_000.0
+CUDA_STEP = [
+    ("FSDP::all_gather_copy_in", 800.0, 950.0, False),
+    ("nccl:_all_gather_base", 900.0, 1100.0, False),
+    ("c10d::_allgather_base_", 905.0, 1095.0, False),
+    ("record_param_comms", 0.0, 9900.0, False),
+    ("cudaLaunchKernelExC", 950.0, 960.0, False),
+    ("aten::mm", 1200.0, 1300.0, False),
+    ("nccl:_all_gather_base", 1000.0, 5000.0, True),  # GPU user annotation: spans launches, not a kernel
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy_contig<at::native::(anonymous namespace)"
+     "::OpaqueType<4u>, unsigned int, 1, 128, 1>(...)", 820.0, 940.0, True),
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 1000.0, 3000.0, True),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel"
+     "__5x_cublas", 1500.0, 6000.0, True),
+    ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 2500.0, 4000.0, True),
+    ("Memcpy DtoD (Device -> Device)", 4100.0, 4200.0, True),
+    ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 6000.0, 6500.0, True),
+    ("ncclKernel_AllReduce_RING_LL_Sum_float(ncclWorkElem)", 8000.0, 9000.0, True),
+]
+
+
+def test_cuda_comm_share_counts_device_nccl_kernels_only():
+    # NCCL kernels: [1000, 3000] and [2500, 4000] overlap (two streams) -> 3000 us once;
+    # SendRecv 500 us; the old-NCCL all-reduce 1000 us. 4500 us of a 10 ms step.
+    assert measure.comm_share_from_events(CUDA_STEP, STEP_US / 1e6, "cuda") == pytest.approx(0.45)
+    # Host-side launch spans alone are no communication on CUDA.
+    host_only = [e for e in CUDA_STEP if not e[3]]
+    assert measure.comm_share_from_events(host_only, STEP_US / 1e6, "cuda") == 0.0
+
+
+def test_overlapping_kernels_are_counted_once_and_the_share_is_capped():
+    same = [("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 0.0, 600.0, True),
+            ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 100.0, 500.0, True),
+            ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 600.0, 1000.0, True)]
+    assert measure.comm_share_from_events(same, 0.002, "cuda") == pytest.approx(0.5)  # [0, 1000] of 2 ms
+    assert measure.comm_share_from_events(same, 0.0005, "cuda") == 1.0
+    assert measure.comm_share_from_events(same, 0.0, "cuda") == 0.0
+
+
+def test_cpu_comm_share_keeps_the_gloo_host_spans():
+    gloo_step = [measure.ProfileEvent("c10d::allreduce_", 90.0, 610.0, False),
+                 measure.ProfileEvent("gloo:all_reduce", 100.0, 600.0, False),
+                 measure.ProfileEvent("record_param_comms", 95.0, 605.0, False),
+                 measure.ProfileEvent("aten::mm", 700.0, 900.0, False)]
+    assert measure.comm_share_from_events(gloo_step, 0.001, "cpu") == pytest.approx(0.52)  # [90, 610]
+    # The CUDA step read as gloo: its host spans (record_param_comms covers 0-9900 us).
+    assert measure.comm_share_from_events(CUDA_STEP, STEP_US / 1e6, "cpu") == pytest.approx(0.99)
+    with pytest.raises(ValueError, match="device_type: got 'xpu'; allowed: 'cpu', 'cuda'"):
+        measure.comm_share_from_events(gloo_step, 0.001, "xpu")
+
+
+def test_comm_share_from_a_real_profile():
+    """A torch.profiler profile on CPU: a host span labelled as gloo's collective counts on 'cpu'
+    and is no communication on 'cuda' (it is not a device kernel)."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        with record_function("gloo:all_reduce"):
+            time.sleep(0.05)
+        time.sleep(0.05)
+        seconds = time.perf_counter() - t0
+    events = measure.profile_events(prof)
+    assert any(e.name == "gloo:all_reduce" and not e.on_device for e in events)
+    assert measure.comm_share_from_profile(prof, seconds, "cpu") == pytest.approx(0.5, abs=0.15)
+    assert measure.comm_share_from_profile(prof, seconds, "cuda") == 0.0

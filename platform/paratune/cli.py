@@ -126,12 +126,36 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
                     title=f"{space.spec.name}: {first.model}, {first.num_workers} x {device.name} "
                           f"({first.num_workers // (first.gpus_per_node or first.num_workers)} node(s)), "
                           "predicted, fastest first")
+    _print_construction(estimates, console, args.top)
     console.print(f"{len(estimates)} plans estimated in {time.perf_counter() - t0:.1f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(
             [{"plan": e.plan.to_dict(), "fits": e.fits, "overflow": e.overflow, **e.summary()} for e in estimates],
             indent=1))
     return 0 if any(e.fits for e in estimates) else 1
+
+
+def _print_construction(estimates, console: Console, top: int) -> None:
+    """`paratune plan`: device memory per rank while the model is built (before the optimizer),
+    for the plans shown above, and how many plans cannot even be built."""
+    from rich.table import Table
+
+    from paratune.report import strategy_label, strategy_options
+
+    fitting = [e for e in estimates if e.fits][:top]
+    if fitting:
+        table = Table(title="construction: device GiB per rank while the model is built (before the optimizer)")
+        for col in ("#", "plan", "options", "build GiB", "peak GiB"):
+            table.add_column(col, justify="left" if col in ("plan", "options") else "right")
+        for i, e in enumerate(fitting, 1):
+            table.add_row(str(i), strategy_label(e.plan.to_dict()), strategy_options(e.plan.to_dict()),
+                          f"{e.construction / 2**30:.1f}", f"{e.memory.total / 2**30:.1f}")
+        console.print(table)
+    unbuildable = [e for e in estimates if "construction needs" in (e.overflow or "")]
+    if unbuildable:
+        console.print(f"{len(unbuildable)} plan(s) cannot even be built (construction > capacity), e.g. "
+                      f"{strategy_label(unbuildable[0].plan.to_dict())}: "
+                      f"{unbuildable[0].construction / 2**30:.1f} GiB per rank")
 
 
 def _cmd_ui(args: argparse.Namespace, console: Console) -> int:

@@ -12,6 +12,8 @@ Memory follows docs/DESIGN.md ("Memory model"), per rank, in five parts:
 The peak is taken at the start of the last micro-batch's backward: every activation is alive,
 the logits gradient is being formed, and whatever gradients accumulate between micro-batches are
 held (DDP's buckets always; FSDP2's unsharded gradients under no-sync accumulation).
+Construction is checked apart (`construction_bytes`): the model is built in fp32 before any
+optimizer exists, and a plan that cannot even be built is rejected like one that cannot train.
 
 Where this differs from DeepSpeed's own estimators (`estimate_zero2_model_states_mem_needs`,
 `estimate_zero3_model_states_mem_needs_*`, checked in tests/test_estimate.py): DeepSpeed counts
@@ -37,11 +39,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 from paratune.plan import Plan
 
@@ -63,6 +66,7 @@ class Device:
     inter_node_gbps: float  # GB/s per GPU across nodes (InfiniBand/EFA)
     gpus_per_node: int = 8
     host_link_gbps: float = 25.0  # GB/s between a GPU and host memory (PCIe): what offload pays
+    gpu: str | None = None  # the GPU model (paratune.measure.GPU_PEAK_TFLOPS key): how `auto` finds it
 
     @property
     def memory_bytes(self) -> float:
@@ -84,7 +88,7 @@ def load_devices(extra: str | Path | None = None) -> dict[str, Device]:
             devices[name] = Device(name=name, **spec)
         except TypeError as err:
             raise ValueError(f"device {name}: {err}; fields: memory_gib, tflops, intra_node_gbps, "
-                             "inter_node_gbps, gpus_per_node") from err
+                             "inter_node_gbps, gpus_per_node, host_link_gbps, gpu") from err
     return devices
 
 
@@ -111,6 +115,28 @@ class ModelShape:
     heads: int
     head_dim: int
     compute: int  # N in 6N
+    largest_leaf: int = 0  # parameters of the largest module that owns them directly (its own, not its children's)
+
+
+@lru_cache(maxsize=64)
+def _largest_leaf(key: str) -> int:
+    """Parameters of the largest module that holds parameters itself (nn.Linear, nn.Embedding, a
+    norm): what DeepSpeed's zero.Init builds whole before partitioning it. Counted on the meta
+    device, on a one-block copy (blocks repeat), else on the whole model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from paratune.models import config_from_key
+
+    def largest(config) -> int:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+
+    try:
+        return largest(config_from_key(key, num_hidden_layers=1))
+    except Exception:  # noqa: BLE001 - a config that cannot shrink to one block (per-layer lists)
+        return largest(config_from_key(key))
 
 
 @lru_cache(maxsize=64)
@@ -124,7 +150,7 @@ def _shape_from_key(key: str) -> ModelShape:
         rest=layout["total"] - layout["embedding"] - layout["head"] - layout["layer"] * layout["layers"],
         layers=layout["layers"], hidden=config.hidden_size, vocab=config.vocab_size, heads=heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        compute=parameter_counts(config)["compute"])
+        compute=parameter_counts(config)["compute"], largest_leaf=_largest_leaf(key))
 
 
 def model_shape(plan: Plan) -> ModelShape:
@@ -288,9 +314,7 @@ def model_states(plan: Plan, shape: ModelShape | None = None) -> ModelStates:
     if plan.strategy == "fsdp":
         f = plan.fsdp
         assert f is not None
-        shard = {"full": dp, "grad_op": dp, "hybrid": f.shard_group_size or plan.gpus_per_node or dp,
-                 "no_shard": 1}[f.sharding]
-        shard = max(1, min(shard, dp))
+        shard = _fsdp_shard_degree(plan)
         weights, optim = 4 * local / shard, 8 * local / shard  # fp32 shards and their moments
         root = (shape.embedding + shape.head + shape.rest) / plan.tp
         if shard > 1:
@@ -337,6 +361,42 @@ def model_states(plan: Plan, shape: ModelShape | None = None) -> ModelStates:
     if z.offload_param and stage == 3:
         weights -= pb * local / dp
     return ModelStates(weights, grads, optim, buffers, step)
+
+
+def _fsdp_shard_degree(plan: Plan) -> int:
+    """Ranks that share one parameter's shards under FSDP (1 for no_shard)."""
+    f = plan.fsdp
+    assert f is not None
+    dp = plan.dp_degree
+    shard = {"full": dp, "grad_op": dp, "hybrid": f.shard_group_size or plan.gpus_per_node or dp,
+             "no_shard": 1}[f.sharding]
+    return max(1, min(shard, dp))
+
+
+def construction_bytes(plan: Plan, shape: ModelShape | None = None) -> float:
+    """Device bytes per rank while the model is built, before the optimizer exists: the model is
+    built on the meta device and each rank materializes in fp32 only what it holds.
+
+    - ddp, fsdp no_shard, ZeRO 0-2: every rank holds the whole model (its tp/pp slice), 4 bytes
+      a parameter (DeepSpeed's bf16 cast then happens in place, one tensor at a time);
+    - fsdp full/grad_op/hybrid: its shard of that slice (values are made on the host, only the
+      shard is copied to the device);
+    - ZeRO-3: under `deepspeed.zero.Init` each module's parameters are partitioned as soon as the
+      module is built, in the dtype of the DeepSpeed config (bf16 with bf16 enabled), so: the
+      partition (params/dp) in that dtype, plus the largest single module built whole on the
+      device. Its tensors are created in fp32 and then cast (zero_wrapper_for_fp_tensor_constructor
+      in deepspeed/runtime/zero/partition_parameters.py), so for a moment both copies exist:
+      4 + 2 bytes a parameter in bf16, 4 in fp32. Under parameter offload the partitions go to
+      the host (zero.Init's remote_device) and only that module is on the device."""
+    shape = shape or model_shape(plan)
+    local, _ = _local_params(plan, shape)
+    if plan.strategy == "fsdp":
+        return 4 * local / _fsdp_shard_degree(plan)
+    if plan.strategy == "zero" and plan.zero is not None and plan.zero.stage == 3:
+        pb = BYTES[plan.precision]
+        partition = 0.0 if plan.zero.offload_param else pb * local / plan.dp_degree
+        return partition + (4 + (pb if pb != 4 else 0)) * shape.largest_leaf
+    return 4 * local
 
 
 def activation_bytes(plan: Plan, model: ActivationModel = "trace", shape: ModelShape | None = None) -> tuple[float, str]:
@@ -521,6 +581,7 @@ class Estimate:
     time: TimeEstimate
     capacity_bytes: float
     overflow: str | None = None
+    construction: float = 0.0  # device bytes per rank while the model is built (construction_bytes)
 
     @property
     def fits(self) -> bool:
@@ -530,6 +591,7 @@ class Estimate:
         """Flat numbers for MLflow and JSON."""
         return {"predicted_peak_memory_gib": self.memory.total / GiB,
                 **{f"predicted_{k}_gib": v / GiB for k, v in self.memory.parts().items()},
+                "predicted_construction_gib": self.construction / GiB,
                 "predicted_comm_gb_per_step": self.comm.total / 1e9,
                 "predicted_step_time_s": self.time.step_s,
                 "predicted_tokens_per_s_per_gpu": self.time.tokens_per_s_per_gpu}
@@ -538,11 +600,20 @@ class Estimate:
 def estimate(plan: Plan, device: Device, constants: TimeConstants | None = None, capacity_gib: float | None = None,
              margin: float = 0.0, activation_model: ActivationModel = "trace") -> Estimate:
     """Memory, communication and time for one plan; `overflow` says why it would not fit in
-    min(device memory, capacity_gib) x (1 + margin)."""
+    min(device memory, capacity_gib) x (1 + margin): at construction, in training, or both."""
     memory = estimate_memory(plan, activation_model)
     capacity = min(device.memory_bytes, capacity_gib * GiB if capacity_gib else math.inf)
-    result = Estimate(plan, memory, comm_volume(plan), estimate_time(plan, device, constants), capacity)
-    result.overflow = memory.overflow(capacity * (1 + margin))
+    result = Estimate(plan, memory, comm_volume(plan), estimate_time(plan, device, constants), capacity,
+                      construction=construction_bytes(plan))
+    limit = capacity * (1 + margin)
+    reasons = []
+    if result.construction > limit:
+        reasons.append(f"construction needs {result.construction / GiB:.1f} GiB per rank (building the model, "
+                       f"before the optimizer) > capacity {limit / GiB:.1f} GiB per GPU")
+    steady = memory.overflow(limit)
+    if steady:
+        reasons.append(steady)
+    result.overflow = "; ".join(reasons) or None
     return result
 
 
@@ -599,19 +670,127 @@ class Calibration:
         return out
 
 
-def device_for_cluster(name: str, resources: dict[str, float], num_workers: int) -> Device:
-    """`auto`: the cluster's GPU type (Ray's accelerator_type resource) in the device table, or the
-    CPU with host memory shared by the workers."""
+# Ray's accelerator types (ray/_private/accelerators/nvidia_gpu.py: the NVML name's first model
+# token, so "NVIDIA A100-SXM4-40GB" and "NVIDIA A100 80GB PCIe" are both "A100", and "NVIDIA H100
+# 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL" are all "H100"; "A100-40G"/"A100-80G" are labels
+# users add by hand, ray/util/accelerators/accelerators.py) -> the GPU models they can stand for,
+# and the memory (GB) when the type says it.
+RAY_ACCELERATOR_TYPES: dict[str, tuple[tuple[str, ...], int | None]] = {
+    "H100": (("h100-sxm", "h100-pcie", "h100-nvl"), None),
+    "H200": (("h200", "h200-nvl"), None),
+    "H800": (("h800", "h800-pcie"), None),
+    "GH200": (("gh200",), None),
+    "B200": (("b200",), None),
+    "A100": (("a100",), None),
+    "A100-40G": (("a100",), 40),
+    "A100-80G": (("a100",), 80),
+    "A800": (("a800",), None),
+    "L40S": (("l40s",), None),
+    "L40": (("l40",), None),
+    "L4": (("l4",), None),
+    "A10G": (("a10g",), None),
+    "A10": (("a10",), None),
+    "V100": (("v100-sxm2", "v100-pcie"), None),
+    "V100S": (("v100s-pcie",), None),
+}
+
+
+def devices_for_accelerator_type(accelerator_type: str, devices: dict[str, Device]) -> list[Device]:
+    """Device-table entries a Ray accelerator type can be, in table order (exact type, never a
+    prefix: "L40" is not "L4"). More than one: the type does not say (A100 40 or 80 GB)."""
+    models, memory = RAY_ACCELERATOR_TYPES.get(accelerator_type, ((), None))
+    return [d for d in devices.values()
+            if d.gpu in models and (memory is None or round(d.memory_gib) == memory)]
+
+
+def device_from_probe(device_name: str, total_memory_bytes: int, devices: dict[str, Device]) -> Device | None:
+    """The table entry for a device as torch reports it (get_device_name, total_memory): its exact
+    model, then the entry whose memory is nearest to what the device has (within 15%; the device
+    reports a little less than its nominal size). The capacity is what the device reports, if less.
+    None when the name or the memory matches no entry."""
+    from paratune.measure import gpu_model
+
+    model = gpu_model(device_name)
+    if model is None:
+        return None
+    total_gib = total_memory_bytes / GiB
+    candidates = [d for d in devices.values() if d.gpu == model.key]
+    if model.memory_gb is not None:  # the name says it ("A100-SXM4-40GB"): only that size
+        candidates = [d for d in candidates if round(d.memory_gib) == model.memory_gb] or candidates
+    if not candidates:
+        return None
+    best = min(candidates, key=lambda d: abs(d.memory_gib - total_gib))
+    if abs(best.memory_gib - total_gib) > 0.15 * best.memory_gib:
+        return None
+    return replace(best, memory_gib=min(best.memory_gib, total_gib))
+
+
+def probe_gpu(accelerator_type: str | None = None, timeout_s: float = 60.0) -> tuple[str, int] | None:
+    """(torch.cuda.get_device_name(), total_memory in bytes) of one of the cluster's GPUs, asked by
+    a one-GPU Ray task (on a node of `accelerator_type` when given); None when Ray is not running
+    or no GPU answers within `timeout_s` (all busy)."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+
+    @ray.remote(num_gpus=1, num_cpus=0, max_retries=0)
+    def ask() -> tuple[str, int]:
+        import torch
+
+        return torch.cuda.get_device_name(0), int(torch.cuda.get_device_properties(0).total_memory)
+
+    options = {"accelerator_type": accelerator_type} if accelerator_type else {}
+    ref = ask.options(**options).remote()
+    try:
+        name, total = ray.get(ref, timeout=timeout_s)
+        return str(name), int(total)
+    except Exception:  # noqa: BLE001 - no answer is an answer: fall back to the table
+        try:
+            ray.cancel(ref, force=True)
+        except Exception:  # noqa: BLE001
+            pass
+        return None
+
+
+def device_for_cluster(name: str, resources: dict[str, float], num_workers: int,
+                       probe: Callable[[str | None], tuple[str, int] | None] | None = probe_gpu) -> Device:
+    """`auto`: the cluster's GPU (Ray's accelerator_type resource) in the device table, or the CPU
+    with host memory shared by the workers.
+
+    Where Ray's type does not say which entry (plain "A100": 40 or 80 GB; "H100": SXM, PCIe or
+    NVL), one GPU is asked (`probe`, a one-GPU Ray task). If it cannot answer, the entry with the
+    least memory (then the first listed) is taken with a warning: predicting 80 GB on a 40 GB card
+    would let plans through that cannot fit. A GPU the table does not know is an error that names
+    it, never a silent CPU or a near match."""
     if name != "auto":
         return get_device(name)
     devices = load_devices()
-    for key in resources:
-        if key.startswith("accelerator_type:"):
-            gpu = key.split(":", 1)[1].lower()
-            for dev_name, dev in devices.items():
-                if dev_name.split("-")[0] == gpu:
-                    return dev
-    cpu = devices["cpu"]
-    host_gib = resources.get("memory", cpu.memory_gib * GiB * num_workers) / GiB
-    return Device("cpu", host_gib / max(1, num_workers), cpu.tflops, cpu.intra_node_gbps, cpu.inter_node_gbps,
-                  cpu.gpus_per_node)
+    types = sorted(key.split(":", 1)[1] for key in resources if key.startswith("accelerator_type:"))
+    has_gpus = resources.get("GPU", 0) > 0
+    if not types and not has_gpus:
+        cpu = devices["cpu"]
+        host_gib = resources.get("memory", cpu.memory_gib * GiB * num_workers) / GiB
+        return Device("cpu", host_gib / max(1, num_workers), cpu.tflops, cpu.intra_node_gbps, cpu.inter_node_gbps,
+                      cpu.gpus_per_node)
+    candidates: list[Device] = []
+    for ray_type in types:
+        candidates += [d for d in devices_for_accelerator_type(ray_type, devices) if d not in candidates]
+    if len(candidates) == 1:
+        return candidates[0]
+    if has_gpus and probe is not None:
+        answer = probe(types[0] if len(types) == 1 else None)
+        if answer is not None:
+            probed = device_from_probe(*answer, devices)
+            if probed is not None:
+                return probed
+    if candidates:
+        fallback = min(candidates, key=lambda d: d.memory_gib)
+        warnings.warn(f"device: Ray reports accelerator_type {', '.join(types)}, which can be "
+                      f"{', '.join(d.name for d in candidates)}, and no GPU answered the probe; predicting "
+                      f"with {fallback.name} (the least memory). Set estimate.device (or --device) to be exact.",
+                      stacklevel=2)
+        return fallback
+    raise ValueError(f"device: the cluster's GPUs (accelerator_type {', '.join(types) or 'not reported'}) are "
+                     f"not in the device table; allowed: {', '.join(sorted(n for n in devices if n != 'cpu'))}, "
+                     "or set estimate.device / add the GPU with --devices FILE")

@@ -1,36 +1,183 @@
-"""The numbers every plan is judged by: tokens/s/GPU, step-time spread, MFU.
+"""The numbers every plan is judged by: tokens/s/GPU, step-time spread, MFU, communication share.
 
-Pure arithmetic on measured step times; the trial (paratune.trial) does the measuring.
+Pure arithmetic on measured step times, device names and profiler events; the trial
+(paratune.trial) does the measuring.
 """
 
 from __future__ import annotations
 
+import re
 import statistics
 from dataclasses import dataclass
+from typing import Iterable, NamedTuple
 
-# Dense peak FLOP/s per device (never the 2x structured-sparsity figures). Keys are matched as
-# substrings of torch.cuda.get_device_name(); first match wins, so specific names come first.
+# Dense peak FLOP/s per GPU model (never the 2x structured-sparsity figures), keyed by the
+# canonical model `gpu_model()` derives from a device name. Figures from NVIDIA's datasheets; where
+# a datasheet gives only the sparsity figure, half of it. "fp32" is the non-tensor FP32 peak (torch
+# keeps TF32 off for matmuls by default). A model without a "bf16" entry has no bf16 tensor cores.
 GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bf16": 989.0, "fp32": 67.0},
-    "H100 NVL": {"bf16": 835.0, "fp32": 60.0},
-    "H100 PCIe": {"bf16": 756.0, "fp32": 51.0},
-    "H100": {"bf16": 989.0, "fp32": 67.0},  # SXM (e.g. "NVIDIA H100 80GB HBM3")
-    "H800": {"bf16": 989.0, "fp32": 67.0},
-    "B200": {"bf16": 2250.0, "fp32": 80.0},
-    "A100": {"bf16": 312.0, "fp32": 19.5},
-    "A800": {"bf16": 312.0, "fp32": 19.5},
-    "L40S": {"bf16": 362.0, "fp32": 91.6},
-    "A10G": {"bf16": 70.0, "fp32": 31.2},
-    "L4": {"bf16": 121.0, "fp32": 30.3},
+    "h100-sxm": {"bf16": 989.0, "fp32": 67.0},  # H100 SXM5 datasheet: BF16 1,979* (sparse), FP32 67
+    "h100-pcie": {"bf16": 756.0, "fp32": 51.0},  # H100 PCIe: BF16 1,513*, FP32 51
+    "h100-nvl": {"bf16": 835.0, "fp32": 60.0},  # H100 NVL (94 GB): BF16 1,671*, FP32 60
+    "h200": {"bf16": 989.0, "fp32": 67.0},  # H200 SXM: BF16 1,979*, FP32 67
+    "h200-nvl": {"bf16": 835.0, "fp32": 60.0},  # H200 NVL: BF16 1,671*, FP32 60
+    "h800": {"bf16": 989.0, "fp32": 67.0},  # H800 SXM5: as H100 SXM5 (NVLink and FP64 cut)
+    "h800-pcie": {"bf16": 756.0, "fp32": 51.0},  # H800 PCIe: as H100 PCIe
+    "gh200": {"bf16": 989.0, "fp32": 67.0},  # GH200 Grace Hopper: BF16 1,979*, FP32 67
+    "b200": {"bf16": 2250.0, "fp32": 80.0},  # HGX B200: BF16 4.5 PFLOPS* per GPU
+    "a100": {"bf16": 312.0, "fp32": 19.5},  # A100 40/80 GB, SXM and PCIe: BF16 312 (624*), FP32 19.5
+    "a800": {"bf16": 312.0, "fp32": 19.5},  # A800: as A100 (NVLink cut)
+    "l40s": {"bf16": 362.0, "fp32": 91.6},  # L40S: BF16 362.05 (733*), FP32 91.6
+    "l40": {"bf16": 181.0, "fp32": 90.5},  # L40: BF16 181.05 (362.1*), FP32 90.5
+    "l4": {"bf16": 121.0, "fp32": 30.3},  # L4: BF16 242*, FP32 30.3
+    "a10": {"bf16": 125.0, "fp32": 31.2},  # A10: BF16 125 (250*), FP32 31.2
+    "a10g": {"bf16": 70.0, "fp32": 31.2},  # A10G (AWS): no NVIDIA datasheet; the figure AWS users quote
+    "v100-sxm2": {"fp32": 15.7},  # V100 SXM2: FP32 15.7; no bf16 tensor cores
+    "v100-pcie": {"fp32": 14.0},  # V100 PCIe: FP32 14
+    "v100s-pcie": {"fp32": 16.4},  # V100S PCIe: FP32 16.4
 }
+
+# How each model token of a device name resolves to a table key, by form factor: "sxm" (SXM or
+# HBM3, as "NVIDIA H100 80GB HBM3" says), "pcie", "nvl", "" (the name says none), "*" (any:
+# every form has the same peaks). A form not listed gives no model: never a guess.
+_FORMS: dict[str, dict[str, str]] = {
+    "H100": {"sxm": "h100-sxm", "pcie": "h100-pcie", "nvl": "h100-nvl"},
+    "H200": {"": "h200", "sxm": "h200", "nvl": "h200-nvl"},
+    "H800": {"": "h800", "sxm": "h800", "pcie": "h800-pcie"},
+    "GH200": {"*": "gh200"},
+    "B200": {"": "b200", "sxm": "b200"},
+    "A100": {"*": "a100"},
+    "A800": {"*": "a800"},
+    "L40S": {"": "l40s"},
+    "L40": {"": "l40"},
+    "L4": {"": "l4"},
+    "A10": {"": "a10"},
+    "A10G": {"": "a10g"},
+    "V100": {"sxm": "v100-sxm2", "pcie": "v100-pcie"},
+    "V100S": {"pcie": "v100s-pcie"},
+}
+# Superchips whose name states CPU + GPU memory ("GH200 480GB"): the figure is not the GPU's.
+_NAME_MEMORY_IS_NOT_GPU = {"GH200"}
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    """A GPU as the tables know it: `key` into GPU_PEAK_TFLOPS, and the memory (GB) the device
+    name states (None when it does not: "NVIDIA H100 PCIe", "NVIDIA L40S")."""
+
+    key: str
+    memory_gb: int | None
+
+
+def gpu_model(device_name: str) -> GpuModel | None:
+    """The canonical model of a `torch.cuda.get_device_name()` string, or None when the name is
+    not one the table knows exactly (a CPU, a MIG slice, a form factor not listed). Exact tokens,
+    never substrings: "NVIDIA L40" is the L40, not the L4."""
+    name = re.sub(r"^(NVIDIA\s+)?(Tesla\s+)?", "", device_name.strip())
+    tokens = [t for t in re.split(r"[\s\-]+", name.upper()) if t]
+    if not tokens or "MIG" in tokens:  # a MIG slice has a fraction of the SMs: no peak applies
+        return None
+    model, rest = tokens[0], tokens[1:]
+    forms = _FORMS.get(model)
+    if forms is None:
+        return None
+    if "PCIE" in rest:
+        form = "pcie"
+    elif "NVL" in rest:
+        form = "nvl"
+    elif any(t.startswith("SXM") or t.startswith("HBM") for t in rest):
+        form = "sxm"
+    else:
+        form = ""
+    key = forms.get(form, forms.get("*"))
+    if key is None:
+        return None
+    memory = next((int(m.group(1)) for t in rest if (m := re.fullmatch(r"(\d+)GB?", t))), None)
+    return GpuModel(key, None if model in _NAME_MEMORY_IS_NOT_GPU else memory)
 
 
 def device_peak_flops(device_name: str, precision: str) -> float | None:
-    """Peak FLOP/s for a device name and precision, or None when unknown (e.g. a CPU)."""
-    for key, peaks in GPU_PEAK_TFLOPS.items():
-        if key.lower() in device_name.lower():
-            return peaks[precision] * 1e12
-    return None
+    """Dense peak FLOP/s of a device name at a precision, or None when unknown (a CPU, a name the
+    table does not know exactly, a precision the device has no peak for)."""
+    model = gpu_model(device_name)
+    if model is None:
+        return None
+    peak = GPU_PEAK_TFLOPS[model.key].get(precision)
+    return peak * 1e12 if peak is not None else None
+
+
+# --------------------------------------------------------------------------- communication share
+class ProfileEvent(NamedTuple):
+    """One profiler event: times in microseconds on the profile's clock. `on_device`: it ran on
+    the accelerator (a kernel or copy), not a host-side span (an op, a launch, an annotation)."""
+
+    name: str
+    start_us: float
+    end_us: float
+    on_device: bool
+
+
+# Host-side spans of collectives under gloo (c10d's record_function labels and op names).
+_CPU_COLLECTIVE_NAMES = ("nccl:", "gloo:", "c10d::", "allreduce", "all_reduce", "allgather", "all_gather",
+                         "reduce_scatter", "_reduce_scatter", "broadcast", "record_param_comms")
+
+
+def _is_nccl_kernel(name: str) -> bool:
+    """An NCCL kernel as CUPTI names it: ncclDevKernel_AllGather_RING_LL(...) (NCCL >= 2.19),
+    ncclKernel_AllReduce_RING_LL_Sum_float(...) (older), ncclAllReduceRingLLKernel_sum_f32 (2.4).
+    c10d's labels ("nccl:all_reduce") are annotations that span launches, not kernels."""
+    lowered = name.lower()
+    return "nccl" in lowered and not lowered.startswith("nccl:")
+
+
+def _union_us(spans: Iterable[tuple[float, float]]) -> float:
+    """Total length of the union of intervals (overlapping kernels on several streams count once)."""
+    busy, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(spans):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        busy += cur_end - cur_start
+    return busy
+
+
+def comm_share_from_events(events: Iterable[tuple[str, float, float, bool]], step_seconds: float,
+                           device_type: str) -> float:
+    """Fraction of a step with a collective in flight: the union of collective intervals / step.
+
+    On "cuda" only NCCL kernels on the device count: the host-side spans (c10d's `nccl:*` ranges,
+    `record_param_comms`, FSDP's `all_gather_copy_in`) are launches and copies, and a launch
+    returns long before its kernel ends. On "cpu" (gloo) the collective runs in the host spans."""
+    if device_type == "cuda":
+        spans = [(s, e) for name, s, e, on_device in events if on_device and _is_nccl_kernel(name)]
+    elif device_type == "cpu":
+        spans = [(s, e) for name, s, e, on_device in events
+                 if not on_device and any(n in name.lower() for n in _CPU_COLLECTIVE_NAMES)]
+    else:
+        raise ValueError(f"device_type: got '{device_type}'; allowed: 'cpu', 'cuda'")
+    if step_seconds <= 0:
+        return 0.0
+    return min(1.0, _union_us(spans) / 1e6 / step_seconds)
+
+
+def profile_events(prof) -> list[ProfileEvent]:
+    """The events of a torch.profiler profile. Kineto lists device activity as events of their own
+    (device_type CUDA, device clock aligned to the host's); GPU-side copies of host annotations
+    (`is_user_annotation`, e.g. "nccl:all_reduce" on the GPU row) span launches, not kernels."""
+    from torch.autograd import DeviceType
+
+    return [ProfileEvent(evt.name, evt.time_range.start, evt.time_range.end,
+                         evt.device_type != DeviceType.CPU and not getattr(evt, "is_user_annotation", False))
+            for evt in prof.events()]
+
+
+def comm_share_from_profile(prof, step_seconds: float, device_type: str) -> float:
+    """Communication share of one profiled step (see `comm_share_from_events`)."""
+    return comm_share_from_events(profile_events(prof), step_seconds, device_type)
 
 
 @dataclass(frozen=True)
