@@ -12,11 +12,13 @@ On the device machine (pydantic is not in its image; carry its wheels, see gpu_w
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "platform"))
@@ -39,17 +41,47 @@ VARIANTS = [(mb, ckpt) for ckpt in ("none", "full") for mb in (1, 2, 4, 8)]
 WARMUP, MEASURE = 2, 5
 
 
-def run_variant(micro_batch: int, ckpt: str) -> dict:
+def run_variant(micro_batch: int, ckpt: str, track: Callable[[object], None] | None = None) -> dict:
+    """Measure one variant, then release everything it built, so the next variant's peak is its own.
+
+    `track` is called with the model, the optimizer and the step runner as they are built (a test
+    holds weak references to them to see that they are gone when this returns).
+    """
+    device = torch.device("cpu") if SMOKE else torch.device("cuda", 0)
+    try:
+        row = _measure_variant(micro_batch, ckpt, device, track)
+    except torch.OutOfMemoryError as err:
+        row = {"micro_batch": micro_batch, "checkpointing": ckpt, "status": f"oom: {str(err)[:80]}"}
+    # Here, past the except block, no traceback holds the variant's frames any more.
+    release(device)
+    return row
+
+
+def release(device: torch.device) -> None:
+    """Free a finished variant: reference cycles wait for the collector, and the CUDA caching
+    allocator keeps freed blocks reserved (and the peak counters) unless told otherwise."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _measure_variant(micro_batch: int, ckpt: str, device: torch.device,
+                     track: Callable[[object], None] | None) -> dict:
     plan = load_plan_dict({"model": MODEL, "seq_len": SEQ, "global_batch": GLOBAL_BATCH, "micro_batch": micro_batch,
                            "num_workers": 1, "precision": "bf16", "activation_checkpointing": ckpt,
                            "warmup_steps": WARMUP, "measure_steps": MEASURE})
-    device = torch.device("cpu") if SMOKE else torch.device("cuda", 0)
     sync = (lambda: None) if SMOKE else (lambda: torch.cuda.synchronize(device))
     config = build_config(plan.model)
     model = build_model(config, seed=0, device=device)  # fp32 master weights, bf16 autocast
     model.train()
     apply_activation_checkpointing(model, plan)
-    runner = StepRunner(model, make_optimizer(model.parameters(), plan), plan, device, autocast=True)
+    optimizer = make_optimizer(model.parameters(), plan)
+    runner = StepRunner(model, optimizer, plan, device, autocast=True)
+    if track is not None:
+        for built in (model, optimizer, runner):
+            track(built)
     data = TokenBatches(plan.data, config.vocab_size, SEQ, GLOBAL_BATCH, seed=0)
     times, losses = [], []
     for step in range(plan.total_steps):
@@ -74,22 +106,23 @@ def run_variant(micro_batch: int, ckpt: str) -> dict:
             "peak_reserved_gib": gib(torch.cuda.max_memory_reserved), "losses": losses}
 
 
+def run_all() -> list[dict]:
+    """Every variant, one after another (each frees what it built before the next starts)."""
+    rows = []
+    for mb, ckpt in VARIANTS:
+        row = run_variant(mb, ckpt)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
+    return rows
+
+
 def main() -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     out_dir = Path(os.environ.get("OUT") or ROOT / "bench" / "results")
     if SMOKE:  # never overwrite real GPU figures with a smoke run
         out_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "paratune_gpu_smoke"
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for mb, ckpt in VARIANTS:
-        try:
-            row = run_variant(mb, ckpt)
-        except torch.OutOfMemoryError as err:
-            row = {"micro_batch": mb, "checkpointing": ckpt, "status": f"oom: {str(err)[:80]}"}
-        if not SMOKE:
-            torch.cuda.empty_cache()
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
+    rows = run_all()
     machine = describe()
     lines = [f"# Single-GPU bench ({MODEL}, seq {SEQ}, global batch {GLOBAL_BATCH}, bf16 autocast, AdamW)", "",
              f"- date: {machine['date']}", f"- GPU: {machine.get('gpu')}; torch {machine['torch']}",

@@ -262,7 +262,9 @@ class SweepReport:
     entries: list[LedgerEntry]
     verdict: Any = None
     winner_dir: Path | None = None
-    winner_parity: float | None = None
+    winner_parity: float | None = None  # the winner's max |loss - reference|
+    # Plans passed over because their loss-parity check failed: label, key and why.
+    parity_failures: list[dict[str, str]] = field(default_factory=list)
     time_split: dict[str, float] = field(default_factory=dict)
     pruning: str = ""
     calibration: dict[str, Any] = field(default_factory=dict)  # the cost model's errors and constants
@@ -496,19 +498,25 @@ def _finish(space: Space, report: SweepReport, ledger: Ledger, tracker, budget_g
                               f"{result.tokens_per_s_per_gpu or 0:,.0f} tokens/s/GPU")
     verdict = decide(list(standings.values()))
     # A fast plan that trains wrong is never the winner: check parity, fall back down the ranking.
+    # A check that cannot run is a failed check with its reason, never the end of the sweep.
     winner, parity = None, None
     order: list[Standing] = []
     for s in [verdict.winner, *sorted(verdict.tied_with_best, key=lambda t: complexity(t.plan)), *verdict.ranked]:
         if s is not None and s not in order:
             order.append(s)
     for candidate in order:
-        parity = winner_parity(load_plan_dict(candidate.plan), candidate.results[0])
-        if parity is not None and parity <= parity_tolerance(load_plan_dict(candidate.plan)):
-            winner = candidate
+        check = winner_parity(candidate.plan, candidate.results[0])
+        if check.passed:
+            winner, parity = candidate, check
             break
-        console.print(f"[red]{candidate.label} fails loss parity ({parity}); not a winner[/red]")
+        report.parity_failures.append({"label": candidate.label, "key": candidate.key, "reason": check.reason})
+        console.print(f"[red]{escape(candidate.label)} fails loss parity ({escape(check.reason)}); not a winner[/red]")
     verdict.winner = winner
-    report.verdict, report.winner_parity = verdict, parity
+    report.verdict = verdict
+    report.winner_parity = parity.max_abs_loss_diff if parity is not None else None
+    if report.parity_failures:
+        tracker.client.set_tag(report.parent_run_id, "paratune.parity_failures",
+                               "\n".join(f"{f['label']}: {f['reason']}" for f in report.parity_failures)[:5000])
     launch = sum(e.result.launch_s or 0 for e in ledger.entries)
     measured = sum(sum(e.result.step_times_s) for e in ledger.entries)
     wall = sum(e.result.wall_s or 0 for e in ledger.entries)
@@ -519,12 +527,14 @@ def _finish(space: Space, report: SweepReport, ledger: Ledger, tracker, budget_g
         plan = load_plan_dict(winner.plan)
         summary = {"sweep": space.spec.name, "label": winner.label, "tokens_per_s_per_gpu_median": winner.median,
                    "relative_spread": winner.relative_spread, "measurements": len(winner.values),
-                   "parity_max_abs_loss_diff": parity, "tied_with": [s.label for s in verdict.tied_with_best],
+                   "parity_max_abs_loss_diff": parity.max_abs_loss_diff, "parity_proxy": parity.proxy,
+                   "parity_failed_above": report.parity_failures,
+                   "tied_with": [s.label for s in verdict.tied_with_best],
                    "mfu": winner.results[0].mfu, "peak_memory_bytes": winner.results[0].peak_memory_bytes}
         report.winner_dir = out_dir_winner = report.out_dir / "winner"
         export_winner(plan, out_dir_winner, summary)
         best_metrics = {"tokens_per_s_per_gpu": winner.median, "relative_spread": winner.relative_spread,
-                        "parity_max_abs_loss_diff": parity}
+                        "parity_max_abs_loss_diff": parity.max_abs_loss_diff}
     if calibration is not None:
         from mlflow.entities import Metric
 
@@ -540,25 +550,112 @@ def parity_tolerance(plan: Plan) -> float:
 
 
 PARITY_MAX_REFERENCE_PARAMS = 200_000_000
+# The proxy that stands in for a bigger model: a few small layers of the same family.
+PROXY_HEAD_DIM = 16
+PROXY_VOCAB = 512
+PROXY_SEQ_LEN = 64
+# Config keys that hold one entry per layer (transformers checks their length against the layers).
+PER_LAYER_KEYS = ("layer_types", "no_rope_layers")
 
 
-def winner_parity(plan: Plan, result: TrialResult) -> float | None:
-    """Max per-step loss difference from the single-process reference on the same global batch.
+@dataclass(frozen=True)
+class Parity:
+    """One plan's loss-parity check against the single-process reference.
 
-    For a model too big to train on the driver's CPU, the same plan is re-run on a reduced
-    proxy shape (2 small layers of the same family) and that run is compared instead.
+    A check that could not run (proxy not buildable, proxy trial failed, reference crashed)
+    did not show that the plan trains correctly, so it fails, and `reason` says why.
+    """
+
+    passed: bool
+    max_abs_loss_diff: float  # math.inf when nothing could be compared
+    reason: str = ""  # why it failed; empty when it passed
+    proxy: dict[str, Any] | None = None  # the proxy's shape (model overrides) when one stood in
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def proxy_shape(plan: Plan) -> dict[str, Any]:
+    """Model overrides that shrink the plan's model to a CPU-sized proxy on which the plan stays valid.
+
+    The proxy keeps the family (model_type and every other config key, GQA or not) and is sized
+    to the plan's degrees: heads and KV heads multiples of tp, vocab divisible by tp, at least as
+    many layers as pipeline stages, hidden = heads x a small head dim.
+    """
+    from paratune.models import load_config_dict
+
+    config = load_config_dict(plan.model, plan.model_overrides)
+    heads = int(config.get("num_attention_heads") or 1)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    layers = int(config.get("num_hidden_layers") or 1)
+    tp = plan.tp
+    grouped = heads > kv_heads
+    # kv_heads is a multiple of tp (the plan is valid) and so is the rounded bound: so is their minimum.
+    proxy_kv = min(kv_heads, _round_up(2 if grouped else 4, tp))
+    proxy_heads = proxy_kv * 2 if grouped else proxy_kv
+    hidden = proxy_heads * PROXY_HEAD_DIM
+    stages = plan.pp * (2 if plan.pp_schedule == "interleaved_1f1b" else 1)
+    proxy_layers = max(2, stages)
+    # Tokens from a tokenizer can be any id of the model's vocab (already divisible by tp).
+    vocab = int(config["vocab_size"]) if plan.data.tokenizer is not None else _round_up(PROXY_VOCAB, tp)
+    shape: dict[str, Any] = {"num_hidden_layers": proxy_layers, "hidden_size": hidden,
+                             "intermediate_size": 2 * hidden, "num_attention_heads": proxy_heads,
+                             "num_key_value_heads": proxy_kv, "vocab_size": vocab}
+    if "head_dim" in config:
+        shape["head_dim"] = PROXY_HEAD_DIM
+    for key in PER_LAYER_KEYS:
+        value = config.get(key)
+        if isinstance(value, list) and len(value) == layers:
+            shape[key] = [value[i % layers] for i in range(proxy_layers)]
+    return shape
+
+
+def parity_proxy(plan: Plan) -> Plan:
+    """The same plan (strategy, degrees, batch split, precision) on the proxy model, short and cheap.
+
+    Raises PlanError if even the sized proxy breaks a plan rule (winner_parity turns that into
+    a failed check)."""
+    return plan.with_changes(model_overrides={**plan.model_overrides, **proxy_shape(plan)},
+                             seq_len=min(plan.seq_len, PROXY_SEQ_LEN), warmup_steps=1, measure_steps=2,
+                             grad_accum=plan.grad_accum)
+
+
+def winner_parity(plan: Plan | dict[str, Any], result: TrialResult) -> Parity:
+    """Whether the plan's per-step losses match the single-process reference on the same global
+    batch (max difference within parity_tolerance).
+
+    For a model too big to train on the driver's CPU, the same plan is re-run on a proxy sized
+    to the plan (parity_proxy) and that run is compared instead. Never raises: `_finish` calls
+    it after the last trial, and an exception there would lose the whole sweep's winner.
     """
     from paratune.models import build_config, parameter_counts
     from paratune.reference import max_loss_difference, reference_losses
 
-    if parameter_counts(build_config(plan.model, plan.model_overrides))["total"] > PARITY_MAX_REFERENCE_PARAMS:
-        plan = plan.with_changes(model_overrides={**plan.model_overrides, **_PROXY_SHAPE}, seq_len=min(plan.seq_len, 64),
-                                 warmup_steps=1, measure_steps=2, grad_accum=plan.grad_accum)
-        result = run_trial(plan)
-        if not result.ok:
-            return math.inf
-    return max_loss_difference(result.losses, reference_losses(plan, steps=len(result.losses)))
-
-
-_PROXY_SHAPE = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-                "num_key_value_heads": 2, "vocab_size": 512}
+    shape, step = None, "loading the plan"
+    try:
+        plan = plan if isinstance(plan, Plan) else load_plan_dict(plan)
+        step = "building the model"
+        if parameter_counts(build_config(plan.model, plan.model_overrides))["total"] > PARITY_MAX_REFERENCE_PARAMS:
+            step = "sizing the proxy"
+            shape = proxy_shape(plan)
+            plan = parity_proxy(plan)
+            step = "building the proxy"
+            size = parameter_counts(build_config(plan.model, plan.model_overrides))["total"]
+            if size > PARITY_MAX_REFERENCE_PARAMS:
+                return Parity(False, math.inf, f"proxy has {size:,} parameters, over the "
+                              f"{PARITY_MAX_REFERENCE_PARAMS:,} a reference on the driver's CPU allows", shape)
+            step = "running the proxy trial"
+            result = run_trial(plan)
+            if not result.ok:
+                message = f"proxy trial failed: {result.reason}: {result.message or ''}"
+                return Parity(False, math.inf, message[:2000], shape)
+        step = "running the reference"
+        diff = max_loss_difference(result.losses, reference_losses(plan, steps=len(result.losses)))
+    except Exception as err:  # noqa: BLE001 - any check that cannot run is a failed check, with its reason
+        message = f"parity check failed while {step}: {type(err).__name__}: {err}"
+        return Parity(False, math.inf, message[:2000], shape)
+    tolerance = parity_tolerance(plan)
+    if diff <= tolerance:
+        return Parity(True, diff, "", shape)
+    return Parity(False, diff, f"max |loss - reference| {diff:.3g} over tolerance {tolerance:g}", shape)

@@ -1,0 +1,216 @@
+"""The winner's loss-parity check: the proxy that stands in for a big model, and checks that cannot run.
+
+Pure: no Ray. The proxy must be a valid plan with the original's degrees for every plan a sweep
+can pick, and a check that cannot run must come back as a failed check with its reason (an
+exception there, after the last trial, would lose the whole sweep's winner).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+
+from paratune.models import build_config, load_config_dict, parameter_counts
+from paratune.plan import Plan, load_plan_dict
+from paratune.reference import reference_losses
+from paratune.space import load_space
+from paratune.sweep import PROXY_HEAD_DIM, Parity, parity_proxy, proxy_shape, winner_parity
+from paratune.trial import TrialResult
+
+SPACES = sorted((Path(__file__).resolve().parents[1] / "search_spaces").glob("*.yaml"))
+# The proxy may shrink the model and shorten the run; every other field (strategy and its options,
+# degrees, batch split, precision, recomputation, data, env, ...) must stay the plan's own.
+CHANGED = {"model_overrides", "seq_len", "warmup_steps", "measure_steps"}
+PROXY_MAX_PARAMS = 5_000_000  # the reference runs on the driver's CPU
+
+
+def _check_proxy(plan: Plan, max_params: int = PROXY_MAX_PARAMS) -> Plan:
+    """The proxy validates on its own, keeps the plan's degrees and the family, and is small."""
+    proxy = load_plan_dict(parity_proxy(plan).to_dict())
+    original, small = plan.to_dict(), proxy.to_dict()
+    assert {k: v for k, v in small.items() if k not in CHANGED} == {k: v for k, v in original.items()
+                                                                     if k not in CHANGED}
+    assert proxy.dp_degree == plan.dp_degree
+    config = load_config_dict(proxy.model, proxy.model_overrides)
+    assert config["model_type"] == load_config_dict(plan.model, plan.model_overrides)["model_type"]
+    built = build_config(proxy.model, proxy.model_overrides)
+    assert built.hidden_size == built.num_attention_heads * PROXY_HEAD_DIM
+    assert getattr(built, "head_dim", PROXY_HEAD_DIM) == PROXY_HEAD_DIM
+    assert parameter_counts(built)["total"] <= max_params
+    return proxy
+
+
+@pytest.mark.parametrize("space_file", SPACES, ids=[p.stem for p in SPACES])
+def test_every_valid_plan_of_every_shipped_space_has_a_valid_proxy_with_its_degrees(space_file):
+    space = load_space(space_file)
+    start = time.perf_counter()
+    for candidate in space.candidates:
+        _check_proxy(candidate.plan)
+    assert time.perf_counter() - start < 30, "proxying a space's plans must stay cheap"
+
+
+def test_shipped_spaces_reach_the_degrees_the_fixed_proxy_broke():
+    # The plans that made a 2-layer, 4-head proxy invalid are in the shipped spaces (so the test
+    # above covers them): tp 4 and 8, pp 4, interleaved schedules.
+    degrees = {(c.plan.tp, c.plan.pp, c.plan.pp_schedule) for f in SPACES for c in load_space(f).candidates}
+    assert {(4, 1, "1f1b"), (8, 1, "1f1b"), (1, 4, "1f1b"), (1, 4, "interleaved_1f1b")} <= degrees
+
+
+BIG = {"seq_len": 4096, "global_batch": 64, "micro_batch": 1, "num_workers": 32, "gpus_per_node": 8,
+       "precision": "bf16", "strategy": "fsdp"}
+
+
+@pytest.mark.parametrize("changes", [
+    {"model": "llama3-70b", "tp": 8, "sequence_parallel": True},
+    {"model": "llama3-70b", "pp": 4, "pp_schedule": "interleaved_1f1b", "micro_batch": 1},
+    {"model": "llama3-70b", "pp": 8, "pp_schedule": "gpipe"},
+    {"model": "qwen2.5-7b", "tp": 4, "sequence_parallel": True},  # 28 heads / 4 KV heads, biases on q/k/v
+    {"model": "llama3.2-1b", "tp": 8},  # carries an explicit head_dim (64) that the proxy must follow
+    {"model": "llama3.2-1b", "pp": 8, "pp_schedule": "interleaved_1f1b"},  # 16 stages over 16 layers
+    {"model": "llama3-8b", "tp": 2, "strategy": "ddp", "num_workers": 8},
+], ids=["70b-tp8-sp", "70b-pp4-interleaved", "70b-pp8", "qwen-tp4-sp", "1b-head_dim-tp8", "1b-pp8-interleaved",
+        "8b-ddp-tp2"])
+def test_proxy_is_sized_to_degrees_the_shipped_spaces_do_not_sweep(changes):
+    _check_proxy(load_plan_dict({**BIG, **changes}))
+
+
+def test_proxy_keeps_per_layer_keys_and_a_tokenizer_vocab(tmp_path):
+    # A Qwen2 config.json as recent transformers saves it lists every layer's attention type;
+    # transformers rejects a proxy whose layer count does not match that list.
+    config = {**load_config_dict("qwen2.5-7b"), "layer_types": ["full_attention"] * 28}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    plan = load_plan_dict({**BIG, "model": str(tmp_path), "pp": 2, "pp_schedule": "interleaved_1f1b",
+                           "data": {"kind": "text", "path": str(tmp_path / "corpus.txt"),
+                                    "tokenizer": str(tmp_path / "tokenizer")}})
+    proxy = _check_proxy(plan, max_params=25_000_000)  # 152K x 128 embedding and head dominate
+    built = build_config(proxy.model, proxy.model_overrides)
+    assert built.num_hidden_layers == 4 and built.layer_types == ["full_attention"] * 4
+    assert built.vocab_size == 152064  # a tokenizer's ids can be any of the model's vocab
+
+
+def test_the_widest_proxy_trains_in_the_cpu_reference():
+    # The tp-8 proxy of the 70B space (16 heads, hidden 256) builds and trains in the single-process
+    # reference. One data-parallel step's worth of sequences: the space's global batch of 256 costs
+    # minutes on a shared 2-core CPU and adds nothing to what this shows.
+    plan = max((c.plan for c in load_space(SPACES[0].parent / "llama3_70b_4x8.yaml").candidates),
+               key=lambda p: (p.tp, p.pp))
+    proxy = parity_proxy(plan)
+    assert proxy.tp == 8
+    short = proxy.with_changes(global_batch=proxy.micro_batch * proxy.dp_degree)
+    losses = reference_losses(short, steps=1)
+    assert len(losses) == 1 and math.isfinite(losses[0])
+
+
+def _ok_result(plan: Plan, losses: list[float]) -> TrialResult:
+    return TrialResult(status="ok", plan=plan.to_dict(), world_size=plan.num_workers, losses=losses)
+
+
+PHI3_LONGROPE = {"model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+                 "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32064,
+                 "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+                 "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [1.5] * 48}}
+
+
+def test_proxy_that_cannot_be_built_is_a_failed_check_with_a_reason(tmp_path):
+    # Phi-3 with LongRoPE: its rope factor lists have one entry per rotary dim pair (head dim 96 -> 48),
+    # so the proxy's small head dim makes transformers reject the config. The model itself (3.8B
+    # parameters, over the CPU reference's limit) builds; only its proxy does not.
+    (tmp_path / "config.json").write_text(json.dumps(PHI3_LONGROPE))
+    plan = load_plan_dict({"model": str(tmp_path), "seq_len": 256, "global_batch": 8, "micro_batch": 2,
+                           "num_workers": 2, "strategy": "fsdp", "precision": "bf16"})
+    assert parameter_counts(build_config(plan.model))["total"] > 200_000_000
+    for given in (plan, plan.to_dict()):  # _finish passes the ledger's plan dict
+        check = winner_parity(given, _ok_result(plan, [5.0, 4.9, 4.8]))
+        assert isinstance(check, Parity) and not check.passed and check.max_abs_loss_diff == math.inf
+        assert "building the proxy" in check.reason and "short_factor" in check.reason
+        assert check.proxy == proxy_shape(plan)
+
+
+def test_plan_that_no_longer_loads_is_a_failed_check_with_a_reason():
+    # A resumed sweep's ledger may hold a plan that today's rules reject (tp 3 does not divide 4 heads).
+    stale = {"model": "tiny-llama", "num_workers": 3, "tp": 3, "strategy": "fsdp", "global_batch": 6,
+             "micro_batch": 6}
+    check = winner_parity(stale, TrialResult(status="ok", plan=stale, world_size=3, losses=[6.0]))
+    assert not check.passed and check.max_abs_loss_diff == math.inf
+    assert "loading the plan" in check.reason and "tp: 3 must divide attention heads" in check.reason
+
+
+def test_small_model_is_compared_with_the_reference_directly():
+    plan = load_plan_dict({"model": "tiny-llama", "seq_len": 16, "global_batch": 4, "micro_batch": 2,
+                           "num_workers": 2, "warmup_steps": 1, "measure_steps": 1})
+    reference = reference_losses(plan)
+    same = winner_parity(plan, _ok_result(plan, reference))
+    assert same == Parity(True, 0.0, "", None)
+    off = winner_parity(plan, _ok_result(plan, [reference[0], reference[1] + 0.01]))
+    assert not off.passed and off.max_abs_loss_diff == pytest.approx(0.01, rel=1e-3)
+    assert "over tolerance 0.0001" in off.reason
+
+
+# --------------------------------------------------------------------------- _finish, without Ray
+@pytest.fixture(scope="module")
+def tracker(tmp_path_factory):
+    """A real MLflow store (sqlite), shared by the tests of this module: creating one takes seconds."""
+    from paratune.tracking import SweepTracker
+
+    return SweepTracker(f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}")
+
+
+def _finish_with(tmp_path: Path, tracker, space_fixed: dict, measured: list[tuple[dict, float, list[float]]]):
+    """Run the sweep's last phase (verdict, parity, export) on a ledger of given measurements.
+
+    No re-measuring (remeasure_rounds 0), so no trial runs and no Ray starts. Returns the report,
+    the MLflow parent run and what the console printed."""
+    from rich.console import Console
+
+    from paratune.space import space_from_dict
+    from paratune.sweep import Ledger, LedgerEntry, SweepReport, _finish
+
+    space = space_from_dict({"name": "finish", "fixed": space_fixed, "space": {"micro_batch": [2, 4]},
+                             "search": {"algorithm": "grid", "trials": 2, "remeasure_rounds": 0}})
+    ledger = Ledger(tmp_path / "ledger.jsonl")
+    for number, (plan, tokens_per_s, losses) in enumerate(measured, start=1):
+        result = TrialResult(status="ok", plan=plan, world_size=plan["num_workers"], tokens_per_s_per_gpu=tokens_per_s,
+                             step_time_spread=0.0, losses=losses)
+        ledger.append(LedgerEntry(number, json.dumps({"micro_batch": plan["micro_batch"]}), result, "search"))
+    parent = tracker.start_parent("finish", None, params={}, tags={})
+    report = SweepReport(tmp_path / "sweep", parent, ledger.entries)
+    console = Console(file=io.StringIO(), width=400)
+    _finish(space, report, ledger, tracker, None, console)
+    return report, tracker.client.get_run(parent), console.file.getvalue()
+
+
+def test_finish_without_a_buildable_proxy_ends_with_no_winner_and_the_reasons(tmp_path, tracker):
+    # Before: the proxy's exception went through _finish, the sweep died after its last trial.
+    model = tmp_path / "phi3"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(PHI3_LONGROPE))
+    fixed = {"model": str(model), "seq_len": 256, "global_batch": 8, "num_workers": 2, "precision": "bf16"}
+    plans = [load_plan_dict({**fixed, "micro_batch": mb}).to_dict() for mb in (2, 4)]
+    report, parent, printed = _finish_with(tmp_path, tracker, fixed, [(plans[0], 900.0, [5.0, 4.9]),
+                                                                      (plans[1], 800.0, [5.0, 4.9])])
+    assert report.verdict.winner is None and report.winner_dir is None and report.winner_parity is None
+    assert [f["label"] for f in report.parity_failures] == ["ddp mb2x2 bf16", "ddp mb4x1 bf16"]
+    assert printed.count("fails loss parity (parity check failed while building the proxy") == 2
+    assert all("building the proxy" in f["reason"] and "short_factor" in f["reason"] for f in report.parity_failures)
+    assert "short_factor" in parent.data.tags["paratune.parity_failures"]
+    assert parent.info.status == "FINISHED"
+
+
+def test_finish_falls_back_to_the_next_plan_and_records_why(tmp_path, tracker):
+    fixed = {"model": "tiny-llama", "seq_len": 32, "global_batch": 8, "num_workers": 2, "warmup_steps": 1,
+             "measure_steps": 2}
+    fast, slow = (load_plan_dict({**fixed, "micro_batch": mb}) for mb in (2, 4))
+    wrong = [loss + 0.5 for loss in reference_losses(fast)]  # fast, but it trains something else
+    report, parent, printed = _finish_with(tmp_path, tracker, fixed, [(fast.to_dict(), 900.0, wrong),
+                                                                      (slow.to_dict(), 800.0, reference_losses(slow))])
+    assert report.verdict.winner.plan["micro_batch"] == 4 and report.winner_parity == 0.0
+    assert [f["label"] for f in report.parity_failures] == ["ddp mb2x2"]
+    assert "over tolerance" in report.parity_failures[0]["reason"] and "ddp mb2x2 fails loss parity" in printed
+    summary = json.loads((report.winner_dir / "summary.json").read_text())
+    assert summary["parity_failed_above"] == report.parity_failures and summary["parity_proxy"] is None
+    assert parent.data.tags["paratune.winner"] == "ddp mb4x1"
