@@ -34,6 +34,9 @@ CASES = {
     "zero-3-prefetch": {"strategy": "zero", "zero": {"stage": 3, "stage3_prefetch_bucket_size": 10000}},
     "zero-2-offload-optimizer": {"strategy": "zero", "zero": {"stage": 2, "offload_optimizer": True}},
     "zero-3-offload-all": {"strategy": "zero", "zero": {"stage": 3, "offload_optimizer": True, "offload_param": True}},
+    # DeepSpeed's own CPU Adam, as offload plans run on GPUs: the same AdamW as the reference's.
+    "zero-2-offload-deepspeed-cpu-adam": {"strategy": "zero", "optimizer": "deepspeed",
+                                          "zero": {"stage": 2, "offload_optimizer": True}},
     "zero-2-checkpointing": {"strategy": "zero", "zero": {"stage": 2}, "activation_checkpointing": "full"},
 }
 
@@ -46,6 +49,7 @@ def test_fp32_loss_parity(name):
     assert len(out["losses"]) == plan.total_steps
     assert max_loss_difference(out["losses"], reference) < 1e-5, (out["losses"], reference)
     assert out["losses"][-1] < out["losses"][0]  # it trains
+    assert set(out["linear_matmul_dtypes"]) == {"float32"}  # fp32 plans compute in fp32
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp-full", "zero-2-overlap-buckets"])

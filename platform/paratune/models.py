@@ -50,8 +50,9 @@ def build_config(model: str, overrides: dict[str, Any] | None = None):
         raise ModelError(f"model: model_type '{model_type}' is not a causal LM that transformers knows")
     try:
         config = AutoConfig.for_model(model_type, **data)
-    except (TypeError, ValueError) as err:
-        raise ModelError(f"model_overrides: {err}") from None
+    except Exception as err:  # noqa: BLE001 - transformers 5 also raises huggingface_hub's
+        # StrictDataclassClassValidationError (not a ValueError) for inconsistent configs
+        raise ModelError(f"model config: {type(err).__name__}: {err}") from None
     if getattr(config, "is_encoder_decoder", False):
         raise ModelError(f"model: '{model}' is an encoder-decoder; paratune tunes decoder-only LMs")
     config.use_cache = False
@@ -59,12 +60,12 @@ def build_config(model: str, overrides: dict[str, Any] | None = None):
 
 
 def build_model(config, seed: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
-    """Random-init model from config. Seeding right before construction makes every rank identical."""
-    from transformers import AutoModelForCausalLM
+    """Random-init model from config, whole, on `device`. Its values are those every layout
+    reproduces slice by slice (paratune.materialize): the same on every rank and device."""
+    from paratune.materialize import ModelInit, build_meta, materialize
 
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model = build_meta(config, dtype)
+    materialize(model, ModelInit(model, config, seed, dtype), torch.device(device))
     return model
 
 

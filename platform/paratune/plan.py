@@ -134,6 +134,13 @@ class Plan(_Strict):
     activation_checkpointing: Checkpointing = "none"
     precision: Precision = "fp32"
     grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping (for every strategy alike)
+    # AdamW's implementation: `deepspeed` lets ZeRO build it from its config (DeepSpeedCPUAdam under
+    # optimizer offload, torch's fused AdamW on GPUs), `torch` hands DeepSpeed paratune's torch
+    # AdamW (the CPU parity path); `auto` = deepspeed for ZeRO on GPUs, torch elsewhere.
+    optimizer: Literal["auto", "torch", "deepspeed"] = "auto"
+    # CPUs Ray reserves per worker (they set OMP_NUM_THREADS: the CPU Adam of offload plans runs on
+    # them). None: 1 on CPU clusters; on GPU clusters the GPU nodes' CPUs / GPUs (the smallest node).
+    cpus_per_worker: float | None = Field(None, gt=0, le=1024)
     lr: float = Field(3e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
 
@@ -205,6 +212,9 @@ class Plan(_Strict):
             check_env(key, value)
         if self.fsdp is not None:
             _check_fsdp(self.fsdp, self.num_workers)
+        if self.optimizer == "deepspeed" and self.strategy != "zero":
+            raise ValueError(f"optimizer: 'deepspeed' needs strategy 'zero', got '{self.strategy}'; "
+                             "allowed: 'auto' or 'torch'")
         if self.zero is not None and self.zero.offload_param and self.zero.stage != 3:
             raise ValueError(
                 f"zero.offload_param: true needs zero.stage 3, got stage {self.zero.stage}; "

@@ -60,8 +60,8 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     import ray.train.torch
 
     from paratune.data import TokenBatches
-    from paratune.models import build_config, build_model
-    from paratune.parallel import parallelize
+    from paratune.models import build_config
+    from paratune.parallel import build_runner
     from paratune.parallel.dims import ParallelDims
 
     ctx = ray.train.get_context()
@@ -72,9 +72,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     dims = ParallelDims.from_plan(plan, device.type)
     dp_rank = dims.dp_rank(rank)
     model_config = build_config(plan.model, plan.model_overrides)
-    model = build_model(model_config, seed=plan.seed, device=device)
-    model.train()
-    runner = parallelize(model, plan, device, ctx.get_local_world_size())
+    runner = build_runner(model_config, plan, device, ctx.get_local_world_size())
     data = TokenBatches(plan.data, model_config.vocab_size, plan.seq_len, plan.global_batch, plan.seed)
 
     start, losses, resumed_at = 0, [], []
@@ -164,10 +162,13 @@ def run_training(plan: Plan | dict[str, Any], *, steps: int, checkpoint_every: i
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from paratune.trial import wants_gpu
+    import ray
+
+    from paratune.trial import GPU_WORKER_ENV, process_group_backend, wants_gpu, worker_resources
 
     ensure_ray(ray_address)
     use_gpu = wants_gpu(plan)
+    env = {**GPU_WORKER_ENV, **plan.env} if use_gpu else dict(plan.env)
     run_id = None
     if track:
         from paratune.tracking import default_tracking_uri, start_training_run
@@ -178,14 +179,14 @@ def run_training(plan: Plan | dict[str, Any], *, steps: int, checkpoint_every: i
         train_loop,
         train_loop_config={"plan": plan.to_dict(), "steps": steps, "checkpoint_every": checkpoint_every},
         scaling_config=ScalingConfig(num_workers=plan.num_workers, use_gpu=use_gpu,
-                                     resources_per_worker={"GPU": 1} if use_gpu else {"CPU": 1}),
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=int(plan.comm_timeout_s)),
+                                     resources_per_worker=worker_resources(plan, use_gpu, ray.nodes() if use_gpu else None)),
+        torch_config=TorchConfig(backend=process_group_backend(plan, use_gpu), timeout_s=int(plan.comm_timeout_s)),
         run_config=RunConfig(
             name=name,
             storage_path=str(storage_path or default_storage()),
             failure_config=FailureConfig(max_failures=max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
-            worker_runtime_env={"env_vars": dict(plan.env)} if plan.env else None,
+            worker_runtime_env={"env_vars": env} if env else None,
             callbacks=[_progress_callback(tracking_uri, run_id, plan.tokens_per_step, plan.num_workers)],
         ),
     )

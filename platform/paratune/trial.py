@@ -49,6 +49,10 @@ class TrialResult(BaseModel):
     peak_memory_bytes: list[int] = Field(default_factory=list)  # per rank
     local_parameter_counts: list[int] = Field(default_factory=list)  # per rank: what it holds
     memory_method: str | None = None
+    construction_peak_bytes: list[int | None] = Field(default_factory=list)  # per rank, model build + layout
+    construction_method: str | None = None
+    linear_matmul_dtypes: dict[str, int] = Field(default_factory=dict)  # one warm-up step, all ranks
+    optimizer_class: str | None = None  # what stepped: AdamW, DeepSpeedCPUAdam, ...
     comm_share: float | None = None
     comm_method: str | None = None
     losses: list[float] = Field(default_factory=list)  # every step, warm-up included
@@ -104,29 +108,6 @@ def reduce_losses_and_times(losses: list[torch.Tensor | None], times: list[float
     time_t = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(time_t, op=dist.ReduceOp.MAX)
     return loss_t.tolist(), time_t.tolist()
-
-
-def _comm_share_from_profile(prof, step_seconds: float) -> float:
-    """Fraction of the step with a collective in flight: union of collective op intervals."""
-    names = ("nccl:", "gloo:", "c10d::", "allreduce", "all_reduce", "allgather", "all_gather",
-             "reduce_scatter", "_reduce_scatter", "broadcast", "record_param_comms")
-    spans = []
-    for evt in prof.events():
-        name = evt.name.lower()
-        if any(n in name for n in names):
-            spans.append((evt.time_range.start, evt.time_range.end))
-    spans.sort()
-    busy, cur_start, cur_end = 0.0, None, None
-    for start, end in spans:
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                busy += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        busy += cur_end - cur_start
-    return min(1.0, busy / 1e6 / step_seconds) if step_seconds > 0 else 0.0
 
 
 def _tracked_peak_bytes(runner, micro) -> tuple[int, str]:
@@ -192,8 +173,16 @@ def _local_parameter_count(runner) -> int:
     from torch.distributed.tensor import DTensor
 
     groups = getattr(runner.optimizer, "param_groups", None)
-    params = {id(p): p for g in groups for p in g["params"]}.values() if groups else runner.model.parameters()
-    return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
+    # (ZeRO-3's optimizer keeps its groups empty between steps: then the module's partitions.)
+    params = list({id(p): p for g in groups or [] for p in g["params"]}.values()) or list(runner.model.parameters())
+    def held(p: torch.Tensor) -> int:
+        if isinstance(p, DTensor):
+            return p.to_local().numel()
+        if hasattr(p, "ds_tensor"):  # a ZeRO-3 parameter: the rank holds its partition only
+            return p.ds_tensor.numel()
+        return p.numel()
+
+    return sum(held(p) for p in params)
 
 
 def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, device: torch.device) -> dict[str, Any]:
@@ -201,17 +190,21 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     import torch.distributed as dist
 
     from paratune.data import TokenBatches
-    from paratune.models import build_config, build_model
-    from paratune.parallel import parallelize
+    from paratune.materialize import ConstructionMeter
+    from paratune.models import build_config
+    from paratune.parallel import build_runner
     from paratune.parallel.dims import ParallelDims
+    from paratune.precision import LinearMatmulDtypes
 
     dims = ParallelDims.from_plan(plan, device.type)
     dp_rank = dims.dp_rank(rank)
     env_seen = {key: os.environ.get(key) for key in plan.env}
     config = build_config(plan.model, plan.model_overrides)
-    model = build_model(config, seed=plan.seed, device=device)  # same seed: same weights everywhere
-    model.train()
-    runner = parallelize(model, plan, device, local_world)
+    meter = ConstructionMeter(device).start()
+    try:
+        runner = build_runner(config, plan, device, local_world, meter)
+    finally:
+        meter.abandon()
     torch.manual_seed(plan.seed + 1 + dp_rank)  # dropout differs per data rank (same within a tp group)
     data = TokenBatches(plan.data, config.vocab_size, plan.seq_len, plan.global_batch, plan.seed)
 
@@ -220,6 +213,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
 
     losses, times = [], []
     first_step_at = None
+    dtypes = LinearMatmulDtypes()
     for step in range(plan.total_steps):
         maybe_inject_fault(rank, step)
         micro = batches(step)
@@ -228,7 +222,11 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         sync_device(device)
         t0 = time.perf_counter()
         first_step_at = first_step_at or time.time()
-        loss = runner.train_step(micro)
+        if step == 0 and plan.warmup_steps > 0:  # a warm-up step (never timed) records compute dtypes
+            with dtypes:
+                loss = runner.train_step(micro)
+        else:
+            loss = runner.train_step(micro)
         sync_device(device)
         times.append(time.perf_counter() - t0)
         losses.append(loss)
@@ -256,7 +254,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
             runner.train_step(micro)
             sync_device(device)
             seconds = time.perf_counter() - t0
-        share = torch.tensor([_comm_share_from_profile(prof, seconds)], dtype=torch.float64, device=device)
+        share = torch.tensor([measure.comm_share_from_profile(prof, seconds, device.type)], dtype=torch.float64, device=device)
         dist.all_reduce(share, op=dist.ReduceOp.SUM)
         out["comm_share"] = float(share) / world
         out["comm_method"] = "profiler: collectives in flight / step time (one extra step, rank mean)"
@@ -287,6 +285,19 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     dist.all_gather_object(held, _local_parameter_count(runner))
     out["local_parameter_counts"] = held
     out["memory_method"] = method
+    construction: list[Any] = [None] * world
+    dist.all_gather_object(construction, meter.peak_bytes)
+    out["construction_peak_bytes"] = construction
+    out["construction_method"] = meter.method
+    matmuls: list[Any] = [None] * world
+    dist.all_gather_object(matmuls, dict(dtypes.counts))
+    total: dict[str, int] = {}
+    for counts in matmuls:
+        for dtype, n in counts.items():
+            total[dtype] = total.get(dtype, 0) + n
+    out["linear_matmul_dtypes"] = total
+    inner = getattr(runner.optimizer, "optimizer", runner.optimizer)  # DeepSpeed wraps the real one
+    out["optimizer_class"] = type(inner).__name__
     return out
 
 
@@ -322,6 +333,49 @@ def wants_gpu(plan: Plan) -> bool:
     if plan.device == "cpu":
         return False
     return ray.cluster_resources().get("GPU", 0) >= 1
+
+
+def needs_cpu_collectives(plan: Plan) -> bool:
+    """Whether a plan runs collectives on host tensors: under FSDP2 CPU offload the gradients
+    live on the host, so gradient clipping's all-reduce runs on CPU tensors."""
+    return plan.strategy == "fsdp" and plan.fsdp is not None and plan.fsdp.cpu_offload
+
+
+def process_group_backend(plan: Plan, use_gpu: bool) -> str:
+    """gloo on CPU workers; NCCL on GPUs, plus gloo for CPU tensors when the plan has CPU-side
+    collectives (an NCCL-only group cannot reduce host tensors: the step would crash)."""
+    if not use_gpu:
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if needs_cpu_collectives(plan) else "nccl"
+
+
+def gpu_node_cpus_per_gpu(nodes: list[dict[str, Any]]) -> float | None:
+    """CPUs per GPU on the alive GPU nodes (the smallest ratio, so any node can host a worker)."""
+    ratios = [n["Resources"].get("CPU", 0) / n["Resources"]["GPU"] for n in nodes
+              if n.get("Alive") and n.get("Resources", {}).get("GPU", 0) >= 1]
+    return min(ratios) if ratios else None
+
+
+def worker_resources(plan: Plan, use_gpu: bool, nodes: list[dict[str, Any]] | None = None) -> dict[str, float]:
+    """What Ray reserves per worker. CPUs matter beyond scheduling: Ray sets OMP_NUM_THREADS to a
+    worker's CPUs (1 when it reserves none), and offload plans run their optimizer on them, so a
+    GPU worker reserving 0 CPUs would measure offload on one thread. Default on GPUs: the GPU
+    nodes' CPUs / GPUs, floored (a whole share of the node), never less than 1."""
+    if not use_gpu:
+        return {"CPU": plan.cpus_per_worker or 1}
+    cpus = plan.cpus_per_worker
+    if cpus is None:
+        ratio = gpu_node_cpus_per_gpu(nodes or [])
+        cpus = max(1, int(ratio)) if ratio else 1
+    return {"GPU": 1, "CPU": cpus}
+
+
+# Set on GPU workers unless the plan sets them. Ray Train sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+# (TearDown) when unset, and torch's default (3) also kills the process: the driver then sees a
+# dead actor (worker_died) where the truth is a collective timeout. 2 (CleanUpOnly, still in torch
+# 2.13's ErrorHandlingMode) aborts the communicators but keeps the process, so the next collective
+# raises DistBackendError in the worker: classified comm_timeout.
+GPU_WORKER_ENV: dict[str, str] = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
 def _placement_groups() -> dict[str, str]:
@@ -441,23 +495,26 @@ def run_trial(plan: Plan | dict[str, Any], *, storage_path: str | Path | None = 
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
+    import ray
+
     ensure_ray(ray_address)
     use_gpu = wants_gpu(plan)
     before = set(_placement_groups())
     trainer_cls = _timed_trainer_class()
+    env = {**GPU_WORKER_ENV, **plan.env} if use_gpu else dict(plan.env)
     trainer = trainer_cls(
         worker_loop,
         train_loop_config={"plan": plan.to_dict()},
         scaling_config=ScalingConfig(num_workers=plan.num_workers, use_gpu=use_gpu,
-                                     resources_per_worker={"GPU": 1} if use_gpu else {"CPU": 1}),
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=int(plan.comm_timeout_s)),
+                                     resources_per_worker=worker_resources(plan, use_gpu, ray.nodes() if use_gpu else None)),
+        torch_config=TorchConfig(backend=process_group_backend(plan, use_gpu), timeout_s=int(plan.comm_timeout_s)),
         run_config=RunConfig(
             name=f"trial-{uuid.uuid4().hex[:8]}",
             storage_path=str(storage_path or default_storage()),
             # A trial is a measurement: never retry it, and never let the controller loop forever.
             failure_config=FailureConfig(max_failures=0, controller_failure_limit=0),
             # Env vars reach every worker before TorchConfig starts the process group.
-            worker_runtime_env={"env_vars": dict(plan.env)} if plan.env else None,
+            worker_runtime_env={"env_vars": env} if env else None,
         ),
     )
     trainer.deadline_s = plan.trial_timeout_s
@@ -491,6 +548,9 @@ def summarize(plan: Plan, out: dict[str, Any], flops_tok: float, wall_s: float |
         peak_memory_bytes=out.get("peak_memory_bytes", []), memory_method=out.get("memory_method"),
         local_parameter_counts=out.get("local_parameter_counts", []),
         comm_share=out.get("comm_share"), comm_method=out.get("comm_method"),
+        construction_peak_bytes=out.get("construction_peak_bytes", []),
+        construction_method=out.get("construction_method"),
+        linear_matmul_dtypes=out.get("linear_matmul_dtypes", {}), optimizer_class=out.get("optimizer_class"),
         losses=out["losses"], step_times_s=step_times, launch_s=out.get("launch_s"), wall_s=wall_s,
         env_seen=out.get("env_seen", {}),
     )

@@ -13,12 +13,16 @@ from typing import Callable, ContextManager
 import torch
 from torch import nn
 
+from paratune.materialize import ConstructionMeter, ModelInit, build_meta
 from paratune.plan import Plan
+
+
+ADAM_BETAS, ADAM_EPS = (0.9, 0.95), 1e-8
 
 
 def make_optimizer(params, plan: Plan) -> torch.optim.Optimizer:
     """The same AdamW for every strategy (and the reference), so losses are comparable."""
-    return torch.optim.AdamW(params, lr=plan.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=plan.weight_decay)
+    return torch.optim.AdamW(params, lr=plan.lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=plan.weight_decay)
 
 
 def apply_activation_checkpointing(model: nn.Module, plan: Plan) -> None:
@@ -33,6 +37,14 @@ def enable_full_recompute(model: nn.Module) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _no_sync_context(step: int, last_micro: bool) -> ContextManager:
+    return contextlib.nullcontext()
+
+
+def _no_forward_extra(ids: torch.Tensor) -> dict:
+    return {}
 
 
 class StepRunner:
@@ -50,11 +62,19 @@ class StepRunner:
         forward_extra: Callable[[torch.Tensor], dict] | None = None,
     ):
         self.model, self.optimizer, self.plan, self.device = model, optimizer, plan, device
-        self._sync_context = sync_context or (lambda step, last: contextlib.nullcontext())
+        self._sync_context = sync_context or _no_sync_context
         self._autocast = autocast
-        self._clip = clip or (lambda: torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.plan.grad_clip))
-        self._forward_extra = forward_extra or (lambda ids: {})
+        # No default closure over self: a runner must not keep itself alive through a reference
+        # cycle (a finished trial's model would then outlive it and inflate the next one's peak).
+        self._clip = clip
+        self._forward_extra = forward_extra or _no_forward_extra
         self.steps_done = 0
+
+    def clip_gradients(self) -> None:
+        if self._clip is not None:
+            self._clip()
+        else:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.plan.grad_clip)
 
     def micro_batch_roots(self) -> list[nn.Module]:
         """The modules each micro-batch enters through (for per-micro-batch instrumentation)."""
@@ -76,7 +96,7 @@ class StepRunner:
                 (loss / n).backward()
             total += loss.detach().float()
         if self.plan.grad_clip > 0:
-            self._clip()
+            self.clip_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
@@ -105,22 +125,43 @@ class StepRunner:
         return self.model if isinstance(self.model, nn.Module) else nn.ModuleList(self.model)
 
 
-def parallelize(model: nn.Module, plan: Plan, device: torch.device, local_world_size: int) -> StepRunner:
-    """Dispatch to the plan's strategy (and its tensor/pipeline degrees)."""
+def build_runner(config, plan: Plan, device: torch.device, local_world_size: int,
+                 meter: ConstructionMeter | None = None) -> StepRunner:
+    """The model of `config`, laid out by the plan, with only this rank's part materialized.
+
+    Built on the meta device, then `parallelize` applies the plan and allocates what this rank
+    holds, with the reference's values (the same seed gives the same weights on every rank and
+    every device). `meter` (started by the caller) is stopped once the model exists."""
+    model = build_meta(config)
+    model.train()
+    init = ModelInit(model, config, plan.seed)
+    init.meter = meter
+    runner = parallelize(model, init, plan, device, local_world_size)
+    if meter is not None:
+        meter.stop()
+    return runner
+
+
+def parallelize(model: nn.Module, init: ModelInit, plan: Plan, device: torch.device,
+                local_world_size: int) -> StepRunner:
+    """Dispatch to the plan's strategy (and its tensor/pipeline degrees).
+
+    `model` is built on the meta device; each strategy applies its layout first and then
+    materializes only what this rank holds (`init` fills the values), before its optimizer."""
     if plan.tp > 1 or plan.pp > 1:
         from paratune.parallel.nd import parallelize_model_parallel
 
-        return parallelize_model_parallel(model, plan, device)
+        return parallelize_model_parallel(model, init, plan, device)
     if plan.strategy == "ddp":
         from paratune.parallel.ddp import parallelize_ddp
 
-        return parallelize_ddp(model, plan, device)
+        return parallelize_ddp(model, init, plan, device)
     if plan.strategy == "fsdp":
         from paratune.parallel.fsdp import parallelize_fsdp
 
-        return parallelize_fsdp(model, plan, device, local_world_size)
+        return parallelize_fsdp(model, init, plan, device, local_world_size)
     if plan.strategy == "zero":
         from paratune.parallel.zero import parallelize_zero
 
-        return parallelize_zero(model, plan, device)
+        return parallelize_zero(model, init, plan, device)
     raise ValueError(f"strategy: got '{plan.strategy}'; allowed: ddp, fsdp, zero")

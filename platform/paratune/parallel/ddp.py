@@ -9,13 +9,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from paratune.parallel import StepRunner, apply_activation_checkpointing, make_optimizer
+from paratune.materialize import ModelInit, materialize
 from paratune.plan import Plan
 
 
-def parallelize_ddp(model: nn.Module, plan: Plan, device: torch.device) -> StepRunner:
+def parallelize_ddp(model: nn.Module, init: ModelInit, plan: Plan, device: torch.device) -> StepRunner:
     opts = plan.ddp
     assert opts is not None
     apply_activation_checkpointing(model, plan)
+    materialize(model, init, device)  # DDP replicates: every rank holds the whole model
     ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,

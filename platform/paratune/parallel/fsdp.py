@@ -15,6 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from paratune.models import decoder_blocks
 from paratune.parallel import StepRunner, apply_activation_checkpointing, make_optimizer
+from paratune.materialize import ModelInit, materialize
 from paratune.plan import Plan
 
 
@@ -28,7 +29,13 @@ def fsdp_policies(plan: Plan, device: torch.device) -> tuple[MixedPrecisionPolic
     return mp, offload
 
 
-def parallelize_fsdp(model: nn.Module, plan: Plan, device: torch.device, local_world_size: int) -> StepRunner:
+def shard_device(plan: Plan, device: torch.device) -> torch.device:
+    """Where FSDP2 keeps the sharded parameters: the host under CPU offload, else the device."""
+    return torch.device("cpu") if plan.fsdp is not None and plan.fsdp.cpu_offload else device
+
+
+def parallelize_fsdp(model: nn.Module, init: ModelInit, plan: Plan, device: torch.device,
+                     local_world_size: int) -> StepRunner:
     opts = plan.fsdp
     assert opts is not None
     world = plan.num_workers
@@ -62,6 +69,8 @@ def parallelize_fsdp(model: nn.Module, plan: Plan, device: torch.device, local_w
             for i, block in enumerate(blocks):
                 block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + opts.prefetch])
                 block.set_modules_to_backward_prefetch(blocks[max(0, i - opts.prefetch) : i][::-1])
+    # Sharded on the meta device: now each rank allocates and fills only its shards.
+    materialize(model, init, shard_device(plan, device))
 
     sharded = opts.sharding != "no_shard"
 

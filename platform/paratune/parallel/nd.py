@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from paratune.materialize import ModelInit, materialize
 from paratune.models import decoder_blocks
 from paratune.parallel import StepRunner, apply_activation_checkpointing, make_optimizer
 from paratune.parallel.dims import ParallelDims
@@ -15,25 +17,31 @@ from paratune.parallel.tp import apply_tp, clip_grad_norm
 from paratune.plan import Plan
 
 
-def _wrap_dp(module: nn.Module, blocks: list[nn.Module], plan: Plan, dims: ParallelDims) -> nn.Module:
-    """Data parallelism over the dp axis of the mesh (nothing to do when dp is 1).
+def _shard_dp(module: nn.Module, blocks: list[nn.Module], plan: Plan, dims: ParallelDims) -> bool:
+    """FSDP2 over the dp axis of the mesh, applied on the meta device; True when applied.
 
-    DDP over dp > 1 is only reached without model parallelism inside the wrapped module's
-    parameters being DTensors (the plan rejects ddp with tp or pp when dp > 1)."""
-    if dims.dp == 1:
-        return module
+    Nothing to do for DDP (it wraps the materialized module, `_replicate_dp`) or when dp is 1."""
+    if dims.dp == 1 or plan.strategy != "fsdp":
+        return False
+    from torch.distributed.fsdp import fully_shard
+
+    from paratune.parallel.fsdp import fsdp_policies
+
     dp_mesh = dims.mesh["dp"]
-    if plan.strategy == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+    mp, offload = fsdp_policies(plan, torch.device(dp_mesh.device_type))
+    kwargs = {"reshard_after_forward": plan.fsdp.reshards_after_forward, "mp_policy": mp, "offload_policy": offload}
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, **kwargs)
+    fully_shard(module, mesh=dp_mesh, **kwargs)
+    return True
 
-        from paratune.parallel.fsdp import fsdp_policies
 
-        mp, offload = fsdp_policies(plan, torch.device(dp_mesh.device_type))
-        kwargs = {"reshard_after_forward": plan.fsdp.reshards_after_forward, "mp_policy": mp,
-                  "offload_policy": offload}
-        for block in blocks:
-            fully_shard(block, mesh=dp_mesh, **kwargs)
-        fully_shard(module, mesh=dp_mesh, **kwargs)
+def _replicate_dp(module: nn.Module, plan: Plan, dims: ParallelDims) -> nn.Module:
+    """DDP over the dp axis of a materialized module (nothing to do when dp is 1 or under FSDP).
+
+    DDP over dp > 1 is only reached without pipeline stages (the plan rejects ddp with pp when
+    dp > 1)."""
+    if dims.dp == 1 or plan.strategy != "ddp":
         return module
     if dims.tp > 1:  # DDP over DTensor weights: torch turns them into local shards around forward
         from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
@@ -41,7 +49,7 @@ def _wrap_dp(module: nn.Module, blocks: list[nn.Module], plan: Plan, dims: Paral
         _pre_dp_module_transform(module)
     opts = plan.ddp
     assert opts is not None
-    return DistributedDataParallel(module, process_group=dp_mesh.get_group(), bucket_cap_mb=opts.bucket_cap_mb,
+    return DistributedDataParallel(module, process_group=dims.mesh["dp"].get_group(), bucket_cap_mb=opts.bucket_cap_mb,
                                    gradient_as_bucket_view=opts.gradient_as_bucket_view, static_graph=opts.static_graph)
 
 
@@ -56,22 +64,31 @@ def _sync_context(module: nn.Module, plan: Plan):
     return context
 
 
-def parallelize_model_parallel(model: nn.Module, plan: Plan, device: torch.device) -> StepRunner:
+def _materialize_device(plan: Plan, device: torch.device) -> torch.device:
+    from paratune.parallel.fsdp import shard_device
+
+    return shard_device(plan, device) if plan.strategy == "fsdp" else device
+
+
+def parallelize_model_parallel(model: nn.Module, init: ModelInit, plan: Plan, device: torch.device) -> StepRunner:
     dims = ParallelDims.from_plan(plan, device.type)
     apply_activation_checkpointing(model, plan)
     if dims.pp > 1:
-        return _parallelize_pipeline(model, plan, device, dims)
-    apply_tp(model, dims.mesh["tp"], plan.sequence_parallel)
-    wrapped = _wrap_dp(model, decoder_blocks(model), plan, dims)
+        return _parallelize_pipeline(model, init, plan, device, dims)
+    apply_tp(model, dims.mesh["tp"], plan.sequence_parallel)  # on the meta device: shards, no memory
+    fsdp_applied = _shard_dp(model, decoder_blocks(model), plan, dims)
+    materialize(model, init, _materialize_device(plan, device))
+    wrapped = _replicate_dp(model, plan, dims)
     params = list(wrapped.parameters())
 
     def forward_extra(ids: torch.Tensor) -> dict:
         # With sequence parallelism the model sees a sequence shard; positions must be the full ones.
         return {"position_ids": torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)}
 
+    # bf16 compute: FSDP2's MixedPrecisionPolicy where FSDP2 wraps the model (dp > 1), else autocast.
     return StepRunner(wrapped, make_optimizer(params, plan), plan, device, _sync_context(wrapped, plan),
-                      autocast=plan.precision == "bf16" and plan.strategy == "ddp",
-                      clip=lambda: clip_grad_norm(params, plan.grad_clip, tp_group=dims.mesh["tp"].get_group()),
+                      autocast=plan.precision == "bf16" and not fsdp_applied,
+                      clip=partial(clip_grad_norm, params, plan.grad_clip, tp_group=dims.mesh["tp"].get_group()),
                       forward_extra=forward_extra if plan.sequence_parallel else None)
 
 
@@ -100,7 +117,8 @@ class PipelineRunner(StepRunner):
         return torch.stack([loss.detach().float() for loss in losses]).mean() if self.has_last else None
 
 
-def _parallelize_pipeline(model: nn.Module, plan: Plan, device: torch.device, dims: ParallelDims) -> StepRunner:
+def _parallelize_pipeline(model: nn.Module, init: ModelInit, plan: Plan, device: torch.device,
+                          dims: ParallelDims) -> StepRunner:
     from torch.distributed.pipelining import PipelineStage
 
     from paratune.parallel.pp import build_stages, make_schedule
@@ -112,9 +130,18 @@ def _parallelize_pipeline(model: nn.Module, plan: Plan, device: torch.device, di
     # Drop the original model's hold on what other stages own, so this rank keeps only its part.
     model.model.layers, model.model.embed_tokens, model.model.norm, model.lm_head = (
         nn.ModuleList(), None, None, None)
+    fsdp_applied = False
+    for _, module in owned:
+        fsdp_applied = _shard_dp(module, list(module.layers), plan, dims)
+    # Only this rank's stages are allocated and filled; the rest of the model never exists here.
+    materialize(model, init, _materialize_device(plan, device), modules=[module for _, module in owned])
+    # bf16 compute: FSDP2's MixedPrecisionPolicy where FSDP2 wraps the stages, else autocast in
+    # each stage's forward (the schedule calls the stages itself, outside the runner's autocast).
+    for _, module in owned:
+        module.autocast = plan.precision == "bf16" and not fsdp_applied
     modules, stages = [], []
     for index, module in owned:
-        wrapped = _wrap_dp(module, list(module.layers), plan, dims)
+        wrapped = _replicate_dp(module, plan, dims)
         modules.append(wrapped)
         stages.append(PipelineStage(wrapped, index, num_stages, device, group=pp_mesh.get_group()))
     schedule = make_schedule(stages, plan.grad_accum, plan.pp_schedule)

@@ -36,8 +36,15 @@ class StageModule(nn.Module):
         self.norm = base.norm if last else None
         self.lm_head = model.lm_head if last else None
         self.rotary_emb = base.rotary_emb  # no parameters: recomputed on every stage
+        self.autocast = False  # bf16 autocast inside the stage (set when no FSDP2 mixed precision)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.autocast:
+            return self._forward(x)
+        with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+            return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         position_embeddings = self.rotary_emb(h, position_ids)

@@ -7,12 +7,33 @@ from typing import Any
 import torch
 from torch import nn
 
-from paratune.parallel import StepRunner, apply_activation_checkpointing, make_optimizer
+from paratune.materialize import ModelInit, materialize
+from paratune.parallel import ADAM_BETAS, ADAM_EPS, StepRunner, apply_activation_checkpointing, make_optimizer
 from paratune.plan import Plan
 
 
+def uses_deepspeed_optimizer(plan: Plan, on_gpu: bool) -> bool:
+    """Whether DeepSpeed builds the optimizer from its config's `optimizer` block, as a DeepSpeed
+    user's run does (DeepSpeedCPUAdam under optimizer offload, AdamW on the GPU otherwise), or is
+    handed paratune's torch AdamW (`optimizer: torch`; `auto` on CPU, where the parity tests run)."""
+    return plan.strategy == "zero" and (plan.optimizer == "deepspeed" or (plan.optimizer == "auto" and on_gpu))
+
+
+def optimizer_block(plan: Plan, on_gpu: bool) -> dict[str, Any]:
+    """DeepSpeed's `optimizer` section for the plan's AdamW (the same hyper-parameters as
+    paratune's torch AdamW). Under optimizer offload DeepSpeed picks its CPU Adam (multi-threaded,
+    SIMD); on the GPU it runs torch's fused AdamW (`torch_adam`), which needs no JIT-compiled op."""
+    params: dict[str, Any] = {"lr": plan.lr, "betas": list(ADAM_BETAS), "eps": ADAM_EPS,
+                              "weight_decay": plan.weight_decay}
+    offload = plan.zero is not None and plan.zero.offload_optimizer
+    if not offload:
+        params.update({"torch_adam": True, "fused": on_gpu})
+    return {"type": "AdamW", "params": params}
+
+
 def deepspeed_config(plan: Plan, on_gpu: bool) -> dict[str, Any]:
-    """The DeepSpeed JSON a plan implies (also what the winner exports)."""
+    """The DeepSpeed JSON a plan implies (also what the winner exports: always with the optimizer
+    block, so a plain `deepspeed.initialize(config=...)` trains what was tuned)."""
     z = plan.zero
     assert z is not None
     zero: dict[str, Any] = {
@@ -27,7 +48,7 @@ def deepspeed_config(plan: Plan, on_gpu: bool) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
     if z.offload_param:
         zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
-    return {
+    config: dict[str, Any] = {
         "train_batch_size": plan.global_batch,
         "train_micro_batch_size_per_gpu": plan.micro_batch,
         "gradient_accumulation_steps": plan.grad_accum,
@@ -35,13 +56,16 @@ def deepspeed_config(plan: Plan, on_gpu: bool) -> dict[str, Any]:
         "gradient_clipping": plan.grad_clip,
         "bf16": {"enabled": plan.precision == "bf16"},
         "zero_optimization": zero,
-        # The optimizer is paratune's own AdamW (same as every other strategy); allow it with
-        # ZeRO and with offload instead of forcing DeepSpeed's JIT-compiled CPU Adam.
-        "zero_allow_untested_optimizer": True,
-        "zero_force_ds_cpu_optimizer": False,
+        "optimizer": optimizer_block(plan, on_gpu),
         "steps_per_print": 1_000_000_000,
         "wall_clock_breakdown": False,
     }
+    if not uses_deepspeed_optimizer(plan, on_gpu):
+        # Measured with paratune's own torch AdamW (the CPU parity path): DeepSpeed must accept it
+        # with ZeRO and with offload instead of forcing its CPU Adam. The block above is unused then.
+        config.update(zero_allow_untested_optimizer=True, zero_force_ds_cpu_optimizer=False)
+        del config["optimizer"]
+    return config
 
 
 class DeepSpeedRunner(StepRunner):
@@ -68,13 +92,62 @@ class DeepSpeedRunner(StepRunner):
             raise RuntimeError(f"DeepSpeed found no checkpoint under {path}")
 
 
-def parallelize_zero(model: nn.Module, plan: Plan, device: torch.device) -> StepRunner:
+def build_zero3(init: ModelInit, ds_config: dict[str, Any], device: torch.device) -> nn.Module:
+    """ZeRO-3 construction as DeepSpeed does it: under `zero.Init` each module's parameters are
+    partitioned as soon as the module is built (to the host under parameter offload), so a rank
+    never holds more than one whole module. Values are then written one module at a time through
+    `GatheredParameters` (rank 0's copy is broadcast): the same values as the reference's."""
+    import deepspeed
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    offload = ds_config["zero_optimization"].get("offload_param")
+    # zero.Init needs the partitioning and precision settings only (its own batch-size check
+    # would run against a world size it has not learned yet).
+    init_config = {"train_micro_batch_size_per_gpu": ds_config["train_micro_batch_size_per_gpu"],
+                   "zero_optimization": ds_config["zero_optimization"], "bf16": ds_config["bf16"]}
+    with deepspeed.zero.Init(config_dict_or_path=init_config, remote_device="cpu" if offload else None,
+                             pin_memory=bool(offload and offload.get("pin_memory"))), no_init_weights():
+        model = AutoModelForCausalLM.from_config(init.config, attn_implementation="sdpa")
+    if getattr(init.config, "tie_word_embeddings", False):
+        model.tie_weights()  # no_init_weights also skipped the tying
+    model_init = ModelInit(model, init.config, init.seed, init.dtype)
+    by_owner: dict[str, list] = {}
+    for target in model_init.targets:
+        by_owner.setdefault(target.owner, []).append(target)
+    rank = dist.get_rank()
+    with torch.no_grad():
+        for owner, targets in by_owner.items():
+            values = model_init.host_values(owner) if rank == 0 else None
+            params = [t.module._parameters[t.attr] for t in targets if t.kind == "param"]
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                for target in targets:
+                    if target.kind == "param" and rank == 0:
+                        target.module._parameters[target.attr].data.copy_(values[target.owner_attr])
+            for target in targets:  # buffers are not partitioned: every rank writes its own
+                if target.kind == "buffer":
+                    buf_values = values if values is not None else model_init.host_values(owner)
+                    target.module._buffers[target.attr].copy_(buf_values[target.owner_attr])
+    return model  # buffers (rotary tables) were created on the device: zero.Init places them there
+
+
+def parallelize_zero(model: nn.Module, init: ModelInit, plan: Plan, device: torch.device) -> StepRunner:
     import deepspeed
 
+    on_gpu = device.type == "cuda"
+    config = deepspeed_config(plan, on_gpu)
+    if plan.zero.stage == 3:
+        model = build_zero3(init, config, device)
+    else:  # ZeRO 0-2 replicate the weights: every rank holds the whole model
+        materialize(model, init, device)
+    if init.meter is not None:
+        init.meter.stop()
     apply_activation_checkpointing(model, plan)
-    optimizer = make_optimizer(model.parameters(), plan)
-    engine, ds_optimizer, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=deepspeed_config(plan, device.type == "cuda"),
-        dist_init_required=False,
-    )
+    if uses_deepspeed_optimizer(plan, on_gpu):
+        engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                          config=config, dist_init_required=False)
+    else:
+        engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=make_optimizer(model.parameters(), plan),
+                                                          config=config, dist_init_required=False)
     return DeepSpeedRunner(engine, ds_optimizer, plan, device)

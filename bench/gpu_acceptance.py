@@ -1,0 +1,241 @@
+"""GPU acceptance run: what only a GPU can show, checked in one go on ONE GPU (under 8 minutes).
+
+For each strategy family (DDP, FSDP2 full, ZeRO-2, ZeRO-3, ZeRO-3 with optimizer offload and
+DeepSpeed's CPU Adam), a bf16 trial on the Llama-3.2-1B shape through the very worker code a Ray
+trial runs (`paratune.trial.train_and_measure` on a one-rank process group: the device image has
+no Ray), with: tokens/s/GPU and MFU, peak memory against the cost model's prediction,
+construction memory, the compute dtype of every linear layer's matmul (must be bf16), the
+communication-share parser's output on a real CUDA profile (with the NCCL kernel names seen),
+then a deliberately oversized plan that must come back `oom`, and the single-GPU bench.
+
+Writes bench/results/gpu_acceptance.{md,json} (or $OUT/ when set). Without a GPU it smoke-runs the
+same code on a tiny model (CPU, gloo) and writes to a temporary folder (tests/test_gpu_acceptance.py).
+
+On the device machine (no Ray, DeepSpeed or pydantic there: carry wheels, see gpu_wheels.sh):
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \\
+      PYTHONPATH=/tmp/site:platform python3 bench/gpu_acceptance.py
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "platform"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+SMOKE = not ON_GPU
+MODEL, SEQ, GLOBAL_BATCH, MICRO = ("llama3.2-1b", 2048, 8, 2) if ON_GPU else ("tiny-llama", 64, 4, 2)
+DEVICE_ENTRY = "h200-141gb"  # the cost model's table entry for the lent GPU (see README)
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    "ddp": {"strategy": "ddp"},
+    "fsdp-full": {"strategy": "fsdp", "fsdp": {"sharding": "full"}},
+    "zero-2": {"strategy": "zero", "zero": {"stage": 2}},
+    "zero-3": {"strategy": "zero", "zero": {"stage": 3}},
+    # DeepSpeed's own optimizer from its config block: DeepSpeedCPUAdam under optimizer offload.
+    "zero-3-offload-cpu-adam": {"strategy": "zero", "optimizer": "deepspeed",
+                                "zero": {"stage": 3, "offload_optimizer": True}},
+}
+# Must fail with `oom`: on the GPU, Llama-3-70B replicated by DDP (~282 GB of fp32 weights on one
+# 141 GB card); on CPU, an embedding no allocator can hold.
+OVERSIZED: dict[str, Any] = ({"model": "llama3-70b", "strategy": "ddp"} if ON_GPU else
+                             {"strategy": "ddp", "model_overrides": {"vocab_size": 2**40, "hidden_size": 64}})
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", 0) if ON_GPU else torch.device("cpu")
+
+
+def _start_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PARATUNE_ACCEPT_PORT", "29533"),
+                      RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    if ON_GPU:
+        torch.cuda.set_device(0)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if ON_GPU else "gloo", rank=0, world_size=1)
+
+
+def _plan(family: dict[str, Any]):
+    from paratune.plan import load_plan_dict
+
+    return load_plan_dict({"model": MODEL, "seq_len": SEQ, "global_batch": GLOBAL_BATCH, "micro_batch": MICRO,
+                           "num_workers": 1, "precision": "bf16", "warmup_steps": 2, "measure_steps": 4,
+                           "device": "cuda" if ON_GPU else "cpu", "profile_comm": False, **family})
+
+
+def _release() -> None:
+    gc.collect()
+    if ON_GPU:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def run_family(name: str, family: dict[str, Any]) -> dict[str, Any]:
+    """One strategy family as a trial: the worker's own measurement, then prediction and checks."""
+    from paratune import measure
+    from paratune.estimate import estimate, get_device
+    from paratune.failures import classify
+    from paratune.models import build_config
+    from paratune.precision import expected_compute_dtype
+    from paratune.trial import summarize, train_and_measure
+
+    plan = _plan(family)
+    t0 = time.perf_counter()
+    try:
+        out = train_and_measure(plan, 0, 1, 1, _device())
+    except Exception as err:  # noqa: BLE001 - a failing family is a finding, not the end of the run
+        reason, message = classify(err)
+        return {"family": name, "status": "failed", "reason": reason, "message": message,
+                "traceback": traceback.format_exc()[-2000:]}
+    finally:
+        _release()
+    result = summarize(plan, out, measure.model_flops_per_token(build_config(plan.model), plan.seq_len),
+                       time.perf_counter() - t0)
+    predicted = estimate(plan, get_device(DEVICE_ENTRY))
+    peak = result.peak_memory_bytes[0] if result.peak_memory_bytes else None
+    want = expected_compute_dtype(plan.precision)
+    return {
+        "family": name, "status": "ok", "tokens_per_s_per_gpu": result.tokens_per_s_per_gpu, "mfu": result.mfu,
+        "step_time_median_s": result.step_time_median_s, "step_time_spread": result.step_time_spread,
+        "peak_memory_bytes": peak, "memory_method": result.memory_method,
+        "predicted_memory_bytes": predicted.memory.total, "predicted_construction_bytes": predicted.construction,
+        "memory_error": (predicted.memory.total - peak) / peak if peak else None,
+        "construction_peak_bytes": result.construction_peak_bytes[0] if result.construction_peak_bytes else None,
+        "linear_matmul_dtypes": result.linear_matmul_dtypes, "optimizer_class": result.optimizer_class,
+        "compute_dtype_ok": bool(result.linear_matmul_dtypes) and set(result.linear_matmul_dtypes) == {want},
+        "losses": result.losses, "device": result.device,
+    }
+
+
+def comm_share_probe() -> dict[str, Any]:
+    """The parser on a real profile: one FSDP2 step and one all-reduce under torch.profiler,
+    with the distinct kernel names that look like collectives (so the parser's input is seen)."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from paratune import measure
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ON_GPU else [])
+    x = torch.ones(64 * 2**20 if ON_GPU else 2**16, device=_device())
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(5):
+            dist.all_reduce(x)
+        if ON_GPU:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+    names = sorted({e.name for e in prof.events() if any(k in e.name.lower() for k in ("nccl", "gloo", "allreduce"))})
+    share = measure.comm_share_from_profile(prof, seconds, _device().type)
+    del x
+    _release()
+    return {"share_of_all_reduce_loop": share, "collective_event_names": names[:40]}
+
+
+def oversized() -> dict[str, Any]:
+    """A plan that cannot fit must come back as `oom`, classified from what the worker raised."""
+    from paratune.failures import classify
+    from paratune.trial import train_and_measure
+
+    plan = _plan({**OVERSIZED})
+    try:
+        train_and_measure(plan, 0, 1, 1, _device())
+        return {"status": "ok", "reason": None, "message": "the oversized plan did not fail"}
+    except Exception as err:  # noqa: BLE001
+        reason, message = classify(err)
+        return {"status": "failed", "reason": reason, "message": message[:300]}
+    finally:
+        _release()
+
+
+def _gib(x: float | None) -> str:
+    return "" if x is None else f"{x / 2**30:.2f}"
+
+
+def write_report(out_dir: Path, rows: list[dict], probe: dict, too_big: dict, single: list[dict] | None,
+                 machine: dict) -> Path:
+    lines = [f"# GPU acceptance ({MODEL}, seq {SEQ}, global batch {GLOBAL_BATCH}, micro-batch {MICRO}, bf16, 1 GPU)", "",
+             f"- date: {machine.get('date')}; device: {machine.get('gpu') or 'cpu (smoke run)'}; torch {machine.get('torch')}",
+             f"- 2 warm-up + 4 measured whole optimizer steps per family; MFU vs dense bf16 peak; prediction: "
+             f"`{DEVICE_ENTRY}` in the device table", "",
+             "| family | optimizer | tokens/s/GPU | MFU | step ms (spread) | peak GiB | predicted GiB (error) | "
+             "construction GiB (predicted) | linear matmuls | bf16 ok |", "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['family']} | | {r['reason']}: {r['message'][:120]} | | | | | | | no |")
+            continue
+        err = f" ({r['memory_error']:+.0%})" if r["memory_error"] is not None else ""
+        lines.append(
+            f"| {r['family']} | {r['optimizer_class']} | {r['tokens_per_s_per_gpu']:,.0f} | {(r['mfu'] or 0):.1%} | "
+            f"{r['step_time_median_s'] * 1e3:.0f} ({r['step_time_spread']:.0%}) | {_gib(r['peak_memory_bytes'])} | "
+            f"{_gib(r['predicted_memory_bytes'])}{err} | {_gib(r['construction_peak_bytes'])} "
+            f"({_gib(r['predicted_construction_bytes'])}) | {r['linear_matmul_dtypes']} | "
+            f"{'yes' if r['compute_dtype_ok'] else 'NO'} |")
+    lines += ["", "## Communication-share parser on a real profile",
+              f"- share of a 5 x all-reduce loop in flight: {probe.get('share_of_all_reduce_loop')}",
+              f"- collective event names seen: {', '.join(probe.get('collective_event_names', [])) or '(none)'}",
+              "", "## Oversized plan", f"- `{json.dumps(OVERSIZED)}`: {too_big['status']}, reason "
+              f"**{too_big['reason']}** ({'as required' if too_big['reason'] == 'oom' else 'WRONG: must be oom'})",
+              f"- message: {too_big['message']}"]
+    if single is not None:
+        lines += ["", "## Single-GPU bench (bench/gpu_single.py)", "",
+                  "| micro-batch | checkpointing | tokens/s | MFU | peak alloc GiB |", "|---|---|---:|---:|---:|"]
+        for s in single:
+            if s.get("status") != "ok":
+                lines.append(f"| {s['micro_batch']} | {s['checkpointing']} | {s.get('status')} | | |")
+            else:
+                lines.append(f"| {s['micro_batch']} | {s['checkpointing']} | {s['tokens_per_s']:,.0f} | "
+                             f"{(s['mfu'] or 0):.1%} | {s['peak_allocated_gib']:.1f} |")
+    path = out_dir / "gpu_acceptance.md"
+    path.write_text("\n".join(lines) + "\n")
+    (out_dir / "gpu_acceptance.json").write_text(json.dumps(
+        {"machine": machine, "families": rows, "comm_share_probe": probe, "oversized": too_big, "single_gpu": single},
+        indent=1, default=str))
+    return path
+
+
+def main(run_single_gpu_bench: bool = True) -> Path:
+    from machine import describe
+
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    out_dir = Path(os.environ.get("OUT") or ROOT / "bench" / "results")
+    if SMOKE:  # never overwrite real GPU figures with a smoke run
+        out_dir = Path(os.environ.get("PARATUNE_ACCEPT_DIR") or Path(os.environ.get("TMPDIR", "/tmp")) / "paratune_gpu_smoke")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _start_process_group()
+    started = time.perf_counter()
+    rows = []
+    for name, family in FAMILIES.items():
+        row = run_family(name, family)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "traceback")}, default=str), flush=True)
+    probe = comm_share_probe()
+    print(json.dumps(probe), flush=True)
+    too_big = oversized()
+    print(json.dumps(too_big), flush=True)
+    single = None
+    if run_single_gpu_bench:
+        import gpu_single
+
+        single = gpu_single.run_all()
+    path = write_report(out_dir, rows, probe, too_big, single, describe())
+    print(path.read_text())
+    print(f"acceptance run took {time.perf_counter() - started:.0f} s; report: {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main(run_single_gpu_bench="--no-single" not in sys.argv)

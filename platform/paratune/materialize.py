@@ -1,0 +1,205 @@
+"""Build big models without holding them whole: meta device first, then only each rank's shards.
+
+Every rank used to build the whole model in fp32 on its device before sharding it; Llama-3-70B is
+~282 GB that way, so every plan of a 70B space died at construction. Instead a model is built on
+the `meta` device (no memory), the plan is applied to it (FSDP2, tensor/pipeline parallel), and
+only then does each rank allocate what it holds (`to_empty`) and fill it.
+
+The values must not depend on the layout: a sharded rank must hold exactly the slice of what the
+single-process reference holds. So each parameter's full value is computed on the host, one
+module at a time, by the model family's own `_init_weights` (transformers) under a seed derived
+from (seed, module name): independent of construction order, of the device (CPU generator) and
+of the sharding. A rank copies only its own slice of that value to its device. Host memory holds
+one module's parameters at a time; the device never holds more than the rank's shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+
+def module_seed(seed: int, module_name: str) -> int:
+    """A seed for one module's initialization: stable across processes and Python versions."""
+    digest = hashlib.sha256(f"{seed}:{module_name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+@dataclass(frozen=True)
+class InitTarget:
+    """One parameter or buffer slot of a module, and where its value comes from."""
+
+    module: nn.Module  # the live module object (FSDP/TP keep the object, replace its tensors)
+    attr: str
+    kind: str  # "param" | "buffer"
+    owner: str  # name of the module whose `_init_weights` defines the value (tied: the first owner)
+    owner_attr: str  # the attribute of `owner` that holds the value
+
+
+class ModelInit:
+    """Remembers a meta-built model's slots so its values can be filled after any parallelization.
+
+    Slots are keyed by module object and attribute name, not by parameter object: FSDP2 and TP
+    replace parameters with DTensors, pipeline stages regroup modules, but module objects stay.
+    """
+
+    def __init__(self, model: nn.Module, config, seed: int, dtype: torch.dtype = torch.float32):
+        self.config, self.seed, self.dtype = config, seed, dtype
+        first_name: dict[int, str] = {}
+        for name, param in model.named_parameters():  # tied parameters: the first name wins
+            first_name.setdefault(id(param), name)
+        self.targets: list[InitTarget] = []
+        self._init_fn_owner: dict[str, str] = {}  # module name -> nearest PreTrainedModel's name
+        from transformers import PreTrainedModel
+
+        for mod_name, module in model.named_modules(remove_duplicate=False):
+            for attr, param in module._parameters.items():
+                if param is not None:
+                    owner, _, owner_attr = first_name[id(param)].rpartition(".")
+                    self.targets.append(InitTarget(module, attr, "param", owner, owner_attr))
+            for attr, buf in module._buffers.items():
+                if buf is not None:
+                    self.targets.append(InitTarget(module, attr, "buffer", mod_name, attr))
+        pretrained = [n for n, m in model.named_modules() if isinstance(m, PreTrainedModel)]
+        self._pretrained_names = sorted(pretrained, key=len, reverse=True)
+        self._template: nn.Module | None = None
+        self.meter: ConstructionMeter | None = None  # stopped once the model is materialized
+
+    # ---- values on the host ---------------------------------------------------------------
+    def _template_model(self) -> nn.Module:
+        if self._template is None:
+            self._template = build_meta(self.config, self.dtype)
+        return self._template
+
+    def _init_fn(self, owner: str):
+        template = self._template_model()
+        for name in self._pretrained_names:  # the nearest PreTrainedModel above the owner
+            if name == "" or owner == name or owner.startswith(name + "."):
+                return template.get_submodule(name)._init_weights
+        return template._init_weights
+
+    @torch.no_grad()
+    def host_values(self, owner: str) -> dict[str, torch.Tensor]:
+        """Full values of one module's own parameters and buffers, on the CPU, as the reference has
+        them. Deterministic: a fresh CPU generator state seeded by (seed, module name)."""
+        module = self._template_model().get_submodule(owner)
+        module.to_empty(device="cpu", recurse=False)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(module_seed(self.seed, owner))
+            self._init_fn(owner)(module)
+        values = {k: v for k, v in [*module._parameters.items(), *module._buffers.items()] if v is not None}
+        module.to_empty(device="meta", recurse=False)  # give the host memory back
+        return {k: v.detach() for k, v in values.items()}
+
+    # ---- filling a materialized model ------------------------------------------------------
+    @torch.no_grad()
+    def fill(self, modules: Iterable[nn.Module] | None = None) -> int:
+        """Write every slot's value (this rank's slice of it) into the live, materialized model.
+
+        `modules`: only slots of these module objects (a pipeline rank's stages); None = all.
+        Returns the number of slots filled."""
+        keep = None if modules is None else {id(m) for root in modules for m in root.modules()}
+        by_owner: dict[str, list[InitTarget]] = {}
+        for target in self.targets:
+            if keep is None or id(target.module) in keep:
+                by_owner.setdefault(target.owner, []).append(target)
+        filled = 0
+        for owner, targets in by_owner.items():
+            values = self.host_values(owner)
+            for target in targets:
+                slot = target.module._parameters if target.kind == "param" else target.module._buffers
+                tensor = slot[target.attr]
+                if tensor is None or tensor.is_meta:
+                    raise RuntimeError(f"materialize: {owner}.{target.attr} is still on the meta device")
+                copy_local_slice(tensor, values[target.owner_attr])
+                filled += 1
+        return filled
+
+
+def copy_local_slice(dest: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of `full` (a host tensor) into `dest` (plain tensor or DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(dest, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local = dest.to_local()
+        shape, offset = compute_local_shape_and_global_offset(full.shape, dest.device_mesh, dest.placements)
+        if tuple(local.shape) != tuple(shape):
+            raise RuntimeError(f"materialize: local shard {tuple(local.shape)} != expected {tuple(shape)} "
+                               f"for placements {dest.placements}")
+        region = full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+        local.copy_(region)
+        return
+    if dest.shape != full.shape:
+        raise RuntimeError(f"materialize: tensor of shape {tuple(dest.shape)} cannot take a value of {tuple(full.shape)}")
+    dest.copy_(full)
+
+
+def build_meta(config, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model's structure with every parameter and buffer on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+
+
+def materialize(model: nn.Module, init: ModelInit, device: torch.device, modules: list[nn.Module] | None = None) -> None:
+    """Allocate (`to_empty`) and fill a meta model, or the given parts of it, on `device`."""
+    for part in modules if modules is not None else [model]:
+        part.to_empty(device=device)
+    init.fill(modules)
+    if init.meter is not None:
+        init.meter.stop()
+
+
+class ConstructionMeter:
+    """Peak tensor memory of this rank from the start of construction until the model is
+    materialized (before any optimizer state or engine buffer exists).
+
+    CUDA: the caching allocator's peak (max_memory_allocated) above what was allocated before.
+    CPU: PyTorch's MemTracker (every tensor storage created meanwhile; meta tensors excluded)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak_bytes: int | None = None
+        self.method = ""
+        self._tracker = None
+        self._base = 0
+
+    def start(self) -> "ConstructionMeter":
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+            self.method = "torch.cuda.max_memory_allocated during construction"
+        else:
+            from torch.distributed._tools.mem_tracker import MemTracker
+
+            self._tracker = MemTracker()
+            self._tracker.__enter__()
+            self.method = "torch MemTracker during construction (tensor storage, meta excluded)"
+        return self
+
+    def stop(self) -> None:
+        """Idempotent: the first call after the model exists records the peak."""
+        if self.peak_bytes is not None:
+            return
+        if self.device.type == "cuda":
+            self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device) - self._base)
+            return
+        if self._tracker is None:
+            return
+        tracker, self._tracker = self._tracker, None
+        tracker.__exit__(None, None, None)
+        peak = tracker.get_tracker_snapshot("peak")
+        self.peak_bytes = int(sum(v.get("Total", 0) for dev, v in peak.items() if str(dev) != "meta"))
+
+    def abandon(self) -> None:
+        """Leave the tracker without a reading (construction failed or never reached the end)."""
+        if self._tracker is not None:
+            tracker, self._tracker = self._tracker, None
+            tracker.__exit__(None, None, None)

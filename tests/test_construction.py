@@ -1,0 +1,60 @@
+"""Construction memory: a rank never builds the whole model when its plan shards it.
+
+Each rank's peak tensor memory from the start of construction until the model is materialized
+(meta build, layout, this rank's shards filled) is measured on real gloo processes (PyTorch's
+MemTracker on CPU; the CUDA allocator's peak on GPUs) and held to this rank's parameters plus one
+decoder block (ZeRO-3's gathered module; nothing for FSDP2/TP/PP, which copy only their slice)
+plus, because host and device are the same memory on CPU, one module's values on the host (the
+largest is the embedding). DDP, which replicates, is the control: it must hold the whole model,
+so the measurement does see whole-model builds.
+"""
+
+import pytest
+from conftest import BASE_PLAN
+from gloo_harness import run_on_gloo
+
+from paratune.models import build_config, parameter_layout
+from paratune.plan import load_plan_dict
+from paratune.reference import max_loss_difference, reference_losses
+
+pytestmark = pytest.mark.integration
+
+EIGHT_LAYERS = {"model_overrides": {"num_hidden_layers": 8}, "warmup_steps": 1, "measure_steps": 1,
+                "track_memory": False}
+SHARDED = {
+    "fsdp-full": {"strategy": "fsdp", "fsdp": {"sharding": "full"}},
+    "zero-3": {"strategy": "zero", "zero": {"stage": 3}},
+    "tp2": {"tp": 2},
+    "pp2": {"pp": 2},
+}
+FP32 = 4
+
+
+def _sizes(plan) -> tuple[int, int, int]:
+    """Whole model, one decoder block, the largest single module (the embedding), in fp32 bytes."""
+    layout = parameter_layout(build_config(plan.model, plan.model_overrides))
+    return layout["total"] * FP32, layout["layer"] * FP32, max(layout["embedding"], layout["head"]) * FP32
+
+
+@pytest.mark.parametrize("name", list(SHARDED))
+def test_sharded_plans_build_only_their_share(name):
+    plan = load_plan_dict({**BASE_PLAN, **EIGHT_LAYERS, **SHARDED[name]})
+    out = run_on_gloo(plan)
+    full, block, host_module = _sizes(plan)
+    peaks, held = out["construction_peak_bytes"], out["local_parameter_counts"]
+    assert len(peaks) == plan.num_workers and all(p is not None and p > 0 for p in peaks), peaks
+    for rank, (peak, params) in enumerate(zip(peaks, held)):
+        share = params * FP32
+        assert 0 < share < 0.75 * full, (rank, share, full)
+        bound = share + block + host_module
+        assert peak <= bound, f"rank {rank}: construction peak {peak} B > share {share} + block {block} + host module {host_module}"
+        assert peak < 0.75 * full, f"rank {rank}: {peak} B is most of the whole model ({full} B)"
+    # The values are the reference's, slice for slice: the same training.
+    assert max_loss_difference(out["losses"], reference_losses(plan)) < 1e-5
+
+
+def test_ddp_control_holds_the_whole_model():
+    plan = load_plan_dict({**BASE_PLAN, **EIGHT_LAYERS, "strategy": "ddp"})
+    out = run_on_gloo(plan)
+    full, block, _ = _sizes(plan)
+    assert all(full <= peak <= full + 2 * block for peak in out["construction_peak_bytes"]), (out["construction_peak_bytes"], full)

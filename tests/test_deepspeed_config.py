@@ -1,0 +1,104 @@
+"""The exported deepspeed.json is what was measured, and DeepSpeed itself accepts it.
+
+Every ZeRO variant a space can produce is exported as the winner would be, then parsed by
+DeepSpeed's own config class (batch arithmetic, ZeRO section, optimizer section) and, for a
+small model, handed to a plain `deepspeed.initialize(config=...)`: the optimizer it builds must
+carry the plan's AdamW hyper-parameters.
+"""
+
+import json
+
+import pytest
+import torch
+
+from paratune.export import export_winner
+from paratune.parallel import ADAM_BETAS, ADAM_EPS
+from paratune.plan import load_plan_dict
+
+VARIANTS = [
+    {"stage": s, "offload_optimizer": oo, "offload_param": op}
+    for s in (0, 1, 2, 3) for oo in (False, True) for op in (False, True)
+    if not (op and s != 3) and not (oo and s == 0)
+]
+
+
+@pytest.fixture(scope="module")
+def one_process_group():
+    import torch.distributed as dist
+
+    from gloo_harness import _free_port
+
+    import deepspeed
+
+    env = pytest.MonkeyPatch()
+    env.setenv("LOCAL_RANK", "0")  # what a launcher sets; DeepSpeed's engine asks for it
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)  # wraps the group above
+    yield
+    dist.destroy_process_group()
+    env.undo()
+
+
+class _DataParallelOf:
+    """DeepSpeed asks an `mpu` for the data-parallel size (the cluster's, not this process's)."""
+
+    def __init__(self, dp: int):
+        self.dp = dp
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+
+def _exported(plan, tmp_path) -> dict:
+    export_winner(plan, tmp_path, {"label": "test"})
+    return json.loads((tmp_path / "deepspeed.json").read_text())
+
+
+CASES = [(z, p) for z in VARIANTS for p in ("fp32", "bf16") if not (z["stage"] == 0 and p == "bf16")]  # plan rule
+
+
+@pytest.mark.parametrize("zero, precision", CASES, ids=lambda v: v if isinstance(v, str) else
+                         f"s{v['stage']}-oo{int(v['offload_optimizer'])}-op{int(v['offload_param'])}")
+def test_exported_config_parses_with_deepspeed(zero, precision, tmp_path, one_process_group):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    plan = load_plan_dict({"model": "tiny-llama", "strategy": "zero", "zero": zero, "num_workers": 8,
+                           "global_batch": 64, "micro_batch": 2, "precision": precision, "lr": 2e-4,
+                           "weight_decay": 0.1})
+    config = _exported(plan, tmp_path)
+    parsed = DeepSpeedConfig(config, mpu=_DataParallelOf(plan.dp_degree))
+    assert parsed.train_batch_size == 64 and parsed.gradient_accumulation_steps == plan.grad_accum
+    assert parsed.zero_optimization_stage == zero["stage"]
+    assert parsed.bfloat16_config.enabled == (precision == "bf16")
+    assert parsed.optimizer_name == "adamw"
+    params = parsed.optimizer_params
+    assert (params["lr"], tuple(params["betas"]), params["eps"], params["weight_decay"]) == (2e-4, ADAM_BETAS, ADAM_EPS, 0.1)
+    if zero["offload_optimizer"]:  # DeepSpeed's CPU Adam: DeepSpeed picks it from this block
+        assert "torch_adam" not in params and parsed.zero_config.offload_optimizer.device == "cpu"
+    else:
+        assert params["torch_adam"] is True and params["fused"] is True
+
+
+def test_plain_deepspeed_initialize_trains_what_was_tuned(tmp_path, one_process_group):
+    import deepspeed
+
+    from paratune.models import build_config, build_model
+
+    plan = load_plan_dict({"model": "tiny-llama", "strategy": "zero", "zero": {"stage": 2}, "num_workers": 1,
+                           "global_batch": 4, "micro_batch": 2, "lr": 5e-4, "weight_decay": 0.05})
+    config = _exported(plan, tmp_path)
+    config["optimizer"]["params"]["fused"] = False  # the exported file targets GPUs; this runs on CPU
+    model = build_model(build_config(plan.model), seed=0)
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    inner = optimizer.optimizer
+    assert isinstance(inner, torch.optim.AdamW)
+    group = inner.param_groups[0]
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (5e-4, ADAM_BETAS, ADAM_EPS, 0.05)
+    ids = torch.randint(0, 512, (2, 16))
+    before = engine(input_ids=ids, labels=ids).loss.item()
+    for _ in range(4):
+        for _ in range(plan.grad_accum):
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+    assert engine(input_ids=ids, labels=ids).loss.item() < before
