@@ -21,7 +21,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, plan_dict: dict, queue) -> None:
+def _worker(rank: int, world: int, port: int, plan_dicts: list[dict], queue) -> None:
+    """Runs the plans one after another in one process group (one spawn and import for all)."""
     import torch
     import torch.distributed as dist
 
@@ -33,9 +34,9 @@ def _worker(rank: int, world: int, port: int, plan_dict: dict, queue) -> None:
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        out = train_and_measure(load_plan_dict(plan_dict), rank, world, world, torch.device("cpu"))
+        outs = [train_and_measure(load_plan_dict(p), rank, world, world, torch.device("cpu")) for p in plan_dicts]
         if rank == 0:
-            queue.put(("ok", out))
+            queue.put(("ok", outs))
     except Exception:
         queue.put(("error", traceback.format_exc()))
     finally:
@@ -45,11 +46,20 @@ def _worker(rank: int, world: int, port: int, plan_dict: dict, queue) -> None:
 
 def run_on_gloo(plan) -> dict:
     """Rank 0's measurements; raises RuntimeError with the worker traceback on failure."""
+    return run_plans_on_gloo([plan])[0]
+
+
+def run_plans_on_gloo(plans) -> list[dict]:
+    """Rank 0's measurements of several plans of one world size, run in order by the same
+    processes (what a test of many plans pays once: process start, imports, process group)."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    world = plan.num_workers
+    world = plans[0].num_workers
+    if any(p.num_workers != world for p in plans):
+        raise ValueError("run_plans_on_gloo: every plan must have the same num_workers")
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, plan.to_dict(), queue)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, [p.to_dict() for p in plans], queue))
+             for r in range(world)]
     for p in procs:
         p.start()
     status, payload = "error", "a worker process died before reporting"

@@ -11,7 +11,7 @@ so the measurement does see whole-model builds.
 
 import pytest
 from conftest import BASE_PLAN
-from gloo_harness import run_on_gloo
+from gloo_harness import run_plans_on_gloo
 
 from paratune.models import build_config, parameter_layout
 from paratune.plan import load_plan_dict
@@ -36,10 +36,17 @@ def _sizes(plan) -> tuple[int, int, int]:
     return layout["total"] * FP32, layout["layer"] * FP32, max(layout["embedding"], layout["head"]) * FP32
 
 
+@pytest.fixture(scope="module")
+def measured():
+    """Every sharded plan and the DDP control, run one after another by the same 2 processes."""
+    names = [*SHARDED, "ddp"]
+    plans = [load_plan_dict({**BASE_PLAN, **EIGHT_LAYERS, **SHARDED.get(n, {"strategy": "ddp"})}) for n in names]
+    return {n: (plan, out) for n, plan, out in zip(names, plans, run_plans_on_gloo(plans))}
+
+
 @pytest.mark.parametrize("name", list(SHARDED))
-def test_sharded_plans_build_only_their_share(name):
-    plan = load_plan_dict({**BASE_PLAN, **EIGHT_LAYERS, **SHARDED[name]})
-    out = run_on_gloo(plan)
+def test_sharded_plans_build_only_their_share(name, measured):
+    plan, out = measured[name]
     full, block, host_module = _sizes(plan)
     peaks, held = out["construction_peak_bytes"], out["local_parameter_counts"]
     assert len(peaks) == plan.num_workers and all(p is not None and p > 0 for p in peaks), peaks
@@ -53,8 +60,7 @@ def test_sharded_plans_build_only_their_share(name):
     assert max_loss_difference(out["losses"], reference_losses(plan)) < 1e-5
 
 
-def test_ddp_control_holds_the_whole_model():
-    plan = load_plan_dict({**BASE_PLAN, **EIGHT_LAYERS, "strategy": "ddp"})
-    out = run_on_gloo(plan)
+def test_ddp_control_holds_the_whole_model(measured):
+    plan, out = measured["ddp"]
     full, block, _ = _sizes(plan)
     assert all(full <= peak <= full + 2 * block for peak in out["construction_peak_bytes"]), (out["construction_peak_bytes"], full)

@@ -102,3 +102,27 @@ def test_plain_deepspeed_initialize_trains_what_was_tuned(tmp_path, one_process_
             engine.backward(loss)
             engine.step()
     assert engine(input_ids=ids, labels=ids).loss.item() < before
+
+
+def test_zero3_bf16_keeps_the_references_fp32_rotary_tables(one_process_group):
+    """zero.Init creates floating tensors in the training dtype (torch.arange included), which
+    would leave a bf16 `inv_freq`; the built model must hold the reference's fp32 buffers, and
+    its parameters the reference's values (rounded to bf16)."""
+    from paratune.materialize import ModelInit, build_meta
+    from paratune.models import build_config, build_model
+    from paratune.parallel.zero import build_zero3, deepspeed_config
+
+    plan = load_plan_dict({"model": "tiny-llama", "strategy": "zero", "zero": {"stage": 3}, "num_workers": 1,
+                           "global_batch": 4, "micro_batch": 2, "precision": "bf16"})
+    config = build_config(plan.model)
+    model = build_zero3(ModelInit(build_meta(config), config, seed=5), deepspeed_config(plan, False), torch.device("cpu"))
+    reference = build_model(config, seed=5)
+    buffers = dict(reference.named_buffers())
+    for name, buf in model.named_buffers():
+        assert buf.dtype == torch.float32 and torch.equal(buf, buffers[name]), name
+    import deepspeed
+
+    weights = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([param]):
+            assert torch.equal(param.data, weights[name].to(param.dtype)), name

@@ -63,3 +63,15 @@ def test_deepspeed_optimizer_only_with_zero():
 
     with pytest.raises(PlanError, match="optimizer: 'deepspeed' needs strategy 'zero'"):
         load_plan_dict({**BASE, "strategy": "fsdp", "optimizer": "deepspeed"})
+
+
+def test_offload_host_only_where_fsdp_was_applied():
+    """FSDP2 CPU offload keeps shards on the host only where FSDP2 wraps the model (dp > 1); a
+    tp/pp plan at dp 1 gets no FSDP2, so its model must be materialized on the device."""
+    from paratune.parallel.nd import _materialize_device
+
+    plan = load_plan_dict({**BASE, "strategy": "fsdp", "tp": 2, "fsdp": {"cpu_offload": True}})
+    cuda = torch.device("cuda", 0)
+    assert _materialize_device(plan, cuda, fsdp_applied=False) == cuda
+    assert _materialize_device(plan, cuda, fsdp_applied=True) == torch.device("cpu")
+    assert _materialize_device(plan.with_changes(fsdp={"cpu_offload": False}), cuda, fsdp_applied=True) == cuda

@@ -9,7 +9,7 @@ and must report bf16 only. fp32 plans are held to fp32 in test_parity_gloo.
 import pytest
 import torch
 from conftest import BASE_PLAN
-from gloo_harness import run_on_gloo
+from gloo_harness import run_plans_on_gloo
 from torch import nn
 
 from paratune.plan import load_plan_dict
@@ -32,11 +32,15 @@ COMBINATIONS = {
 }
 
 
-@pytest.mark.parametrize("name", list(COMBINATIONS))
-def test_bf16_plans_compute_in_bf16(name):
-    plan = load_plan_dict({**BASE_PLAN, **SHORT, **COMBINATIONS[name]})
-    counts = run_on_gloo(plan)["linear_matmul_dtypes"]
-    assert counts.get("bfloat16", 0) > 0 and set(counts) == {"bfloat16"}, counts
+@pytest.mark.parametrize("world", [2, 4])
+def test_bf16_plans_compute_in_bf16(world):
+    """All combinations of one world size in one set of processes (they run one after another)."""
+    names = [n for n, c in COMBINATIONS.items() if c.get("num_workers", 2) == world]
+    plans = [load_plan_dict({**BASE_PLAN, **SHORT, **COMBINATIONS[n]}) for n in names]
+    outs = run_plans_on_gloo(plans)
+    wrong = {n: o["linear_matmul_dtypes"] for n, o in zip(names, outs)
+             if not (o["linear_matmul_dtypes"].get("bfloat16", 0) > 0 and set(o["linear_matmul_dtypes"]) == {"bfloat16"})}
+    assert not wrong, f"bf16 plans that computed in another dtype: {wrong}"
 
 
 def test_recorder_sees_what_autocast_does():

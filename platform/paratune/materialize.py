@@ -157,6 +157,15 @@ def materialize(model: nn.Module, init: ModelInit, device: torch.device, modules
         init.meter.stop()
 
 
+def move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Buffers (rotary tables) on the compute device: FSDP2's CPU offload moves parameters to the
+    device around compute, never buffers, so a model materialized on the host keeps them there."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
+
+
 class ConstructionMeter:
     """Peak tensor memory of this rank from the start of construction until the model is
     materialized (before any optimizer state or engine buffer exists).
@@ -167,11 +176,16 @@ class ConstructionMeter:
     def __init__(self, device: torch.device):
         self.device = device
         self.peak_bytes: int | None = None
+        self.seconds: float | None = None  # wall time of construction (host init included)
         self.method = ""
+        self._t0 = 0.0
         self._tracker = None
         self._base = 0
 
     def start(self) -> "ConstructionMeter":
+        import time
+
+        self._t0 = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
@@ -188,6 +202,9 @@ class ConstructionMeter:
         """Idempotent: the first call after the model exists records the peak."""
         if self.peak_bytes is not None:
             return
+        import time
+
+        self.seconds = time.perf_counter() - self._t0
         if self.device.type == "cuda":
             self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device) - self._base)
             return

@@ -51,6 +51,7 @@ class TrialResult(BaseModel):
     memory_method: str | None = None
     construction_peak_bytes: list[int | None] = Field(default_factory=list)  # per rank, model build + layout
     construction_method: str | None = None
+    construction_s: float | None = None  # slowest rank's model build + layout + init (part of launch)
     linear_matmul_dtypes: dict[str, int] = Field(default_factory=dict)  # one warm-up step, all ranks
     optimizer_class: str | None = None  # what stepped: AdamW, DeepSpeedCPUAdam, ...
     comm_share: float | None = None
@@ -289,6 +290,9 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     dist.all_gather_object(construction, meter.peak_bytes)
     out["construction_peak_bytes"] = construction
     out["construction_method"] = meter.method
+    seconds = torch.tensor([meter.seconds or 0.0], dtype=torch.float64, device=device)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    out["construction_s"] = float(seconds)
     matmuls: list[Any] = [None] * world
     dist.all_gather_object(matmuls, dict(dtypes.counts))
     total: dict[str, int] = {}
@@ -549,7 +553,7 @@ def summarize(plan: Plan, out: dict[str, Any], flops_tok: float, wall_s: float |
         local_parameter_counts=out.get("local_parameter_counts", []),
         comm_share=out.get("comm_share"), comm_method=out.get("comm_method"),
         construction_peak_bytes=out.get("construction_peak_bytes", []),
-        construction_method=out.get("construction_method"),
+        construction_method=out.get("construction_method"), construction_s=out.get("construction_s"),
         linear_matmul_dtypes=out.get("linear_matmul_dtypes", {}), optimizer_class=out.get("optimizer_class"),
         losses=out["losses"], step_times_s=step_times, launch_s=out.get("launch_s"), wall_s=wall_s,
         env_seen=out.get("env_seen", {}),

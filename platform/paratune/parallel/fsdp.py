@@ -15,7 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from paratune.models import decoder_blocks
 from paratune.parallel import StepRunner, apply_activation_checkpointing, make_optimizer
-from paratune.materialize import ModelInit, materialize
+from paratune.materialize import ModelInit, materialize, move_buffers
 from paratune.plan import Plan
 
 
@@ -71,6 +71,7 @@ def parallelize_fsdp(model: nn.Module, init: ModelInit, plan: Plan, device: torc
                 block.set_modules_to_backward_prefetch(blocks[max(0, i - opts.prefetch) : i][::-1])
     # Sharded on the meta device: now each rank allocates and fills only its shards.
     materialize(model, init, shard_device(plan, device))
+    move_buffers(model, device)  # under CPU offload to_empty put the buffers on the host too
 
     sharded = opts.sharding != "no_shard"
 

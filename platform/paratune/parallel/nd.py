@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from paratune.materialize import ModelInit, materialize
+from paratune.materialize import ModelInit, materialize, move_buffers
 from paratune.models import decoder_blocks
 from paratune.parallel import StepRunner, apply_activation_checkpointing, make_optimizer
 from paratune.parallel.dims import ParallelDims
@@ -64,10 +64,12 @@ def _sync_context(module: nn.Module, plan: Plan):
     return context
 
 
-def _materialize_device(plan: Plan, device: torch.device) -> torch.device:
+def _materialize_device(plan: Plan, device: torch.device, fsdp_applied: bool) -> torch.device:
+    """The host only where FSDP2 was applied with CPU offload (it then moves each block's
+    parameters to the device around its compute); anything else must live on the device."""
     from paratune.parallel.fsdp import shard_device
 
-    return shard_device(plan, device) if plan.strategy == "fsdp" else device
+    return shard_device(plan, device) if fsdp_applied else device
 
 
 def parallelize_model_parallel(model: nn.Module, init: ModelInit, plan: Plan, device: torch.device) -> StepRunner:
@@ -77,7 +79,8 @@ def parallelize_model_parallel(model: nn.Module, init: ModelInit, plan: Plan, de
         return _parallelize_pipeline(model, init, plan, device, dims)
     apply_tp(model, dims.mesh["tp"], plan.sequence_parallel)  # on the meta device: shards, no memory
     fsdp_applied = _shard_dp(model, decoder_blocks(model), plan, dims)
-    materialize(model, init, _materialize_device(plan, device))
+    materialize(model, init, _materialize_device(plan, device, fsdp_applied))
+    move_buffers(model, device)
     wrapped = _replicate_dp(model, plan, dims)
     params = list(wrapped.parameters())
 
@@ -134,7 +137,9 @@ def _parallelize_pipeline(model: nn.Module, init: ModelInit, plan: Plan, device:
     for _, module in owned:
         fsdp_applied = _shard_dp(module, list(module.layers), plan, dims)
     # Only this rank's stages are allocated and filled; the rest of the model never exists here.
-    materialize(model, init, _materialize_device(plan, device), modules=[module for _, module in owned])
+    materialize(model, init, _materialize_device(plan, device, fsdp_applied), modules=[module for _, module in owned])
+    for _, module in owned:
+        move_buffers(module, device)
     # bf16 compute: FSDP2's MixedPrecisionPolicy where FSDP2 wraps the stages, else autocast in
     # each stage's forward (the schedule calls the stages itself, outside the runner's autocast).
     for _, module in owned:

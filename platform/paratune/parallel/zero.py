@@ -125,10 +125,14 @@ def build_zero3(init: ModelInit, ds_config: dict[str, Any], device: torch.device
                 for target in targets:
                     if target.kind == "param" and rank == 0:
                         target.module._parameters[target.attr].data.copy_(values[target.owner_attr])
-            for target in targets:  # buffers are not partitioned: every rank writes its own
+            for target in targets:  # buffers are not partitioned: every rank sets its own
                 if target.kind == "buffer":
                     buf_values = values if values is not None else model_init.host_values(owner)
-                    target.module._buffers[target.attr].copy_(buf_values[target.owner_attr])
+                    # Replaced, not copied into: zero.Init creates floating tensors (torch.arange
+                    # too) in the training dtype, so a rotary `inv_freq` made under it is bf16,
+                    # off by ~0.4%; the reference's is fp32, and so must this one be.
+                    current = target.module._buffers[target.attr]
+                    target.module._buffers[target.attr] = buf_values[target.owner_attr].to(current.device)
     return model  # buffers (rotary tables) were created on the device: zero.Init places them there
 
 
