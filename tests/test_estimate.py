@@ -140,8 +140,8 @@ def test_paratune_plan_ranks_the_70b_space_and_rejects_ddp(tmp_path, capsys):
     # Construction: DDP builds the whole 70B model in fp32 on every rank (282 GB); sharded plans
     # build only their shards. Both in the JSON and in the printed tables.
     pure_ddp = [r for r in ddp if r["plan"]["tp"] == r["plan"]["pp"] == 1]
-    assert pure_ddp and all("construction needs 262.8 GiB per rank" in r["overflow"] for r in pure_ddp)
-    assert all(r["predicted_construction_gib"] == pytest.approx(4 * P_70B / GiB) for r in pure_ddp)
+    assert pure_ddp and all("construction needs 266.7 GiB per rank" in r["overflow"] for r in pure_ddp)
+    assert all(r["predicted_construction_gib"] == pytest.approx((4 * P_70B + XCH_70B) / GiB) for r in pure_ddp)
     assert all(r["predicted_construction_gib"] * GiB <= 76 * GiB for r in fitting)
     assert "construction: device GiB per rank while the model is built" in printed
     assert "cannot even be built" in printed
@@ -170,6 +170,7 @@ def test_offload_trades_memory_for_time():
 LAYER_70B = 2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192
 EMB_70B = 128256 * 8192
 P_70B = 80 * LAYER_70B + 2 * EMB_70B + 8192
+XCH_70B = 4 * EMB_70B  # without pp: one module's fp32 values (the largest: the embedding) broadcast via the device
 
 
 def _plan_70b(**kw):
@@ -181,14 +182,15 @@ def _plan_70b(**kw):
 def test_construction_memory_by_hand_for_llama3_70b():
     assert P_70B == 70_553_706_496 and model_shape(_plan_70b()).largest_leaf == EMB_70B
     cases = [
-        ({"strategy": "ddp"}, 4 * P_70B),  # every rank builds the whole model in fp32
-        ({"strategy": "zero", "zero": {"stage": 2}}, 4 * P_70B),  # replicated weights, cast to bf16 in place
-        ({"strategy": "fsdp", "fsdp": {"sharding": "no_shard"}}, 4 * P_70B),
-        ({"strategy": "fsdp", "fsdp": {"sharding": "full"}}, 4 * P_70B / 32),  # only the shard reaches the device
-        ({"strategy": "fsdp", "fsdp": {"sharding": "grad_op"}}, 4 * P_70B / 32),
-        ({"strategy": "fsdp", "fsdp": {"sharding": "hybrid", "shard_group_size": 8}}, 4 * P_70B / 8),
-        ({"strategy": "ddp", "tp": 8}, 4 * P_70B / 8),  # a tp rank's slice: every block, embedding, head / 8
-        # pp 4: the heavier end stage (20 blocks + head + final norm), sharded over dp 8.
+        ({"strategy": "ddp"}, 4 * P_70B + XCH_70B),  # every rank builds the whole model in fp32
+        ({"strategy": "zero", "zero": {"stage": 2}}, 4 * P_70B + XCH_70B),  # replicated, cast to bf16 in place
+        ({"strategy": "fsdp", "fsdp": {"sharding": "no_shard"}}, 4 * P_70B + XCH_70B),
+        ({"strategy": "fsdp", "fsdp": {"sharding": "full"}}, 4 * P_70B / 32 + XCH_70B),  # only the shard is kept
+        ({"strategy": "fsdp", "fsdp": {"sharding": "grad_op"}}, 4 * P_70B / 32 + XCH_70B),
+        ({"strategy": "fsdp", "fsdp": {"sharding": "hybrid", "shard_group_size": 8}}, 4 * P_70B / 8 + XCH_70B),
+        ({"strategy": "ddp", "tp": 8}, 4 * P_70B / 8 + XCH_70B),  # a tp rank's slice: blocks, embedding, head / 8
+        # pp 4: the heavier end stage (20 blocks + head + final norm), sharded over dp 8; a pipeline
+        # rank fills only its stage, computing its values itself (no exchange).
         ({"strategy": "fsdp", "pp": 4, "fsdp": {"sharding": "full"}}, 4 * (20 * LAYER_70B + EMB_70B + 8192) / 8),
         # zero.Init: the bf16 partition, plus the largest module (the embedding) built whole in fp32
         # and cast to bf16 (both alive for a moment): 4 + 2 bytes a parameter.
@@ -203,22 +205,24 @@ def test_construction_memory_by_hand_for_llama3_70b():
 def test_a_plan_that_cannot_be_built_is_rejected_and_says_so():
     device = get_device("h100-80gb")
     ddp = estimate(_plan_70b(strategy="ddp"), device, activation_model="formula")
-    assert not ddp.fits and ddp.construction == 4 * P_70B
-    assert "construction needs 262.8 GiB per rank (building the model, before the optimizer) > capacity 80.0 GiB" \
+    assert not ddp.fits and ddp.construction == 4 * P_70B + XCH_70B
+    assert "construction needs 266.7 GiB per rank (building the model, before the optimizer) > capacity 80.0 GiB" \
         in ddp.overflow
     full = estimate(_plan_70b(strategy="fsdp", fsdp={"sharding": "full"}), device, activation_model="formula")
-    assert full.construction == pytest.approx(4 * P_70B / 32) and "construction" not in (full.overflow or "")
-    assert full.summary()["predicted_construction_gib"] == pytest.approx(4 * P_70B / 32 / GiB)
+    assert full.construction == pytest.approx(4 * P_70B / 32 + XCH_70B) and "construction" not in (full.overflow or "")
+    assert full.summary()["predicted_construction_gib"] == pytest.approx((4 * P_70B / 32 + XCH_70B) / GiB)
     # Construction alone can reject: Llama-3-8B under ZeRO-2 over 64 GPUs trains in ~24 GiB (bf16
-    # weights, sharded states) but every rank first builds the whole model in fp32: 4P = 29.9 GiB.
+    # weights, sharded states) but every rank first builds the whole model in fp32: 4P = 29.9 GiB,
+    # plus one module's values (the 2.0 GiB embedding) exchanged through the device: 31.9 GiB.
     z2 = _plan(strategy="zero", zero={"stage": 2, "reduce_bucket_size": 100_000_000}, num_workers=64,
                global_batch=64, activation_checkpointing="full")
     tight = estimate(z2, device, capacity_gib=28, activation_model="formula")
-    assert tight.memory.total < 28 * GiB < construction_bytes(z2) == 4 * P_8B
-    assert tight.overflow == ("construction needs 29.9 GiB per rank (building the model, before the optimizer) "
+    assert tight.memory.total < 28 * GiB < construction_bytes(z2) == 4 * P_8B + 4 * 128256 * 4096
+    assert tight.overflow == ("construction needs 31.9 GiB per rank (building the model, before the optimizer) "
                               "> capacity 28.0 GiB per GPU")
-    # The same margin rule as the steady state: 7% over 28 GiB lets the build through.
-    assert estimate(z2, device, capacity_gib=28, margin=0.07, activation_model="formula").fits
+    # The same margin rule as the steady state: 15% over 28 GiB lets the build through, 7% does not.
+    assert estimate(z2, device, capacity_gib=28, margin=0.15, activation_model="formula").fits
+    assert not estimate(z2, device, capacity_gib=28, margin=0.07, activation_model="formula").fits
 
 
 # --------------------------------------------------------------------------- devices: Ray and the probe

@@ -380,7 +380,9 @@ def construction_bytes(plan: Plan, shape: ModelShape | None = None) -> float:
     - ddp, fsdp no_shard, ZeRO 0-2: every rank holds the whole model (its tp/pp slice), 4 bytes
       a parameter (DeepSpeed's bf16 cast then happens in place, one tensor at a time);
     - fsdp full/grad_op/hybrid: its shard of that slice (values are made on the host, only the
-      shard is copied to the device);
+      shard is kept on the device);
+    - plus, without pipeline stages and with more than one rank, one module's full fp32 values
+      on the device for a moment (ranks take turns computing modules and broadcast them);
     - ZeRO-3: under `deepspeed.zero.Init` each module's parameters are partitioned as soon as the
       module is built, in the dtype of the DeepSpeed config (bf16 with bf16 enabled), so: the
       partition (params/dp) in that dtype, plus the largest single module built whole on the
@@ -390,13 +392,16 @@ def construction_bytes(plan: Plan, shape: ModelShape | None = None) -> float:
       the host (zero.Init's remote_device) and only that module is on the device."""
     shape = shape or model_shape(plan)
     local, _ = _local_params(plan, shape)
-    if plan.strategy == "fsdp":
-        return 4 * local / _fsdp_shard_degree(plan)
     if plan.strategy == "zero" and plan.zero is not None and plan.zero.stage == 3:
         pb = BYTES[plan.precision]
         partition = 0.0 if plan.zero.offload_param else pb * local / plan.dp_degree
         return partition + (4 + (pb if pb != 4 else 0)) * shape.largest_leaf
-    return 4 * local
+    # Without pipeline stages every rank fills every module, one module's fp32 values broadcast
+    # at a time through the device (paratune.materialize.ModelInit.shared_values).
+    exchange = 4 * shape.largest_leaf if plan.num_workers > 1 and plan.pp == 1 else 0.0
+    if plan.strategy == "fsdp":
+        return 4 * local / _fsdp_shard_degree(plan) + exchange
+    return 4 * local + exchange
 
 
 def activation_bytes(plan: Plan, model: ActivationModel = "trace", shape: ModelShape | None = None) -> tuple[float, str]:

@@ -68,6 +68,9 @@ class ModelInit:
         self._pretrained_names = sorted(pretrained, key=len, reverse=True)
         self._template: nn.Module | None = None
         self.meter: ConstructionMeter | None = None  # stopped once the model is materialized
+        # Where ranks exchange module values (the compute device: NCCL needs GPU tensors); None:
+        # every rank computes every value itself (no process group, e.g. the reference).
+        self.comm_device: torch.device | None = None
 
     # ---- values on the host ---------------------------------------------------------------
     def _template_model(self) -> nn.Module:
@@ -95,6 +98,22 @@ class ModelInit:
         module.to_empty(device="meta", recurse=False)  # give the host memory back
         return {k: v.detach() for k, v in values.items()}
 
+    def shared_values(self, owner: str, src: int) -> dict[str, torch.Tensor]:
+        """`host_values(owner)` computed by rank `src` only and broadcast to every rank, on
+        `comm_device` (the GPU under NCCL: one module's values on the device for a moment)."""
+        import torch.distributed as dist
+
+        module = self._template_model().get_submodule(owner)  # on meta: shapes and dtypes
+        slots = {k: v for k, v in [*module._parameters.items(), *module._buffers.items()] if v is not None}
+        if dist.get_rank() == src:
+            host = self.host_values(owner)
+            out = {k: host[k].to(self.comm_device) for k in slots}
+        else:
+            out = {k: torch.empty(v.shape, dtype=v.dtype, device=self.comm_device) for k, v in slots.items()}
+        for k in slots:
+            dist.broadcast(out[k], src)
+        return out
+
     # ---- filling a materialized model ------------------------------------------------------
     @torch.no_grad()
     def fill(self, modules: Iterable[nn.Module] | None = None) -> int:
@@ -108,8 +127,13 @@ class ModelInit:
             if keep is None or id(target.module) in keep:
                 by_owner.setdefault(target.owner, []).append(target)
         filled = 0
-        for owner, targets in by_owner.items():
-            values = self.host_values(owner)
+        world = _world_size()
+        # Every rank fills every module (no pipeline split): share the host work. Module i's value
+        # is made by rank i % world and broadcast, so each rank computes 1/world of the model
+        # (the same numbers whoever computes them: the generator is seeded by the module's name).
+        shared = keep is None and world > 1 and self.comm_device is not None
+        for i, (owner, targets) in enumerate(by_owner.items()):
+            values = self.shared_values(owner, src=i % world) if shared else self.host_values(owner)
             for target in targets:
                 slot = target.module._parameters if target.kind == "param" else target.module._buffers
                 tensor = slot[target.attr]
@@ -118,6 +142,12 @@ class ModelInit:
                 copy_local_slice(tensor, values[target.owner_attr])
                 filled += 1
         return filled
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def copy_local_slice(dest: torch.Tensor, full: torch.Tensor) -> None:

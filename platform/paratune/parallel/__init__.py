@@ -136,6 +136,7 @@ def build_runner(config, plan: Plan, device: torch.device, local_world_size: int
     model.train()
     init = ModelInit(model, config, plan.seed)
     init.meter = meter
+    init.comm_device = device
     runner = parallelize(model, init, plan, device, local_world_size)
     if meter is not None:
         meter.stop()

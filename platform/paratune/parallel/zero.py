@@ -96,7 +96,8 @@ def build_zero3(init: ModelInit, ds_config: dict[str, Any], device: torch.device
     """ZeRO-3 construction as DeepSpeed does it: under `zero.Init` each module's parameters are
     partitioned as soon as the module is built (to the host under parameter offload), so a rank
     never holds more than one whole module. Values are then written one module at a time through
-    `GatheredParameters` (rank 0's copy is broadcast): the same values as the reference's."""
+    `GatheredParameters` (the copy of the rank that made them is broadcast; ranks take turns):
+    the same values as the reference's."""
     import deepspeed
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -116,14 +117,15 @@ def build_zero3(init: ModelInit, ds_config: dict[str, Any], device: torch.device
     by_owner: dict[str, list] = {}
     for target in model_init.targets:
         by_owner.setdefault(target.owner, []).append(target)
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     with torch.no_grad():
-        for owner, targets in by_owner.items():
-            values = model_init.host_values(owner) if rank == 0 else None
+        for i, (owner, targets) in enumerate(by_owner.items()):
+            src = i % world  # module i's values are made by one rank (round-robin), then broadcast
+            values = model_init.host_values(owner) if rank == src else None
             params = [t.module._parameters[t.attr] for t in targets if t.kind == "param"]
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=src):
                 for target in targets:
-                    if target.kind == "param" and rank == 0:
+                    if target.kind == "param" and rank == src:
                         target.module._parameters[target.attr].data.copy_(values[target.owner_attr])
             for target in targets:  # buffers are not partitioned: every rank sets its own
                 if target.kind == "buffer":
