@@ -58,3 +58,22 @@ def test_ui_serves_the_store_on_localhost(tmp_path):
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(timeout=30)
+
+
+def test_trial_with_bad_plans_records_each_failure_and_never_crashes(tmp_path):
+    """A broken plan file and a model that cannot be built are failed rows with their reasons,
+    written to the JSON as they come; no traceback, exit code 1 (not every plan ran)."""
+    import json
+
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "pad_token_id": 600}
+    (tmp_path / "config.json").write_text(json.dumps(config))  # pad token outside the vocabulary
+    (tmp_path / "bad_model.yaml").write_text(f"model: {tmp_path / 'config.json'}\nnum_workers: 2\n")
+    (tmp_path / "bad_plan.yaml").write_text("model: tiny-llama\nmicro_batch: 3\nglobal_batch: 8\n")
+    out = tmp_path / "results.json"
+    proc = _run("trial", str(tmp_path / "bad_plan.yaml"), str(tmp_path / "bad_model.yaml"), "--json", str(out))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    rows = {r["name"]: r for r in json.loads(out.read_text())}
+    assert rows["bad_plan"]["reason"] == "invalid_config" and "global_batch" in rows["bad_plan"]["message"]
+    assert rows["bad_model"]["reason"] == "invalid_config" and "bad_model" in proc.stdout

@@ -14,35 +14,50 @@ from paratune.plan import PlanError, load_plan
 
 
 def _cmd_trial(args: argparse.Namespace, console: Console) -> int:
+    """Run plans one after another. No plan or model, however broken, ends the command: a bad one
+    is a failed row with its reason, and the results so far are written after every plan."""
+    from paratune.failures import classify
     from paratune.reference import max_loss_difference, reference_losses
     from paratune.report import print_results
     from paratune.trial import TrialResult, run_trial
 
-    plans = []
-    for path in args.plans:
+    rows: list[tuple[str, TrialResult, float | None]] = []
+
+    def save() -> None:
+        if args.json:
+            Path(args.json).write_text(json.dumps(
+                [{"name": n, "parity_max_abs_diff": d, **r.model_dump()} for n, r, d in rows], indent=2))
+
+    for i, path in enumerate(args.plans, 1):
+        name = Path(path).stem
         try:
             plan = load_plan(path)
             if args.workers:
                 plan = plan.with_changes(num_workers=args.workers)
         except PlanError as err:
-            console.print(f"[red]invalid plan[/red]\n{escape(str(err))}")
-            return 2
-        plans.append((Path(path).stem, plan))
-    rows: list[tuple[str, TrialResult, float | None]] = []
-    for i, (name, plan) in enumerate(plans, 1):
-        with console.status(f"trial {i}/{len(plans)}: {name} ({plan.strategy}, {plan.num_workers} workers)"):
-            result = run_trial(plan)
+            console.print(f"[red]{name}: invalid plan[/red]\n{escape(str(err))}")
+            rows.append((name, TrialResult.failed({}, "invalid_config", str(err)), None))
+            save()
+            continue
+        with console.status(f"trial {i}/{len(args.plans)}: {name} ({plan.strategy}, {plan.num_workers} workers)"):
+            try:
+                result = run_trial(plan)
+            except Exception as err:  # noqa: BLE001 - run_trial should not raise; if it does, record it
+                reason, message = classify(err)
+                result = TrialResult.failed(plan, reason, message)
         diff = None
         if result.ok and args.parity:
             with console.status(f"single-process reference for {name}"):
-                diff = max_loss_difference(result.losses, reference_losses(plan))
+                try:
+                    diff = max_loss_difference(result.losses, reference_losses(plan))
+                except Exception as err:  # noqa: BLE001 - the measurement stands; only parity is unknown
+                    console.print(f"[red]{name}: no parity ({type(err).__name__}: {escape(str(err))[:300]})[/red]")
         verdict = f"{result.tokens_per_s_per_gpu:,.0f} tokens/s/GPU" if result.ok else f"{result.reason}"
         console.print(f"[bold]{name}[/bold]: {result.status} ({verdict})")
         rows.append((name, result, diff))
+        save()
     print_results(rows, console)
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            [{"name": n, "parity_max_abs_diff": d, **r.model_dump()} for n, r, d in rows], indent=2))
         console.print(f"results written to {args.json}")
     return 0 if all(r.ok for _, r, _ in rows) else 1
 

@@ -52,6 +52,14 @@ def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
 
+def _label(plan: dict) -> str:
+    """strategy_label, or what can be said of a plan that never validated."""
+    try:
+        return strategy_label(plan)
+    except (KeyError, TypeError, AttributeError):
+        return str(plan.get("strategy", "-")) if isinstance(plan, dict) else "-"
+
+
 def results_table(rows: list[tuple[str, TrialResult, float | None]], title: str = "paratune trials") -> Table:
     """rows: (name, result, max loss difference vs the single-process reference or None)."""
     table = Table(title=title)
@@ -64,7 +72,7 @@ def results_table(rows: list[tuple[str, TrialResult, float | None]], title: str 
         peak = max(r.peak_memory_bytes) if r.peak_memory_bytes else None
         status = "ok" if r.ok else f"[red]{r.reason}[/red]"
         table.add_row(
-            name, strategy_label(r.plan), status,
+            name, _label(r.plan), status,
             _fmt(r.tokens_per_s_per_gpu, ",.0f"),
             "-" if r.step_time_median_s is None else
             f"{r.step_time_median_s * 1e3:.1f} ({r.step_time_p10_s * 1e3:.1f}-{r.step_time_p90_s * 1e3:.1f})",

@@ -492,9 +492,12 @@ def run_trial(plan: Plan | dict[str, Any], *, storage_path: str | Path | None = 
 
     try:
         model_config = build_config(plan.model, plan.model_overrides)
-        flops_tok = measure.model_flops_per_token(model_config, plan.seq_len)
+        flops_tok = measure.model_flops_per_token(model_config, plan.seq_len)  # builds it on meta
     except ModelError as err:
         return TrialResult.failed(plan, "invalid_config", str(err))
+    except Exception as err:  # noqa: BLE001 - a config transformers accepts but cannot build
+        return TrialResult.failed(plan, "invalid_config", f"model: '{plan.model}' cannot be built: "
+                                  f"{type(err).__name__}: {err}")
 
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
