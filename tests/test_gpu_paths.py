@@ -75,3 +75,15 @@ def test_offload_host_only_where_fsdp_was_applied():
     assert _materialize_device(plan, cuda, fsdp_applied=False) == cuda
     assert _materialize_device(plan, cuda, fsdp_applied=True) == torch.device("cpu")
     assert _materialize_device(plan.with_changes(fsdp={"cpu_offload": False}), cuda, fsdp_applied=True) == cuda
+
+
+def test_gpu_workers_raise_on_nccl_timeouts_unless_the_plan_says_otherwise():
+    """Ray Train would set TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (the watchdog kills the process: a
+    timeout then reads as worker_died); GPU workers get 2, and a plan's own setting wins."""
+    from paratune.trial import worker_env
+
+    plan = load_plan_dict(BASE)
+    assert worker_env(plan, True) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    assert worker_env(plan, False) == {}
+    own = plan.with_changes(env={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "NCCL_ALGO": "Ring"})
+    assert worker_env(own, True) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "NCCL_ALGO": "Ring"}

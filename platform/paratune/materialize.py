@@ -53,7 +53,6 @@ class ModelInit:
         for name, param in model.named_parameters():  # tied parameters: the first name wins
             first_name.setdefault(id(param), name)
         self.targets: list[InitTarget] = []
-        self._init_fn_owner: dict[str, str] = {}  # module name -> nearest PreTrainedModel's name
         from transformers import PreTrainedModel
 
         for mod_name, module in model.named_modules(remove_duplicate=False):
@@ -115,6 +114,15 @@ class ModelInit:
         return out
 
     # ---- filling a materialized model ------------------------------------------------------
+    def targets_by_owner(self, keep: set[int] | None = None) -> dict[str, list[InitTarget]]:
+        """Slots grouped by the module whose values they take, in model order (the same order on
+        every rank); `keep`: ids of the module objects to include (None = all)."""
+        by_owner: dict[str, list[InitTarget]] = {}
+        for target in self.targets:
+            if keep is None or id(target.module) in keep:
+                by_owner.setdefault(target.owner, []).append(target)
+        return by_owner
+
     @torch.no_grad()
     def fill(self, modules: Iterable[nn.Module] | None = None) -> int:
         """Write every slot's value (this rank's slice of it) into the live, materialized model.
@@ -122,10 +130,7 @@ class ModelInit:
         `modules`: only slots of these module objects (a pipeline rank's stages); None = all.
         Returns the number of slots filled."""
         keep = None if modules is None else {id(m) for root in modules for m in root.modules()}
-        by_owner: dict[str, list[InitTarget]] = {}
-        for target in self.targets:
-            if keep is None or id(target.module) in keep:
-                by_owner.setdefault(target.owner, []).append(target)
+        by_owner = self.targets_by_owner(keep)
         filled = 0
         world = _world_size()
         # Every rank fills every module (no pipeline split): share the host work. Module i's value

@@ -164,11 +164,11 @@ def run_training(plan: Plan | dict[str, Any], *, steps: int, checkpoint_every: i
 
     import ray
 
-    from paratune.trial import GPU_WORKER_ENV, process_group_backend, wants_gpu, worker_resources
+    from paratune.trial import process_group_backend, wants_gpu, worker_env, worker_resources
 
     ensure_ray(ray_address)
     use_gpu = wants_gpu(plan)
-    env = {**GPU_WORKER_ENV, **plan.env} if use_gpu else dict(plan.env)
+    env = worker_env(plan, use_gpu)
     run_id = None
     if track:
         from paratune.tracking import default_tracking_uri, start_training_run

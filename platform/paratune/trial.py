@@ -382,6 +382,11 @@ def worker_resources(plan: Plan, use_gpu: bool, nodes: list[dict[str, Any]] | No
 GPU_WORKER_ENV: dict[str, str] = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
+def worker_env(plan: Plan, use_gpu: bool) -> dict[str, str]:
+    """Env vars for the workers, in place before their process group starts (the plan's win)."""
+    return {**GPU_WORKER_ENV, **plan.env} if use_gpu else dict(plan.env)
+
+
 def _placement_groups() -> dict[str, str]:
     from ray.util import placement_group_table
 
@@ -508,7 +513,7 @@ def run_trial(plan: Plan | dict[str, Any], *, storage_path: str | Path | None = 
     use_gpu = wants_gpu(plan)
     before = set(_placement_groups())
     trainer_cls = _timed_trainer_class()
-    env = {**GPU_WORKER_ENV, **plan.env} if use_gpu else dict(plan.env)
+    env = worker_env(plan, use_gpu)
     trainer = trainer_cls(
         worker_loop,
         train_loop_config={"plan": plan.to_dict()},

@@ -114,9 +114,7 @@ def build_zero3(init: ModelInit, ds_config: dict[str, Any], device: torch.device
     if getattr(init.config, "tie_word_embeddings", False):
         model.tie_weights()  # no_init_weights also skipped the tying
     model_init = ModelInit(model, init.config, init.seed, init.dtype)
-    by_owner: dict[str, list] = {}
-    for target in model_init.targets:
-        by_owner.setdefault(target.owner, []).append(target)
+    by_owner = model_init.targets_by_owner()
     rank, world = dist.get_rank(), dist.get_world_size()
     with torch.no_grad():
         for i, (owner, targets) in enumerate(by_owner.items()):
