@@ -272,15 +272,12 @@ def _check_degrees(plan: "Plan") -> None:
     if tp == 1 and pp == 1:
         return
     if plan.strategy == "zero":
-        raise ValueError(f"strategy: 'zero' with tp {tp} / pp {pp}; allowed: 'ddp' or 'fsdp' with tp/pp > 1 "
-                         "(DeepSpeed's own model parallelism is not wired in)")
-    if tp > 1 and pp > 1:
-        raise ValueError(f"pp: {pp} together with tp {tp} is not supported yet; allowed: tp > 1 or pp > 1")
+        _check_zero_degrees(plan)
     if pp > 1 and plan.strategy == "ddp" and world // (tp * pp) > 1:
         raise ValueError(f"strategy: 'ddp' over dp {world // (tp * pp)} with pp {pp}: DDP's reducer breaks under "
                          "pipeline schedules (torch 2.13); allowed: 'fsdp' with pp, or ddp with dp 1")
-    if plan.fsdp is not None and plan.fsdp.sharding in ("hybrid", "no_shard"):
-        raise ValueError(f"fsdp.sharding: '{plan.fsdp.sharding}' with tp/pp; allowed: 'full' or 'grad_op'")
+    if plan.fsdp is not None:
+        _check_fsdp_degrees(plan.fsdp, plan)
     if tp > 1 and plan.gpus_per_node and (tp > plan.gpus_per_node or plan.gpus_per_node % tp):
         raise ValueError(f"tp: {tp} crosses node boundaries (gpus_per_node {plan.gpus_per_node}); allowed: "
                          f"{[d for d in range(1, plan.gpus_per_node + 1) if plan.gpus_per_node % d == 0]}")
@@ -303,6 +300,18 @@ def _check_degrees(plan: "Plan") -> None:
         if layers < stages:
             raise ValueError(f"pp: {pp} with schedule '{plan.pp_schedule}' needs >= {stages} layers, model has "
                              f"{layers}; allowed pp: {[d for d in range(1, layers + 1) if stages // pp * d <= layers]}")
+
+
+def _check_zero_degrees(plan: "Plan") -> None:
+    """DeepSpeed ZeRO with tensor/pipeline degrees (what DeepSpeed itself supports)."""
+    raise ValueError(f"strategy: 'zero' with tp {plan.tp} / pp {plan.pp}; allowed: 'ddp' or 'fsdp' with tp/pp > 1 "
+                     "(DeepSpeed's own model parallelism is not wired in)")
+
+
+def _check_fsdp_degrees(options: FSDPOptions, plan: "Plan") -> None:
+    """FSDP2 shardings on the dp axis of a tp/pp mesh."""
+    if options.sharding in ("hybrid", "no_shard"):
+        raise ValueError(f"fsdp.sharding: '{options.sharding}' with tp/pp; allowed: 'full' or 'grad_op'")
 
 
 def _divisors(global_batch: int, dp: int) -> list[int]:
