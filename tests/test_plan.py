@@ -64,7 +64,7 @@ def test_env_allows_communication_settings_only():
 
 
 def test_hybrid_shard_group_rules():
-    with pytest.raises(PlanError, match=r"fsdp.shard_group_size: 3 does not divide num_workers 4; allowed: \[1, 2, 4\]"):
+    with pytest.raises(PlanError, match=r"fsdp.shard_group_size: 3 does not divide the dp degree 4; allowed: \[1, 2, 4\]"):
         load_plan_dict({"strategy": "fsdp", "num_workers": 4, "global_batch": 8, "micro_batch": 1,
                         "fsdp": {"sharding": "hybrid", "shard_group_size": 3}})
     # A shard group of one rank would be pure replication, where HSDP skipped gradient sync.

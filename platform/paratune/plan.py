@@ -64,7 +64,8 @@ class FSDPOptions(_Strict):
     """
 
     sharding: FsdpSharding = "full"
-    # hybrid only: ranks per shard group (normally the GPUs of one node). None = all workers.
+    # hybrid only: dp ranks per shard group (normally those of one node: its GPUs / tp). None = one
+    # node's (all dp ranks where the node size is unknown).
     shard_group_size: int | None = Field(None, ge=1)
     # Overrides what `sharding` implies for the blocks; the root module never reshards.
     reshard_after_forward: bool | None = None
@@ -211,7 +212,7 @@ class Plan(_Strict):
         for key, value in self.env.items():
             check_env(key, value)
         if self.fsdp is not None:
-            _check_fsdp(self.fsdp, self.num_workers)
+            _check_fsdp(self.fsdp, dp)
         if self.optimizer == "deepspeed" and self.strategy != "zero":
             raise ValueError(f"optimizer: 'deepspeed' needs strategy 'zero', got '{self.strategy}'; "
                              "allowed: 'auto' or 'torch'")
@@ -273,9 +274,6 @@ def _check_degrees(plan: "Plan") -> None:
         return
     if plan.strategy == "zero":
         _check_zero_degrees(plan)
-    if pp > 1 and plan.strategy == "ddp" and world // (tp * pp) > 1:
-        raise ValueError(f"strategy: 'ddp' over dp {world // (tp * pp)} with pp {pp}: DDP's reducer breaks under "
-                         "pipeline schedules (torch 2.13); allowed: 'fsdp' with pp, or ddp with dp 1")
     if plan.fsdp is not None:
         _check_fsdp_degrees(plan.fsdp, plan)
     if tp > 1 and plan.gpus_per_node and (tp > plan.gpus_per_node or plan.gpus_per_node % tp):
@@ -310,8 +308,12 @@ def _check_zero_degrees(plan: "Plan") -> None:
 
 def _check_fsdp_degrees(options: FSDPOptions, plan: "Plan") -> None:
     """FSDP2 shardings on the dp axis of a tp/pp mesh."""
-    if options.sharding in ("hybrid", "no_shard"):
-        raise ValueError(f"fsdp.sharding: '{options.sharding}' with tp/pp; allowed: 'full' or 'grad_op'")
+    if options.sharding == "hybrid" and options.shard_group_size is None and plan.gpus_per_node:
+        per_node = plan.gpus_per_node // plan.tp  # dp ranks inside one node
+        if per_node < 2 or plan.dp_degree % min(per_node, plan.dp_degree):
+            raise ValueError(f"fsdp.sharding: 'hybrid' shards over the dp ranks of a node, {plan.gpus_per_node} GPUs "
+                             f"/ tp {plan.tp} = {per_node}, which must be >= 2 and divide dp {plan.dp_degree}; "
+                             "allowed: 'full' or 'grad_op', or set fsdp.shard_group_size")
 
 
 def _divisors(global_batch: int, dp: int) -> list[int]:
@@ -347,6 +349,7 @@ def check_env(key: str, value: str) -> None:
 
 
 def _check_fsdp(options: FSDPOptions, world: int) -> None:
+    """`world` is the dp degree: a hybrid shard group is made of dp ranks (all workers without tp/pp)."""
     if options.shard_group_size is not None and options.sharding != "hybrid":
         raise ValueError(
             f"fsdp.shard_group_size: only for sharding 'hybrid', got sharding '{options.sharding}'"
@@ -355,7 +358,7 @@ def _check_fsdp(options: FSDPOptions, world: int) -> None:
         size = options.shard_group_size or world
         if world % size:
             raise ValueError(
-                f"fsdp.shard_group_size: {size} does not divide num_workers {world}; allowed: "
+                f"fsdp.shard_group_size: {size} does not divide the dp degree {world}; allowed: "
                 f"{[d for d in range(1, world + 1) if world % d == 0]}"
             )
         if size == 1 and world > 1:

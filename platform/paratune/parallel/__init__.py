@@ -152,7 +152,7 @@ def parallelize(model: nn.Module, init: ModelInit, plan: Plan, device: torch.dev
     if plan.tp > 1 or plan.pp > 1:
         from paratune.parallel.nd import parallelize_model_parallel
 
-        return parallelize_model_parallel(model, init, plan, device)
+        return parallelize_model_parallel(model, init, plan, device, local_world_size)
     if plan.strategy == "ddp":
         from paratune.parallel.ddp import parallelize_ddp
 

@@ -1,8 +1,10 @@
 """The parallel dimensions of a plan and the device mesh they make (pp x dp x tp).
 
 tp is innermost, so a tensor-parallel group is made of consecutive ranks (the GPUs of one
-node); pp is outermost, so stages talk across nodes. The rules themselves are checked by the
-Plan before any worker starts; this only lays ranks out.
+node); pp is outermost, so stages talk across nodes. Under hybrid sharding the dp axis is itself
+split into dp_replicate x dp_shard (shard inside a node, replicate across nodes), the layout
+torchtitan uses. The rules themselves are checked by the Plan before any worker starts; this
+only lays ranks out.
 """
 
 from __future__ import annotations
@@ -13,16 +15,32 @@ from functools import cached_property
 from paratune.plan import Plan
 
 
+def hybrid_shard_degree(plan: Plan, local_world_size: int) -> int:
+    """dp ranks per shard group under hybrid sharding: the plan's `shard_group_size`, else the
+    dp ranks of one node (its workers over tp), never more than dp."""
+    assert plan.fsdp is not None
+    if plan.fsdp.shard_group_size is not None:
+        return plan.fsdp.shard_group_size
+    return max(1, min(plan.dp_degree, local_world_size // plan.tp))
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     dp: int
     tp: int
     pp: int
     device_type: str
+    dp_shard: int = 0  # dp ranks per shard group; 0 = the whole dp axis (no replication)
 
     @classmethod
-    def from_plan(cls, plan: Plan, device_type: str) -> "ParallelDims":
-        return cls(plan.dp_degree, plan.tp, plan.pp, device_type)
+    def from_plan(cls, plan: Plan, device_type: str, local_world_size: int | None = None) -> "ParallelDims":
+        shard = 0
+        if plan.fsdp is not None and plan.fsdp.sharding == "hybrid":
+            shard = hybrid_shard_degree(plan, local_world_size or plan.num_workers)
+            if plan.dp_degree % shard or shard < 2:
+                raise ValueError(f"fsdp.shard_group_size: {shard} dp ranks per shard group must divide dp "
+                                 f"{plan.dp_degree} and be >= 2 for hybrid sharding")
+        return cls(plan.dp_degree, plan.tp, plan.pp, device_type, shard)
 
     @property
     def world(self) -> int:
@@ -31,6 +49,10 @@ class ParallelDims:
     @property
     def model_parallel(self) -> bool:
         return self.tp > 1 or self.pp > 1
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.dp // self.dp_shard if self.dp_shard else 1
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(pp index, dp index, tp index) of a global rank."""
@@ -43,6 +65,18 @@ class ParallelDims:
 
     @cached_property
     def mesh(self):
+        """The world mesh: pp x dp_replicate x dp_shard x tp."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(self.device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
+        replicate = self.dp_replicate
+        return init_device_mesh(self.device_type, (self.pp, replicate, self.dp // replicate, self.tp),
+                                mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+
+    @cached_property
+    def dp_mesh(self):
+        """The whole dp axis as one dimension (DDP, replicate, plain FSDP2)."""
+        return self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+    def fsdp_mesh(self):
+        """The mesh FSDP2 shards over: 2-D (replicate, shard) under hybrid sharding, else `dp`."""
+        return self.mesh["dp_replicate", "dp_shard"] if self.dp_shard else self.dp_mesh

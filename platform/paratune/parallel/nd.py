@@ -1,8 +1,14 @@
-"""Model-parallel plans: tensor or pipeline degrees composed with DDP or FSDP2 on the dp axis."""
+"""Model-parallel plans: tp x pp x dp composed as torchtitan composes them.
+
+Tensor parallelism innermost (inside a node), then data parallelism on the dp axis of every
+pipeline stage (FSDP2, hybrid FSDP2, FSDP2's `replicate` or DDP), pipeline stages outermost.
+Everything is applied on the meta device; each rank then allocates and fills only its part.
+"""
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -17,31 +23,60 @@ from paratune.parallel.tp import apply_tp, clip_grad_norm
 from paratune.plan import Plan
 
 
-def _shard_dp(module: nn.Module, blocks: list[nn.Module], plan: Plan, dims: ParallelDims) -> bool:
-    """FSDP2 over the dp axis of the mesh, applied on the meta device; True when applied.
+@dataclass(frozen=True)
+class DataParallelLayout:
+    """What the dp axis does: `fsdp` (sharded), `replicate` (FSDP2's replicate: DDP semantics
+    that pipeline schedules can drive), `ddp` (torch DDP, wrapped after materializing) or `none`."""
 
-    Nothing to do for DDP (it wraps the materialized module, `_replicate_dp`) or when dp is 1."""
-    if dims.dp == 1 or plan.strategy != "fsdp":
-        return False
-    from torch.distributed.fsdp import fully_shard
+    kind: str
+    mixed_precision: bool  # bf16 compute through FSDP2's MixedPrecisionPolicy (else autocast)
+    offload: bool  # parameters kept on the host (FSDP2 CPU offload)
 
-    from paratune.parallel.fsdp import fsdp_policies
+    @classmethod
+    def for_plan(cls, plan: Plan, dims: ParallelDims) -> "DataParallelLayout":
+        if dims.dp == 1:
+            return cls("none", False, False)
+        bf16 = plan.precision == "bf16"
+        if plan.strategy == "fsdp":
+            assert plan.fsdp is not None
+            kind = "replicate" if plan.fsdp.sharding == "no_shard" else "fsdp"
+            return cls(kind, bf16, plan.fsdp.cpu_offload)
+        # DDP's reducer cannot follow a pipeline schedule's backward; FSDP2's replicate can, with
+        # the same semantics (every rank holds everything, gradients all-reduced once per step).
+        return cls("replicate" if dims.pp > 1 else "ddp", False, False)
 
-    dp_mesh = dims.mesh["dp"]
-    mp, offload = fsdp_policies(plan, torch.device(dp_mesh.device_type))
-    kwargs = {"reshard_after_forward": plan.fsdp.reshards_after_forward, "mp_policy": mp, "offload_policy": offload}
+
+def _apply_dp_on_meta(module: nn.Module, blocks: list[nn.Module], plan: Plan, dims: ParallelDims,
+                      layout: DataParallelLayout) -> None:
+    """FSDP2's `fully_shard` or `replicate` per block and then the root, on the meta device."""
+    if layout.kind not in ("fsdp", "replicate"):
+        return
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+    if plan.fsdp is not None:
+        from paratune.parallel.fsdp import fsdp_policies
+
+        mp, offload = fsdp_policies(plan, torch.device(dims.device_type))
+    else:
+        mp, offload = MixedPrecisionPolicy(), OffloadPolicy()
+    if layout.kind == "replicate":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        apply = partial(replicate, mesh=dims.dp_mesh, mp_policy=mp, offload_policy=offload)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        assert plan.fsdp is not None
+        apply = partial(fully_shard, mesh=dims.fsdp_mesh(), reshard_after_forward=plan.fsdp.reshards_after_forward,
+                        mp_policy=mp, offload_policy=offload)
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, **kwargs)
-    fully_shard(module, mesh=dp_mesh, **kwargs)
-    return True
+        apply(block)
+    apply(module)
 
 
-def _replicate_dp(module: nn.Module, plan: Plan, dims: ParallelDims) -> nn.Module:
-    """DDP over the dp axis of a materialized module (nothing to do when dp is 1 or under FSDP).
-
-    DDP over dp > 1 is only reached without pipeline stages (the plan rejects ddp with pp when
-    dp > 1)."""
-    if dims.dp == 1 or plan.strategy != "ddp":
+def _wrap_ddp(module: nn.Module, plan: Plan, dims: ParallelDims, layout: DataParallelLayout) -> nn.Module:
+    """Torch DDP over the dp axis of a materialized module (only without pipeline stages)."""
+    if layout.kind != "ddp":
         return module
     if dims.tp > 1:  # DDP over DTensor weights: torch turns them into local shards around forward
         from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
@@ -49,48 +84,50 @@ def _replicate_dp(module: nn.Module, plan: Plan, dims: ParallelDims) -> nn.Modul
         _pre_dp_module_transform(module)
     opts = plan.ddp
     assert opts is not None
-    return DistributedDataParallel(module, process_group=dims.mesh["dp"].get_group(), bucket_cap_mb=opts.bucket_cap_mb,
+    return DistributedDataParallel(module, process_group=dims.dp_mesh.get_group(), bucket_cap_mb=opts.bucket_cap_mb,
                                    gradient_as_bucket_view=opts.gradient_as_bucket_view, static_graph=opts.static_graph)
 
 
-def _sync_context(module: nn.Module, plan: Plan):
+def _sync_context(module: nn.Module, plan: Plan, layout: DataParallelLayout):
+    """Gradient sync between micro-batches: replicated layouts reduce after the last one only;
+    sharded FSDP2 reduce-scatters after every one (only gradient shards accumulate)."""
     def context(step: int, last_micro: bool):
         if isinstance(module, DistributedDataParallel) and not last_micro and not (plan.ddp.static_graph and step == 0):
             return module.no_sync()
         if hasattr(module, "set_requires_gradient_sync"):
-            module.set_requires_gradient_sync(last_micro)
+            module.set_requires_gradient_sync(last_micro or layout.kind == "fsdp")
         return contextlib.nullcontext()
 
     return context
 
 
-def _materialize_device(plan: Plan, device: torch.device, fsdp_applied: bool) -> torch.device:
-    """The host only where FSDP2 was applied with CPU offload (it then moves each block's
-    parameters to the device around its compute); anything else must live on the device."""
-    from paratune.parallel.fsdp import shard_device
-
-    return shard_device(plan, device) if fsdp_applied else device
+def _materialize_device(plan: Plan, device: torch.device, layout: DataParallelLayout) -> torch.device:
+    """The host only where FSDP2 wraps with CPU offload (it moves each block's parameters to the
+    device around its compute); anything else must live on the device."""
+    return torch.device("cpu") if layout.offload else device
 
 
-def parallelize_model_parallel(model: nn.Module, init: ModelInit, plan: Plan, device: torch.device) -> StepRunner:
-    dims = ParallelDims.from_plan(plan, device.type)
+def parallelize_model_parallel(model: nn.Module, init: ModelInit, plan: Plan, device: torch.device,
+                               local_world_size: int | None = None) -> StepRunner:
+    dims = ParallelDims.from_plan(plan, device.type, local_world_size)
+    layout = DataParallelLayout.for_plan(plan, dims)
     apply_activation_checkpointing(model, plan)
+    if dims.tp > 1:
+        apply_tp(model, dims.mesh["tp"], plan.sequence_parallel)  # on the meta device: shards, no memory
     if dims.pp > 1:
-        return _parallelize_pipeline(model, init, plan, device, dims)
-    apply_tp(model, dims.mesh["tp"], plan.sequence_parallel)  # on the meta device: shards, no memory
-    fsdp_applied = _shard_dp(model, decoder_blocks(model), plan, dims)
-    materialize(model, init, _materialize_device(plan, device, fsdp_applied))
+        return _parallelize_pipeline(model, init, plan, device, dims, layout)
+    _apply_dp_on_meta(model, decoder_blocks(model), plan, dims, layout)
+    materialize(model, init, _materialize_device(plan, device, layout))
     move_buffers(model, device)
-    wrapped = _replicate_dp(model, plan, dims)
+    wrapped = _wrap_ddp(model, plan, dims, layout)
     params = list(wrapped.parameters())
 
     def forward_extra(ids: torch.Tensor) -> dict:
         # With sequence parallelism the model sees a sequence shard; positions must be the full ones.
         return {"position_ids": torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)}
 
-    # bf16 compute: FSDP2's MixedPrecisionPolicy where FSDP2 wraps the model (dp > 1), else autocast.
-    return StepRunner(wrapped, make_optimizer(params, plan), plan, device, _sync_context(wrapped, plan),
-                      autocast=plan.precision == "bf16" and not fsdp_applied,
+    return StepRunner(wrapped, make_optimizer(params, plan), plan, device, _sync_context(wrapped, plan, layout),
+                      autocast=plan.precision == "bf16" and not layout.mixed_precision,
                       clip=partial(clip_grad_norm, params, plan.grad_clip, tp_group=dims.mesh["tp"].get_group()),
                       forward_extra=forward_extra if plan.sequence_parallel else None)
 
@@ -98,10 +135,10 @@ def parallelize_model_parallel(model: nn.Module, init: ModelInit, plan: Plan, de
 class PipelineRunner(StepRunner):
     """A step is one pipeline schedule over the step's micro-batches, then clip and optimizer step."""
 
-    def __init__(self, stages, schedule, has_first: bool, has_last: bool, pp_group, **kw):
+    def __init__(self, stages, schedule, has_first: bool, has_last: bool, pp_group, tp_group, **kw):
         super().__init__(**kw)
         self.stages, self.schedule, self.has_first, self.has_last = stages, schedule, has_first, has_last
-        self.pp_group = pp_group
+        self.pp_group, self.tp_group = pp_group, tp_group
 
     def micro_batch_roots(self) -> list[nn.Module]:
         return list(self.model)  # each stage module is entered once per micro-batch
@@ -113,7 +150,8 @@ class PipelineRunner(StepRunner):
         kwargs = {"target": batch, "losses": losses} if self.has_last else {}
         self.schedule.step(*args, **kwargs)
         if self.plan.grad_clip > 0:
-            clip_grad_norm(list(self.model.parameters()), self.plan.grad_clip, pp_group=self.pp_group)
+            clip_grad_norm(list(self.model.parameters()), self.plan.grad_clip, pp_group=self.pp_group,
+                           tp_group=self.tp_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
@@ -121,37 +159,33 @@ class PipelineRunner(StepRunner):
 
 
 def _parallelize_pipeline(model: nn.Module, init: ModelInit, plan: Plan, device: torch.device,
-                          dims: ParallelDims) -> StepRunner:
+                          dims: ParallelDims, layout: DataParallelLayout) -> StepRunner:
     from torch.distributed.pipelining import PipelineStage
 
     from paratune.parallel.pp import build_stages, make_schedule
 
     pp_mesh = dims.mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
-    owned = build_stages(model, dims.pp, pp_rank, plan.pp_schedule)
+    owned = build_stages(model, dims.pp, pp_rank, plan.pp_schedule,
+                         seq_shards=dims.tp if plan.sequence_parallel else 1)
     num_stages = dims.pp * (2 if plan.pp_schedule == "interleaved_1f1b" else 1)
     # Drop the original model's hold on what other stages own, so this rank keeps only its part.
     model.model.layers, model.model.embed_tokens, model.model.norm, model.lm_head = (
         nn.ModuleList(), None, None, None)
-    fsdp_applied = False
     for _, module in owned:
-        fsdp_applied = _shard_dp(module, list(module.layers), plan, dims)
+        _apply_dp_on_meta(module, list(module.layers), plan, dims, layout)
     # Only this rank's stages are allocated and filled; the rest of the model never exists here.
-    materialize(model, init, _materialize_device(plan, device, fsdp_applied), modules=[module for _, module in owned])
+    materialize(model, init, _materialize_device(plan, device, layout), modules=[module for _, module in owned])
     for _, module in owned:
         move_buffers(module, device)
-    # bf16 compute: FSDP2's MixedPrecisionPolicy where FSDP2 wraps the stages, else autocast in
-    # each stage's forward (the schedule calls the stages itself, outside the runner's autocast).
-    for _, module in owned:
-        module.autocast = plan.precision == "bf16" and not fsdp_applied
-    modules, stages = [], []
-    for index, module in owned:
-        wrapped = _replicate_dp(module, plan, dims)
-        modules.append(wrapped)
-        stages.append(PipelineStage(wrapped, index, num_stages, device, group=pp_mesh.get_group()))
+        # bf16 compute: FSDP2's MixedPrecisionPolicy where it wraps the stages, else autocast in
+        # each stage's forward (the schedule calls the stages itself, outside the runner's autocast).
+        module.autocast = plan.precision == "bf16" and not layout.mixed_precision
+    modules = [module for _, module in owned]
+    stages = [PipelineStage(module, index, num_stages, device, group=pp_mesh.get_group()) for index, module in owned]
     schedule = make_schedule(stages, plan.grad_accum, plan.pp_schedule)
     container = nn.ModuleList(modules)
     return PipelineRunner(stages, schedule, has_first=any(i == 0 for i, _ in owned),
                           has_last=any(i == num_stages - 1 for i, _ in owned), pp_group=pp_mesh.get_group(),
-                          model=container, optimizer=make_optimizer(container.parameters(), plan), plan=plan,
-                          device=device)
+                          tp_group=dims.mesh["tp"].get_group(), model=container,
+                          optimizer=make_optimizer(container.parameters(), plan), plan=plan, device=device)

@@ -28,7 +28,7 @@ def stage_layer_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]
 class StageModule(nn.Module):
     """One pipeline stage of a transformers decoder: [embedding] + layers[a:b] + [norm + head]."""
 
-    def __init__(self, model: nn.Module, layers: tuple[int, int], first: bool, last: bool):
+    def __init__(self, model: nn.Module, layers: tuple[int, int], first: bool, last: bool, seq_shards: int = 1):
         super().__init__()
         base = model.model
         self.embed_tokens = base.embed_tokens if first else None
@@ -37,6 +37,9 @@ class StageModule(nn.Module):
         self.lm_head = model.lm_head if last else None
         self.rotary_emb = base.rotary_emb  # no parameters: recomputed on every stage
         self.autocast = False  # bf16 autocast inside the stage (set when no FSDP2 mixed precision)
+        # Under sequence parallelism the residual stream between blocks (and between stages) is a
+        # sequence shard of 1/seq_shards of the tokens; positions are those of the whole sequence.
+        self.seq_shards = seq_shards
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.autocast:
@@ -46,7 +49,8 @@ class StageModule(nn.Module):
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
-        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        seq_len = x.shape[1] if self.embed_tokens is not None else h.shape[1] * self.seq_shards
+        position_ids = torch.arange(seq_len, device=h.device).unsqueeze(0)
         position_embeddings = self.rotary_emb(h, position_ids)
         for layer in self.layers:  # attention_mask=None: SDPA applies the causal mask itself
             h = layer(h, position_ids=position_ids, position_embeddings=position_embeddings)
@@ -60,13 +64,15 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten())
 
 
-def build_stages(model: nn.Module, pp: int, pp_rank: int, schedule: str) -> list[tuple[int, StageModule]]:
-    """(stage index, module) pairs owned by this pp rank; interleaved gives each rank two."""
+def build_stages(model: nn.Module, pp: int, pp_rank: int, schedule: str,
+                 seq_shards: int = 1) -> list[tuple[int, StageModule]]:
+    """(stage index, module) pairs owned by this pp rank; interleaved gives each rank two.
+    `seq_shards`: the tp degree under sequence parallelism (stage inputs are sequence shards)."""
     per_rank = 2 if schedule == "interleaved_1f1b" else 1
     num_stages = pp * per_rank
     ranges = stage_layer_ranges(len(decoder_blocks(model)), num_stages)
     indices = [pp_rank + k * pp for k in range(per_rank)]  # round-robin, as interleaving expects
-    return [(i, StageModule(model, ranges[i], i == 0, i == num_stages - 1)) for i in indices]
+    return [(i, StageModule(model, ranges[i], i == 0, i == num_stages - 1, seq_shards)) for i in indices]
 
 
 def make_schedule(stages, n_microbatches: int, schedule: str):
