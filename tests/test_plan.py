@@ -122,8 +122,16 @@ def test_parallel_degrees_rules():
         load_plan_dict({"num_workers": 2, "pp": 2, "global_batch": 8, "micro_batch": 8})
     with pytest.raises(PlanError, match=r"strategy: 'zero' with tp 2"):
         load_plan_dict({"num_workers": 2, "tp": 2, "strategy": "zero"})
-    with pytest.raises(PlanError, match=r"strategy: 'ddp' over dp 2 with pp 2: DDP's reducer breaks"):
-        load_plan_dict({"num_workers": 4, "pp": 2, "global_batch": 8, "micro_batch": 2})
+    # 3-D: tp x pp x dp, with every data-parallel flavour on the dp axis.
+    three_d = {"num_workers": 8, "tp": 2, "pp": 2, "global_batch": 8, "micro_batch": 2}
+    assert load_plan_dict({**three_d, "strategy": "ddp"}).dp_degree == 2  # DDP semantics via FSDP2's replicate
+    assert load_plan_dict({**three_d, "strategy": "fsdp", "fsdp": {"sharding": "no_shard"}}).grad_accum == 2
+    hybrid = {**three_d, "num_workers": 16, "global_batch": 16, "strategy": "fsdp", "gpus_per_node": 4}
+    assert load_plan_dict({**hybrid, "fsdp": {"sharding": "hybrid"}}).dp_degree == 4  # shards over 4 / tp 2 = 2
+    with pytest.raises(PlanError, match=r"fsdp.sharding: 'hybrid' shards over the dp ranks of a node, 2 GPUs / tp 2 = 1"):
+        load_plan_dict({**hybrid, "gpus_per_node": 2, "fsdp": {"sharding": "hybrid"}})
+    with pytest.raises(PlanError, match=r"fsdp.shard_group_size: 3 does not divide the dp degree 4"):
+        load_plan_dict({**hybrid, "fsdp": {"sharding": "hybrid", "shard_group_size": 3}})
     with pytest.raises(PlanError, match="sequence_parallel: true needs tp > 1"):
         load_plan_dict({"sequence_parallel": True})
     # A pipeline of 2 over 4 workers leaves dp 2: the global batch is split over dp only.
