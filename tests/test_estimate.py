@@ -7,6 +7,7 @@ from paratune.estimate import (
     GiB,
     TimeConstants,
     _time_terms,
+    comm_volume,
     activation_coefficients,
     estimate,
     estimate_memory,
@@ -133,8 +134,10 @@ def test_paratune_plan_ranks_the_70b_space_and_rejects_ddp(tmp_path, capsys):
     speeds = [r["predicted_tokens_per_s_per_gpu"] for r in fitting]
     assert speeds == sorted(speeds, reverse=True)
     ddp = [r for r in rows if r["plan"]["strategy"] == "ddp"]
-    assert ddp and not any(r["fits"] for r in ddp)
-    assert all("weights+grads+optimizer" in r["overflow"] for r in ddp)
+    # DDP replicates over dp: only the layouts without data parallelism (tp x pp = 32) can fit.
+    assert any(r["fits"] for r in ddp if r["plan"]["tp"] * r["plan"]["pp"] == 32)
+    assert ddp and not any(r["fits"] for r in ddp if r["plan"]["tp"] * r["plan"]["pp"] < 32)
+    assert all("weights+grads+optimizer" in r["overflow"] for r in ddp if r["plan"]["tp"] * r["plan"]["pp"] <= 2)
     assert "ddp" in printed and "weights+grads+optimizer" in printed
     assert all(r["predicted_weights_gib"] * GiB > 0 for r in rows)
     # Construction: DDP builds the whole 70B model in fp32 on every rank (282 GB); sharded plans
@@ -145,6 +148,20 @@ def test_paratune_plan_ranks_the_70b_space_and_rejects_ddp(tmp_path, capsys):
     assert all(r["predicted_construction_gib"] * GiB <= 76 * GiB for r in fitting)
     assert "construction: device GiB per rank while the model is built" in printed
     assert "cannot even be built" in printed
+    # The 3-D layout everybody names for this cluster: TP=8 inside a node, PP=2 across, DP=2.
+    three_d = [r for r in fitting if (r["plan"]["tp"], r["plan"]["pp"], r["plan"]["strategy"]) == (8, 2, "fsdp")]
+    assert three_d and all(r["predicted_tokens_per_s_per_gpu"] > 0 for r in three_d)
+    assert "tp8 pp2:1f1b dp2" in printed
+
+
+def test_interleaving_shrinks_the_pipeline_bubble():
+    device = get_device("h100-80gb")
+    plain = _plan_70b(strategy="fsdp", tp=8, pp=4)
+    interleaved = _plan_70b(strategy="fsdp", tp=8, pp=4, pp_schedule="interleaved_1f1b")
+    m = plain.grad_accum
+    assert _time_terms(plain, device)[3] == pytest.approx(3 / (m + 3))
+    assert _time_terms(interleaved, device)[3] == pytest.approx(3 / (2 * m + 3))
+    assert comm_volume(interleaved).pp == 2 * comm_volume(plain).pp
 
 
 def test_unknown_device_is_a_clear_error(capsys):
@@ -192,6 +209,11 @@ def test_construction_memory_by_hand_for_llama3_70b():
         # pp 4: the heavier end stage (20 blocks + head + final norm), sharded over dp 8; a pipeline
         # rank fills only its stage, computing its values itself (no exchange).
         ({"strategy": "fsdp", "pp": 4, "fsdp": {"sharding": "full"}}, 4 * (20 * LAYER_70B + EMB_70B + 8192) / 8),
+        # 3-D, TP=8 x PP=2 x DP=2: a stage's 40 blocks and its heavier end, over tp 8, sharded over dp 2.
+        ({"strategy": "fsdp", "tp": 8, "pp": 2, "fsdp": {"sharding": "full"}},
+         4 * (40 * LAYER_70B + EMB_70B + 8192) / 8 / 2),
+        # hybrid with tp 2: a node's 8 GPUs hold 4 dp ranks, the shard group.
+        ({"strategy": "fsdp", "tp": 2, "fsdp": {"sharding": "hybrid"}}, 4 * P_70B / 2 / 4 + XCH_70B),
         # zero.Init: the bf16 partition, plus the largest module (the embedding) built whole in fp32
         # and cast to bf16 (both alive for a moment): 4 + 2 bytes a parameter.
         ({"strategy": "zero", "zero": {"stage": 3}}, 2 * P_70B / 32 + 6 * EMB_70B),

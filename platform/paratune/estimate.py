@@ -368,8 +368,8 @@ def _fsdp_shard_degree(plan: Plan) -> int:
     f = plan.fsdp
     assert f is not None
     dp = plan.dp_degree
-    shard = {"full": dp, "grad_op": dp, "hybrid": f.shard_group_size or plan.gpus_per_node or dp,
-             "no_shard": 1}[f.sharding]
+    node_dp = plan.gpus_per_node // plan.tp if plan.gpus_per_node else dp  # the dp ranks of one node
+    shard = {"full": dp, "grad_op": dp, "hybrid": f.shard_group_size or node_dp, "no_shard": 1}[f.sharding]
     return max(1, min(shard, dp))
 
 
@@ -469,7 +469,9 @@ def comm_volume(plan: Plan) -> CommVolume:
     tokens = plan.micro_batch * plan.seq_len
     t = plan.tp
     tp_bytes = (4 * math.ceil(shape.layers / plan.pp) * 2 * (t - 1) / t * tokens * shape.hidden * pb * ga) if t > 1 else 0.0
-    pp_bytes = 2 * tokens * shape.hidden * pb * ga if plan.pp > 1 else 0.0
+    # Activations forward and their gradients back at each stage boundary; interleaving doubles them.
+    v = 2 if plan.pp_schedule == "interleaved_1f1b" else 1
+    pp_bytes = 2 * v * tokens * shape.hidden * pb * ga if plan.pp > 1 else 0.0
     return CommVolume(dp_bytes, tp_bytes, pp_bytes)
 
 
@@ -517,7 +519,9 @@ def _time_terms(plan: Plan, device: Device) -> tuple[float, float, float, float]
     mp_s = vol.tp / bw(tp_span) + vol.pp / bw(plan.num_workers > per_node)
     mp_s += _offload_bytes(plan, shape) / (device.host_link_gbps * 1e9)  # not overlapped either
     m = plan.grad_accum
-    bubble = (plan.pp - 1) / (m + plan.pp - 1) if plan.pp > 1 else 0.0
+    # Interleaving gives each rank v = 2 stages, which divides the fill/drain time by v (Megatron).
+    v = 2 if plan.pp_schedule == "interleaved_1f1b" else 1
+    bubble = (plan.pp - 1) / (v * m + plan.pp - 1) if plan.pp > 1 else 0.0
     return compute, dp_s, mp_s, bubble
 
 
