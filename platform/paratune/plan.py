@@ -301,9 +301,19 @@ def _check_degrees(plan: "Plan") -> None:
 
 
 def _check_zero_degrees(plan: "Plan") -> None:
-    """DeepSpeed ZeRO with tensor/pipeline degrees (what DeepSpeed itself supports)."""
-    raise ValueError(f"strategy: 'zero' with tp {plan.tp} / pp {plan.pp}; allowed: 'ddp' or 'fsdp' with tp/pp > 1 "
-                     "(DeepSpeed's own model parallelism is not wired in)")
+    """DeepSpeed ZeRO with tensor/pipeline degrees (what DeepSpeed 0.19.8 itself supports).
+
+    tp: DeepSpeed's AutoTP training shards the model in `deepspeed.initialize` and composes with
+    every ZeRO stage and offload (ZeRO over the dp ranks; parity in test_zero_model_parallel.py).
+    pp: DeepSpeed pipelines only its own PipelineModule, with ZeRO stage 0-1
+    (deepspeed/runtime/pipe/engine.py); paratune's stages are torch.distributed.pipelining's."""
+    if plan.pp > 1:
+        raise ValueError(f"pp: {plan.pp} with strategy 'zero'; allowed: pp 1 (DeepSpeed 0.19.8 pipelines only its "
+                         "own PipelineModule, with ZeRO stage 0-1 at most; paratune's pipeline is "
+                         "torch.distributed.pipelining), or strategy 'ddp'/'fsdp' with pp")
+    if plan.sequence_parallel:
+        raise ValueError("sequence_parallel: true with strategy 'zero'; allowed: false (DeepSpeed 0.19.8 AutoTP "
+                         "shards linear layers only, it has no sequence-parallel norms), or strategy 'ddp'/'fsdp'")
 
 
 def _check_fsdp_degrees(options: FSDPOptions, plan: "Plan") -> None:

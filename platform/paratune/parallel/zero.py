@@ -1,4 +1,14 @@
-"""DeepSpeed ZeRO stages 0-3, with optional optimizer/parameter offload."""
+"""DeepSpeed ZeRO stages 0-3, with optional optimizer/parameter offload, and with tensor
+parallelism by DeepSpeed's own AutoTP training (`tensor_parallel.autotp_size`).
+
+AutoTP (DeepSpeed 0.19.8) shards the model inside `deepspeed.initialize`: it follows the
+transformers model's tp_plan (Llama: q/k/v/gate/up column-, o/down row-parallel, the LM head
+column-parallel with its logits gathered; a tied embedding and head become vocab-parallel with a
+distributed loss), builds a (dp, tp) device mesh with tp innermost (deepspeed/utils/groups.py
+`_init_tp_mesh_device`: the same layout as paratune's ParallelDims), and hands ZeRO the dp group:
+ZeRO partitions and averages over the dp ranks only. Every ZeRO stage composes with it (ZeRO-3:
+the model is built under zero.Init, AutoTP re-partitions the layers it shards over dp).
+"""
 
 from __future__ import annotations
 
@@ -49,7 +59,11 @@ def deepspeed_config(plan: Plan, on_gpu: bool) -> dict[str, Any]:
     if z.offload_param:
         zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
     config: dict[str, Any] = {
-        "train_batch_size": plan.global_batch,
+        # DeepSpeed checks train_batch = micro x accum x world, its world being every rank when
+        # AutoTP is set from the config (runtime/config.py: no mpu yet when the config is read):
+        # the tp ranks count as if they were data ranks. The samples of a step stay global_batch
+        # (a tp group trains on the same micro-batches; gradients are averaged over dp only).
+        "train_batch_size": plan.global_batch * plan.tp,
         "train_micro_batch_size_per_gpu": plan.micro_batch,
         "gradient_accumulation_steps": plan.grad_accum,
         # Always explicit: a DeepSpeed default here would silently change the training.
@@ -60,6 +74,8 @@ def deepspeed_config(plan: Plan, on_gpu: bool) -> dict[str, Any]:
         "steps_per_print": 1_000_000_000,
         "wall_clock_breakdown": False,
     }
+    if plan.tp > 1:
+        config["tensor_parallel"] = {"autotp_size": plan.tp}
     if not uses_deepspeed_optimizer(plan, on_gpu):
         # Measured with paratune's own torch AdamW (the CPU parity path): DeepSpeed must accept it
         # with ZeRO and with offload instead of forcing its CPU Adam. The block above is unused then.
@@ -136,22 +152,59 @@ def build_zero3(init: ModelInit, ds_config: dict[str, Any], device: torch.device
     return model  # buffers (rotary tables) were created on the device: zero.Init places them there
 
 
+def forget_deepspeed_groups() -> None:
+    """Start an engine from no DeepSpeed process groups, as in a fresh process.
+
+    DeepSpeed keeps the tensor/data-parallel groups and the `mpu` an AutoTP engine installs in
+    module globals (deepspeed/utils/groups.py) and every later engine of the process reuses them
+    (`_init_tp_mesh_device` returns early once a tp group exists): a tp 1 engine after a tp 2 one
+    would take the old groups' sizes (engine.py then fails on `self.mpu` None), a tp 4 one would
+    keep tp 2's groups. Only DeepSpeed's own destroy_process_group clears them; this does the same
+    (the groups themselves stay valid for whoever still holds them)."""
+    from deepspeed.utils import groups
+
+    groups._release_process_group_references(None)
+
+
+def check_tp_layout(plan: Plan, device: torch.device) -> None:
+    """AutoTP's groups must be paratune's: the data a rank trains on is chosen by its dp rank in
+    ParallelDims (pp x dp x tp, tp innermost), and a tp group must see the same micro-batches."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    from paratune.parallel.dims import ParallelDims
+
+    dims = ParallelDims.from_plan(plan, device.type)
+    _, dp_idx, tp_idx = dims.coords(dist.get_rank())
+    want = {"tensor": [dp_idx * dims.tp + t for t in range(dims.tp)],
+            "data": [d * dims.tp + tp_idx for d in range(dims.dp)]}
+    got = {"tensor": dist.get_process_group_ranks(groups.get_tensor_model_parallel_group()),
+           "data": dist.get_process_group_ranks(groups.get_data_parallel_group())}
+    if got != want:
+        raise RuntimeError(f"DeepSpeed AutoTP groups {got} of rank {dist.get_rank()} are not paratune's "
+                           f"(dp {dims.dp} x tp {dims.tp}, tp innermost): {want}")
+
+
 def parallelize_zero(model: nn.Module, init: ModelInit, plan: Plan, device: torch.device) -> StepRunner:
+    from functools import partial
+
     import deepspeed
 
+    forget_deepspeed_groups()  # before zero.Init too: it partitions over DeepSpeed's dp group
     on_gpu = device.type == "cuda"
     config = deepspeed_config(plan, on_gpu)
     if plan.zero.stage == 3:
         model = build_zero3(init, config, device)
-    else:  # ZeRO 0-2 replicate the weights: every rank holds the whole model
+    else:  # ZeRO 0-2 replicate the weights: every rank holds the whole model (AutoTP shards it next)
         materialize(model, init, device)
     if init.meter is not None:
         init.meter.stop()
     apply_activation_checkpointing(model, plan)
-    if uses_deepspeed_optimizer(plan, on_gpu):
-        engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                          config=config, dist_init_required=False)
-    else:
-        engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=make_optimizer(model.parameters(), plan),
-                                                          config=config, dist_init_required=False)
+    # The optimizer is made by DeepSpeed from the module's parameters once AutoTP has replaced the
+    # layers it shards (DeepSpeed's own AdamW from the config, or paratune's torch AdamW).
+    optimizer = None if uses_deepspeed_optimizer(plan, on_gpu) else partial(make_optimizer, plan=plan)
+    engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                                      dist_init_required=False)
+    if plan.tp > 1:
+        check_tp_layout(plan, device)
     return DeepSpeedRunner(engine, ds_optimizer, plan, device)
