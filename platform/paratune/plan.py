@@ -125,6 +125,9 @@ class Plan(_Strict):
     pp: int = Field(1, ge=1, le=1024)
     pp_schedule: PipelineSchedule = "1f1b"  # micro-batches in flight = grad_accum (>= pp)
     sequence_parallel: bool = False  # shard norms/residual along the sequence inside the tp group
+    # Context parallelism: every sequence split over cp ranks, attention as a ring over them (torch's
+    # context_parallel); the data-parallel degree is num_workers / (tp x pp x cp). GPUs only.
+    cp: int = Field(1, ge=1, le=1024)
     gpus_per_node: int | None = Field(None, ge=1)  # the cluster's node size: tp must stay inside it
 
     strategy: Strategy = "ddp"
@@ -158,7 +161,7 @@ class Plan(_Strict):
 
     @property
     def dp_degree(self) -> int:
-        return self.num_workers // (self.tp * self.pp)
+        return self.num_workers // (self.tp * self.pp * self.cp)
 
     @property
     def total_steps(self) -> int:
@@ -262,10 +265,15 @@ def _factorizations(world: int) -> str:
 def _check_degrees(plan: "Plan") -> None:
     """Static rules of the parallel degrees (torchtitan's ParallelDims, with the model's shape)."""
     tp, pp, world = plan.tp, plan.pp, plan.num_workers
-    if world % (tp * pp):
+    if world % (tp * pp * plan.cp):
+        if plan.cp > 1:
+            raise ValueError(f"num_workers: {world} is not divisible by tp x pp x cp = {tp} x {pp} x {plan.cp}; "
+                             f"allowed cp: {[c for c in range(1, world + 1) if world % (tp * pp * c) == 0]}")
         raise ValueError(
             f"num_workers: {world} is not divisible by tp x pp = {tp} x {pp}; allowed: "
             f"{_factorizations(world)[:400]}")
+    if plan.cp > 1:
+        _check_cp_degrees(plan)
     if plan.sequence_parallel and tp == 1:
         raise ValueError("sequence_parallel: true needs tp > 1, got tp 1; allowed: false with tp 1")
     if plan.pp_schedule != "1f1b" and pp == 1:  # the same training as 1f1b: a sweep would run it twice
@@ -298,6 +306,33 @@ def _check_degrees(plan: "Plan") -> None:
         if layers < stages:
             raise ValueError(f"pp: {pp} with schedule '{plan.pp_schedule}' needs >= {stages} layers, model has "
                              f"{layers}; allowed pp: {[d for d in range(1, layers + 1) if stages // pp * d <= layers]}")
+
+
+# Why context parallelism cannot run on CPU workers (torch 2.13): its ring attention replaces the
+# CUDA SDPA kernels only (flash, efficient, cudnn); CPU's SDPA kernel has no sharding rule.
+CP_CPU_REASON = ("torch 2.13's context parallel rings only CUDA's SDPA kernels (flash, efficient, cudnn); on CPU: "
+                 "'Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding "
+                 "strategy registered'")
+
+
+def _check_cp_degrees(plan: "Plan") -> None:
+    """Context parallelism: what torch's context_parallel and paratune's step support."""
+    cp = plan.cp
+    if plan.seq_len % (2 * cp):
+        raise ValueError(f"cp: {cp} needs seq_len divisible by 2 x cp = {2 * cp} (each rank takes a head and a tail "
+                         f"chunk of every sequence, balancing causal attention), got seq_len {plan.seq_len}; allowed "
+                         f"cp: {[c for c in range(1, plan.seq_len // 2 + 1) if plan.seq_len % (2 * c) == 0][:12]}")
+    if plan.device == "cpu":
+        raise ValueError(f"cp: {cp} with device 'cpu': {CP_CPU_REASON}; allowed: cp 1 on CPU")
+    if plan.strategy == "zero":
+        raise ValueError(f"cp: {cp} with strategy 'zero': DeepSpeed's engine has no context-parallel group; "
+                         "allowed: cp with 'fsdp' or 'ddp'")
+    if plan.pp > 1:
+        raise ValueError(f"cp: {cp} together with pp {plan.pp} is not wired (pipeline stages would have to carry "
+                         "the sequence shards and their positions); allowed: cp with tp and dp")
+    if plan.fsdp is not None and plan.fsdp.sharding == "hybrid":
+        raise ValueError(f"cp: {cp} with fsdp.sharding 'hybrid'; allowed: 'full', 'grad_op' or 'no_shard' "
+                         "(cp is folded into the shard group)")
 
 
 def _check_zero_degrees(plan: "Plan") -> None:

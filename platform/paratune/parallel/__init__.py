@@ -149,7 +149,7 @@ def parallelize(model: nn.Module, init: ModelInit, plan: Plan, device: torch.dev
 
     `model` is built on the meta device; each strategy applies its layout first and then
     materializes only what this rank holds (`init` fills the values), before its optimizer."""
-    if (plan.tp > 1 or plan.pp > 1) and plan.strategy != "zero":  # ZeRO: DeepSpeed's own AutoTP
+    if (plan.tp > 1 or plan.pp > 1 or plan.cp > 1) and plan.strategy != "zero":  # ZeRO: DeepSpeed's own AutoTP
         from paratune.parallel.nd import parallelize_model_parallel
 
         return parallelize_model_parallel(model, init, plan, device, local_world_size)
