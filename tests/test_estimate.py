@@ -138,7 +138,7 @@ def test_paratune_plan_ranks_the_70b_space_and_rejects_ddp(tmp_path, capsys):
     assert any(r["fits"] for r in ddp if r["plan"]["tp"] * r["plan"]["pp"] == 32)
     assert ddp and not any(r["fits"] for r in ddp if r["plan"]["tp"] * r["plan"]["pp"] < 32)
     assert all("weights+grads+optimizer" in r["overflow"] for r in ddp if r["plan"]["tp"] * r["plan"]["pp"] <= 2)
-    assert "ddp" in printed and "weights+grads+optimizer" in printed
+    assert "ddp (" in printed  # the rejected DDP plans, grouped, with an example and its reason
     assert all(r["predicted_weights_gib"] * GiB > 0 for r in rows)
     # Construction: DDP builds the whole 70B model in fp32 on every rank (282 GB); sharded plans
     # build only their shards. Both in the JSON and in the printed tables.
@@ -336,3 +336,19 @@ def test_a_probe_that_matches_nothing_is_no_device():
     assert device_from_probe("NVIDIA A100-SXM4-40GB MIG 3g.20gb", 20 * GiB, devices) is None
     assert device_from_probe("NVIDIA RTX A6000", 48 * GiB, devices) is None
     assert device_from_probe("NVIDIA A100-SXM4-80GB", 20 * GiB, devices) is None  # memory of no A100 entry
+
+
+def test_context_parallelism_in_the_cost_model():
+    """cp 2 over the same 8 GPUs: each rank holds half of every sequence's activations, FSDP2 still
+    shards over all 8 (dp 4 x cp 2), and the K/V ring adds its bytes (Llama-3-8B: 8 KV heads of 128)."""
+    from paratune.estimate import activation_bytes
+
+    base = {"strategy": "fsdp", "seq_len": 8192, "global_batch": 16}
+    plain, ring = _plan(**base), _plan(**base, cp=2)
+    assert (plain.dp_degree, ring.dp_degree) == (8, 4) and ring.grad_accum == 2 * plain.grad_accum
+    # The logits gradient and the saved activations scale with the tokens a rank holds.
+    assert activation_bytes(ring)[0] == pytest.approx(activation_bytes(plain)[0] / 2, rel=0.02)
+    assert model_states(ring).optimizer == pytest.approx(model_states(plain).optimizer)  # 12P / 8 either way
+    kv = 2 * 1 * 8192 * 8 * 128  # K and V elements of one micro-batch's sequence
+    assert comm_volume(ring).cp == pytest.approx(32 * ring.grad_accum * 0.5 * kv * (2 * 2 + 4))
+    assert comm_volume(plain).cp == 0

@@ -138,3 +138,19 @@ def test_parallel_degrees_rules():
     # A pipeline of 2 over 4 workers leaves dp 2: the global batch is split over dp only.
     assert load_plan_dict({"num_workers": 4, "pp": 2, "strategy": "fsdp", "global_batch": 8,
                            "micro_batch": 2}).grad_accum == 2
+
+
+def test_context_parallel_rules():
+    cp = {"num_workers": 8, "cp": 2, "seq_len": 64, "global_batch": 8, "micro_batch": 2, "strategy": "fsdp"}
+    plan = load_plan_dict(cp)
+    assert (plan.dp_degree, plan.grad_accum) == (4, 1)  # the cp ranks of a dp rank share its sequences
+    with pytest.raises(PlanError, match=r"cp: 4 needs seq_len divisible by 2 x cp = 8 .* got seq_len 36; allowed cp: \[1, 2, 3, 6, 9, 18\]"):
+        load_plan_dict({**cp, "cp": 4, "seq_len": 36, "global_batch": 4, "micro_batch": 2})
+    with pytest.raises(PlanError, match=r"cp: 2 with device 'cpu': torch 2.13's context parallel rings only CUDA's SDPA"):
+        load_plan_dict({**cp, "device": "cpu"})
+    with pytest.raises(PlanError, match=r"cp: 2 with strategy 'zero'"):
+        load_plan_dict({**cp, "strategy": "zero"})
+    with pytest.raises(PlanError, match=r"cp: 2 together with pp 2 is not wired"):
+        load_plan_dict({**cp, "pp": 2, "global_batch": 4, "micro_batch": 1})
+    with pytest.raises(PlanError, match=r"num_workers: 8 is not divisible by tp x pp x cp = 1 x 1 x 3; allowed cp: \[1, 2, 4, 8\]"):
+        load_plan_dict({**cp, "cp": 3, "seq_len": 66})

@@ -116,6 +116,7 @@ class ModelShape:
     head_dim: int
     compute: int  # N in 6N
     largest_leaf: int = 0  # parameters of the largest module that owns them directly (its own, not its children's)
+    kv_heads: int = 0  # key/value heads (GQA); 0 = heads
 
 
 @lru_cache(maxsize=64)
@@ -150,7 +151,8 @@ def _shape_from_key(key: str) -> ModelShape:
         rest=layout["total"] - layout["embedding"] - layout["head"] - layout["layer"] * layout["layers"],
         layers=layout["layers"], hidden=config.hidden_size, vocab=config.vocab_size, heads=heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        compute=parameter_counts(config)["compute"], largest_leaf=_largest_leaf(key))
+        compute=parameter_counts(config)["compute"], largest_leaf=_largest_leaf(key),
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads)
 
 
 def model_shape(plan: Plan) -> ModelShape:
@@ -272,6 +274,13 @@ class MemoryEstimate:
         return f"predicted {self.total / GiB:.1f} GiB > {capacity_bytes / GiB:.1f} GiB per GPU ({what})"
 
 
+def _replicas(plan: Plan) -> int:
+    """Ranks that hold the same model-parallel slice and share its gradients: dp, and cp with it
+    (context-parallel ranks see parts of the same sequences, so they are data-parallel for the
+    weights: FSDP2 shards over dp x cp, DDP all-reduces over it)."""
+    return plan.dp_degree * plan.cp
+
+
 def _local_params(plan: Plan, shape: ModelShape) -> tuple[float, float]:
     """(parameters this rank's model-parallel slice holds, of which in one decoder block).
 
@@ -306,7 +315,7 @@ def model_states(plan: Plan, shape: ModelShape | None = None) -> ModelStates:
     that accumulate between micro-batches; at the optimizer step add `step_gradients`."""
     shape = shape or model_shape(plan)
     local, layer = _local_params(plan, shape)
-    dp, ga, pb = plan.dp_degree, plan.grad_accum, BYTES[plan.precision]
+    dp, ga, pb = _replicas(plan), plan.grad_accum, BYTES[plan.precision]
     if plan.strategy == "ddp":
         # Autocast keeps fp32 parameters; gradients live in DDP's buckets (views) all the time.
         unbucketed = plan.ddp is not None and not plan.ddp.gradient_as_bucket_view
@@ -367,7 +376,7 @@ def _fsdp_shard_degree(plan: Plan) -> int:
     """Ranks that share one parameter's shards under FSDP (1 for no_shard)."""
     f = plan.fsdp
     assert f is not None
-    dp = plan.dp_degree
+    dp = _replicas(plan)
     node_dp = plan.gpus_per_node // plan.tp if plan.gpus_per_node else dp  # the dp ranks of one node
     shard = {"full": dp, "grad_op": dp, "hybrid": f.shard_group_size or node_dp, "no_shard": 1}[f.sharding]
     return max(1, min(shard, dp))
@@ -408,7 +417,7 @@ def activation_bytes(plan: Plan, model: ActivationModel = "trace", shape: ModelS
     """Saved activations of the micro-batches a rank holds at once, plus the loss's logits gradient."""
     shape = shape or model_shape(plan)
     coeff = activation_coefficients(plan, model)
-    tokens = plan.micro_batch * plan.seq_len
+    tokens = plan.micro_batch * plan.seq_len // plan.cp  # a context-parallel rank holds its part of each sequence
     layers_here = math.ceil(shape.layers / plan.pp)
     in_flight = 1
     if plan.pp > 1:  # micro-batches whose activations a stage holds at once
@@ -441,17 +450,18 @@ class CommVolume:
     dp: float
     tp: float
     pp: float
+    cp: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.dp + self.tp + self.pp
+        return self.dp + self.tp + self.pp + self.cp
 
 
 def comm_volume(plan: Plan) -> CommVolume:
     """Ring-collective volume per rank (DESIGN.md "Communication model")."""
     shape = model_shape(plan)
     local, _ = _local_params(plan, shape)
-    dp, ga, pb = plan.dp_degree, plan.grad_accum, BYTES[plan.precision]
+    dp, ga, pb = _replicas(plan), plan.grad_accum, BYTES[plan.precision]
     ring = 2 * (dp - 1) / dp if dp > 1 else 0.0  # all-reduce; half of it for a reduce-scatter or all-gather
     if plan.strategy == "ddp" or (plan.strategy == "fsdp" and plan.fsdp and plan.fsdp.sharding == "no_shard"):
         dp_bytes = ring * 4 * local  # fp32 gradients, once per step (no_sync between micro-batches)
@@ -466,13 +476,20 @@ def comm_volume(plan: Plan) -> CommVolume:
             dp_bytes = ring / 2 * (ga * pb * local + pb * local)  # reduce every micro-batch, one gather
         else:
             dp_bytes = ring * pb * local
-    tokens = plan.micro_batch * plan.seq_len
+    tokens = plan.micro_batch * plan.seq_len // plan.cp
     t = plan.tp
     tp_bytes = (4 * math.ceil(shape.layers / plan.pp) * 2 * (t - 1) / t * tokens * shape.hidden * pb * ga) if t > 1 else 0.0
     # Activations forward and their gradients back at each stage boundary; interleaving doubles them.
     v = 2 if plan.pp_schedule == "interleaved_1f1b" else 1
     pp_bytes = 2 * v * tokens * shape.hidden * pb * ga if plan.pp > 1 else 0.0
-    return CommVolume(dp_bytes, tp_bytes, pp_bytes)
+    # Ring attention (torch's context_parallel): in forward each rank receives the other ranks' K and
+    # V of every layer, (cp - 1)/cp of the sequence's; in backward K and V again and their
+    # gradients, which torch's ring carries in fp32.
+    cp_bytes = 0.0
+    if plan.cp > 1:
+        kv = 2 * plan.micro_batch * plan.seq_len * shape.kv_heads * shape.head_dim / t  # K and V elements
+        cp_bytes = math.ceil(shape.layers / plan.pp) * ga * (plan.cp - 1) / plan.cp * kv * (2 * pb + 4)
+    return CommVolume(dp_bytes, tp_bytes, pp_bytes, cp_bytes)
 
 
 # --------------------------------------------------------------------------- time
@@ -517,6 +534,7 @@ def _time_terms(plan: Plan, device: Device) -> tuple[float, float, float, float]
     bw = lambda crosses: (device.inter_node_gbps if crosses else device.intra_node_gbps) * 1e9  # noqa: E731
     dp_s = vol.dp / bw(dp_span)
     mp_s = vol.tp / bw(tp_span) + vol.pp / bw(plan.num_workers > per_node)
+    mp_s += vol.cp / bw(plan.tp * plan.cp > per_node)  # counted as exposed: the ring waits on its peers
     mp_s += _offload_bytes(plan, shape) / (device.host_link_gbps * 1e9)  # not overlapped either
     m = plan.grad_accum
     # Interleaving gives each rank v = 2 stages, which divides the fill/drain time by v (Megatron).
@@ -528,7 +546,7 @@ def _time_terms(plan: Plan, device: Device) -> tuple[float, float, float, float]
 def _offload_bytes(plan: Plan, shape: ModelShape) -> float:
     """Bytes a rank moves between host and device per step because of CPU offload."""
     local, _ = _local_params(plan, shape)
-    dp, ga, pb = plan.dp_degree, plan.grad_accum, BYTES[plan.precision]
+    dp, ga, pb = _replicas(plan), plan.grad_accum, BYTES[plan.precision]
     moved = 0.0
     if plan.strategy == "zero" and plan.zero is not None:
         if plan.zero.offload_optimizer:  # fp32 gradient partition down, updated parameters up

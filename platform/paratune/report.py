@@ -28,8 +28,11 @@ def strategy_label(plan: dict) -> str:
         extras.append(f"tp{plan['tp']}" + ("+sp" if plan.get("sequence_parallel") else ""))
     if plan.get("pp", 1) > 1:
         extras.append(f"pp{plan['pp']}:{plan.get('pp_schedule', '1f1b')}")
-    if plan.get("tp", 1) > 1 or plan.get("pp", 1) > 1:  # the rest of the world is data parallel
-        extras.append(f"dp{plan['num_workers'] // (plan.get('tp', 1) * plan.get('pp', 1))}")
+    if plan.get("cp", 1) > 1:
+        extras.append(f"cp{plan['cp']}")
+    model_parallel = plan.get("tp", 1) * plan.get("pp", 1) * plan.get("cp", 1)
+    if model_parallel > 1:  # the rest of the world is data parallel
+        extras.append(f"dp{plan['num_workers'] // model_parallel}")
     if plan.get("activation_checkpointing", "none") != "none":
         extras.append("ckpt")
     if plan.get("precision") == "bf16":

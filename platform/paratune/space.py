@@ -33,7 +33,8 @@ from paratune.plan import (
 
 STRATEGY_OPTIONS: dict[str, type[BaseModel]] = {"ddp": DDPOptions, "fsdp": FSDPOptions, "zero": ZeroOptions}
 # Plan fields that may be swept at the top level (besides strategy and env).
-SWEEPABLE = ("micro_batch", "activation_checkpointing", "precision", "tp", "pp", "pp_schedule", "sequence_parallel")
+SWEEPABLE = ("micro_batch", "activation_checkpointing", "precision", "tp", "pp", "cp", "pp_schedule",
+             "sequence_parallel")
 # Fields the sweep owns: they may not be fixed, since the sweep sets them per trial. The
 # SWEEPABLE ones and env may be fixed when the space does not sweep them (env: other keys).
 SWEEP_OWNED = ("strategy", "ddp", "fsdp", "zero", "grad_accum")
@@ -83,6 +84,7 @@ class SpacePart(_Strict):
     # rules then remove what the model or the node size does not allow).
     tp: list[int] | Literal["auto"] | None = None
     pp: list[int] | Literal["auto"] | None = None
+    cp: list[int] | Literal["auto"] | None = None  # context parallel (GPU clusters; long sequences)
     pp_schedule: list[str] | None = None
     sequence_parallel: list[bool] | None = None
     env: dict[str, list[str]] = Field(default_factory=dict)

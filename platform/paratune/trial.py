@@ -494,11 +494,13 @@ def run_trial(plan: Plan | dict[str, Any], *, storage_path: str | Path | None = 
         except PlanError as err:
             return TrialResult.failed(plan, "invalid_config", str(err))
     from paratune.models import ModelError, build_config
+    from paratune.preflight import check_plan_against_model
 
     try:
         model_config = build_config(plan.model, plan.model_overrides)
+        check_plan_against_model(plan, model_config)  # the family's layout rules, on the meta device
         flops_tok = measure.model_flops_per_token(model_config, plan.seq_len)  # builds it on meta
-    except ModelError as err:
+    except (ModelError, PlanError) as err:
         return TrialResult.failed(plan, "invalid_config", str(err))
     except Exception as err:  # noqa: BLE001 - a config transformers accepts but cannot build
         return TrialResult.failed(plan, "invalid_config", f"model: '{plan.model}' cannot be built: "
@@ -511,6 +513,11 @@ def run_trial(plan: Plan | dict[str, Any], *, storage_path: str | Path | None = 
 
     ensure_ray(ray_address)
     use_gpu = wants_gpu(plan)
+    if plan.cp > 1 and not use_gpu:  # device 'auto' on a cluster without GPUs (device 'cpu': the plan refuses)
+        from paratune.plan import CP_CPU_REASON
+
+        return TrialResult.failed(plan, "invalid_config", f"cp: {plan.cp} on CPU workers: {CP_CPU_REASON}; "
+                                  "allowed: cp 1 on CPU")
     before = set(_placement_groups())
     trainer_cls = _timed_trainer_class()
     env = worker_env(plan, use_gpu)
