@@ -7,7 +7,9 @@ column-parallel with its logits gathered; a tied embedding and head become vocab
 distributed loss), builds a (dp, tp) device mesh with tp innermost (deepspeed/utils/groups.py
 `_init_tp_mesh_device`: the same layout as paratune's ParallelDims), and hands ZeRO the dp group:
 ZeRO partitions and averages over the dp ranks only. Every ZeRO stage composes with it (ZeRO-3:
-the model is built under zero.Init, AutoTP re-partitions the layers it shards over dp).
+the model is built under zero.Init, partitioned over all ranks; AutoTP gathers each layer it
+shards, one at a time, and partitions its tp shard over dp; replicated parameters such as norms
+and an untied embedding stay partitioned over all ranks).
 """
 
 from __future__ import annotations
