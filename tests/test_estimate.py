@@ -352,3 +352,21 @@ def test_context_parallelism_in_the_cost_model():
     kv = 2 * 1 * 8192 * 8 * 128  # K and V elements of one micro-batch's sequence
     assert comm_volume(ring).cp == pytest.approx(32 * ring.grad_accum * 0.5 * kv * (2 * 2 + 4))
     assert comm_volume(plain).cp == 0
+
+
+def test_zero_with_autotp_as_deepspeed_lays_it_out():
+    """Measured on tiny-llama (tests/test_zero_model_parallel.py's layouts, gloo): AutoTP keeps the
+    untied embedding and the norms whole (95,552 parameters per rank at tp 2), ZeRO-3 partitions
+    everything over dp x tp (79,008); construction builds the whole fp32 model first at ZeRO 0-2
+    (779,584 bytes measured) and gathers one module whole under ZeRO-3 (578,240 measured)."""
+    from paratune.estimate import _local_params, construction_bytes
+
+    base = {"model": "tiny-llama", "seq_len": 32, "global_batch": 8, "micro_batch": 2, "num_workers": 2, "tp": 2,
+            "strategy": "zero"}
+    zero2, zero3 = load_plan_dict({**base, "zero": {"stage": 2}}), load_plan_dict({**base, "zero": {"stage": 3}})
+    assert _local_params(zero2, model_shape(zero2))[0] == pytest.approx(95_552, rel=0.01)
+    assert model_states(zero3).weights == pytest.approx(4 * 79_008, rel=0.01)
+    assert construction_bytes(zero2) == pytest.approx(779_584, rel=0.03)
+    assert construction_bytes(zero3) == pytest.approx(578_240, rel=0.01)
+    # Llama-3-70B: ZeRO-2 with tp 8 still builds 282 GB per rank before AutoTP cuts it: refused.
+    assert construction_bytes(_plan_70b(strategy="zero", tp=8, zero={"stage": 2})) > 4 * P_70B

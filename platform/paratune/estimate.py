@@ -286,9 +286,16 @@ def _local_params(plan: Plan, shape: ModelShape) -> tuple[float, float]:
 
     TP shards every block and the (vocab-parallel) embedding and head; norms are small and
     counted as sharded. PP gives a stage its layers; the heavier end stage (embedding on the
-    first, norm and head on the last) sets the peak."""
+    first, norm and head on the last) sets the peak.
+
+    ZeRO's tp is DeepSpeed's AutoTP: it splits the blocks' linear layers and the LM head, but
+    keeps an untied input embedding whole on every rank (tied, both are vocab-split)."""
     t, p = plan.tp, plan.pp
     layers_here = math.ceil(shape.layers / p)
+    if plan.strategy == "zero" and t > 1:
+        whole = shape.embedding + shape.rest if shape.head else 0.0
+        return (layers_here * shape.layer + shape.head + (0 if shape.head else shape.embedding)) / t + whole, \
+            shape.layer / t
     if p > 1:
         ends = max(shape.embedding, shape.head + shape.rest if shape.head else shape.embedding + shape.rest)
     else:
@@ -341,6 +348,8 @@ def model_states(plan: Plan, shape: ModelShape | None = None) -> ModelStates:
         return ModelStates(weights, grads, optim, buffers, step)
     z = plan.zero
     assert z is not None
+    if z.stage == 3 and plan.tp > 1:  # ZeRO-3 partitions what AutoTP leaves whole over the tp ranks too
+        local = shape.total / plan.tp
     stage, part = z.stage, dp if z.stage >= 1 else 1
     weights = pb * local / (dp if stage == 3 else 1)
     if stage == 3 and dp > 1:
@@ -398,13 +407,23 @@ def construction_bytes(plan: Plan, shape: ModelShape | None = None) -> float:
       device. Its tensors are created in fp32 and then cast (zero_wrapper_for_fp_tensor_constructor
       in deepspeed/runtime/zero/partition_parameters.py), so for a moment both copies exist:
       4 + 2 bytes a parameter in bf16, 4 in fp32. Under parameter offload the partitions go to
-      the host (zero.Init's remote_device) and only that module is on the device."""
+      the host (zero.Init's remote_device) and only that module is on the device.
+    - ZeRO with tp (DeepSpeed's AutoTP): AutoTP shards inside `deepspeed.initialize`, after the
+      model exists: at ZeRO 0-2 every rank first builds the whole model in fp32 (4 bytes x all
+      parameters); at ZeRO-3 zero.Init partitions the whole model over every rank, and AutoTP
+      gathers one module whole (fp32) at a time to cut its slice.
+    """
     shape = shape or model_shape(plan)
     local, _ = _local_params(plan, shape)
     if plan.strategy == "zero" and plan.zero is not None and plan.zero.stage == 3:
         pb = BYTES[plan.precision]
+        if plan.tp > 1:
+            partition = 0.0 if plan.zero.offload_param else pb * shape.total / plan.num_workers
+            return partition + (4 + (pb if pb != 4 else 0)) * shape.largest_leaf + 4 * shape.largest_leaf
         partition = 0.0 if plan.zero.offload_param else pb * local / plan.dp_degree
         return partition + (4 + (pb if pb != 4 else 0)) * shape.largest_leaf
+    if plan.strategy == "zero" and plan.tp > 1:
+        return 4 * shape.total + (4 * shape.largest_leaf if plan.num_workers > 1 else 0.0)
     # Without pipeline stages every rank fills every module, one module's fp32 values broadcast
     # at a time through the device (paratune.materialize.ModelInit.shared_values).
     exchange = 4 * shape.largest_leaf if plan.num_workers > 1 and plan.pp == 1 else 0.0
