@@ -175,21 +175,81 @@ def copy_local_slice(dest: torch.Tensor, full: torch.Tensor) -> None:
     dest.copy_(full)
 
 
+# Attention kernels a plan may choose (model_overrides {"attn_implementation": ...}): the two
+# that run everywhere, CPU parity included, and that every family's eager fallback covers.
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+def causal_lm_class(config) -> type:
+    """The transformers *ForCausalLM class a config builds."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
+def supported_attn_implementations(config) -> list[str]:
+    """The ATTENTION_IMPLEMENTATIONS the family's model class supports (eager: every family)."""
+    cls = causal_lm_class(config)
+    return [name for name in ATTENTION_IMPLEMENTATIONS if name == "eager" or getattr(cls, f"_supports_{name}", False)]
+
+
+def attn_implementation(config) -> str:
+    """The attention kernel a model of `config` is built with, the same on every path (trial,
+    reference, ZeRO-3's own construction, the cost model's trace): the config's own choice (set
+    by models.build_config, from model_overrides), else SDPA where the family supports it (no
+    s x s matrix kept, and the mask-free causal path pipeline stages rely on), else eager
+    (Gemma-2: SDPA cannot soft-cap attention logits, so transformers refuses it)."""
+    chosen = getattr(config, "_attn_implementation", None)
+    if chosen:
+        return chosen
+    return "sdpa" if "sdpa" in supported_attn_implementations(config) else "eager"
+
+
 def build_meta(config, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The model's structure with every parameter and buffer on the meta device (no memory)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation(config))
 
 
 def materialize(model: nn.Module, init: ModelInit, device: torch.device, modules: list[nn.Module] | None = None) -> None:
-    """Allocate (`to_empty`) and fill a meta model, or the given parts of it, on `device`."""
-    for part in modules if modules is not None else [model]:
+    """Allocate (`to_empty`) and fill a meta model, or the given parts of it, on `device`.
+
+    Tied parameters stay tied: `to_empty` gives every module slot its own new tensor, so a tied
+    LM head would silently become a second, independently trained embedding."""
+    parts = modules if modules is not None else [model]
+    shared = shared_parameter_slots(parts)
+    for part in parts:
         part.to_empty(device=device)
+    retie(shared)
     init.fill(modules)
     if init.meter is not None:
         init.meter.stop()
+
+
+def shared_parameter_slots(parts: Iterable[nn.Module]) -> list[list[tuple[nn.Module, str]]]:
+    """(module, attribute) slots that hold one parameter object together (tied weights), the
+    first slot of each group first in module order (the one FSDP2 also treats as the owner)."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    seen: set[int] = set()
+    for part in parts:
+        for module in part.modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            for attr, param in module._parameters.items():
+                if param is not None:
+                    slots.setdefault(id(param), []).append((module, attr))
+    return [group for group in slots.values() if len(group) > 1]
+
+
+def retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
+    """Point every slot of each group at the parameter its first slot now holds."""
+    for (first, first_attr), *rest in groups:
+        param = first._parameters[first_attr]
+        for module, attr in rest:
+            module._parameters[attr] = param
 
 
 def move_buffers(model: nn.Module, device: torch.device) -> None:

@@ -56,7 +56,23 @@ def build_config(model: str, overrides: dict[str, Any] | None = None):
     if getattr(config, "is_encoder_decoder", False):
         raise ModelError(f"model: '{model}' is an encoder-decoder; paratune tunes decoder-only LMs")
     config.use_cache = False
+    config._attn_implementation = _checked_attn_implementation(config)
     return config
+
+
+def _checked_attn_implementation(config) -> str:
+    """The attention kernel, decided once here so every path builds the same model: the one the
+    overrides name if the family supports it, else SDPA where supported, else eager."""
+    from paratune.materialize import ATTENTION_IMPLEMENTATIONS, attn_implementation, causal_lm_class, \
+        supported_attn_implementations
+
+    requested = getattr(config, "_attn_implementation", None)
+    allowed = supported_attn_implementations(config)
+    if requested is not None and requested not in allowed:
+        why = (f"{causal_lm_class(config).__name__} does not support it" if requested in ATTENTION_IMPLEMENTATIONS
+               else f"paratune builds with {' or '.join(ATTENTION_IMPLEMENTATIONS)}")
+        raise ModelError(f"model_overrides.attn_implementation: got '{requested}'; {why}; allowed: {', '.join(allowed)}")
+    return attn_implementation(config)
 
 
 def build_model(config, seed: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
@@ -79,9 +95,12 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def config_key(config) -> str:
-    """A config as canonical JSON (model_type included): a cache key, and enough to rebuild it."""
+    """A config as canonical JSON (model_type and attention kernel included): a cache key, and
+    enough to rebuild it."""
     data = config.to_dict()
     keep = {k: v for k, v in data.items() if not k.startswith("_") and k not in ("transformers_version",)}
+    if getattr(config, "_attn_implementation", None):  # not in to_dict(); part of what is built
+        keep["attn_implementation"] = config._attn_implementation
     return json.dumps(keep, sort_keys=True, default=str)
 
 

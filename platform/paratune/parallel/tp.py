@@ -1,14 +1,24 @@
 """Tensor parallelism with DTensor, from the model family's own TP plan in transformers.
 
-q/k/v and gate/up are column-wise, o and down row-wise (the config's `base_model_tp_plan`);
-the embedding is sharded over the vocabulary (row-wise) and the LM head column-wise with the
-logits gathered, so the loss is the ordinary one. With sequence parallelism the norms and the
-residual stream are sharded along the sequence between the attention/MLP blocks.
+Each block follows the config's `base_model_tp_plan`, with transformers' meaning of each style
+(transformers/distributed/tensor_parallel.py): `colwise` shards a linear's outputs and keeps the
+output sharded (q/k/v, gate/up), `rowwise` shards its inputs and all-reduces the output (o,
+down); `colwise_gather_output` / `rowwise_split_input` are the same shardings with the output
+gathered and the next input split locally: what families with fused projections use (Phi-3's
+qkv_proj and gate_up_proj: the gather reassembles q|k|v before the attention splits it, so a
+naive column split is right; the attention itself then runs on every head on every tp rank);
+`replicated_with_grad_allreduce` keeps a parameter whole on every rank and sums its gradient over
+the tp group (Qwen3's per-head q/k norms only see this rank's heads). Any other style is refused
+before launch (paratune.preflight). The embedding is sharded over the vocabulary (row-wise) and
+the LM head column-wise with the logits gathered, so the loss is the ordinary one; a tied head
+stays tied to the sharded embedding. With sequence parallelism the norms and the residual stream
+are sharded along the sequence between the attention/MLP blocks.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -18,10 +28,69 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from paratune.models import decoder_blocks
 
-_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+# The transformers styles implemented here (name -> what it does). paratune.preflight refuses a
+# plan whose family uses any other style, before a worker starts.
+SUPPORTED_STYLES: dict[str, str] = {
+    "colwise": "output features sharded, output stays sharded",
+    "colwise_gather_output": "output features sharded, output gathered (fused projections)",
+    "rowwise": "input features sharded, output all-reduced",
+    "rowwise_split_input": "input features sharded from a replicated input, output all-reduced",
+    "replicated_with_grad_allreduce": "parameter replicated, gradient summed over the tp group",
+}
+LINEAR_STYLES = {name for name in SUPPORTED_STYLES if name.startswith(("colwise", "rowwise"))}
+
+
+def _all_reduce_grad(grad: torch.Tensor, group) -> torch.Tensor:
+    out = grad.clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+class ReplicatedWithGradAllReduce(ParallelStyle):
+    """A module whose parameters stay whole on every tp rank while its input is sharded (a norm
+    over each head, between a colwise and a rowwise projection): each rank's gradient covers only
+    its own heads, so the gradients are summed over the tp group.
+
+    The sum is taken per backward, on the gradient before it is accumulated (a tensor hook on the
+    parameter), so gradient accumulation over micro-batches adds already-reduced gradients
+    (transformers' own hook all-reduces `param.grad` after accumulation, which would sum earlier
+    micro-batches again). Hooks are attached at forward time: materialization, FSDP2 and DDP
+    replace parameter objects after the plan is applied."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        group = device_mesh.get_group()
+
+        def hook_parameters(mod: nn.Module, args) -> None:
+            if not torch.is_grad_enabled():
+                return
+            for param in mod.parameters(recurse=False):
+                if param.requires_grad and not getattr(param, "_paratune_tp_grad_sum", False):
+                    param.register_hook(lambda grad: _all_reduce_grad(grad, group))
+                    param._paratune_tp_grad_sum = True
+
+        module.register_forward_pre_hook(hook_parameters)
+        return module
+
+
+def _style(name: str, pattern: str, sequence_parallel: bool) -> ParallelStyle:
+    """torch's ParallelStyle for one transformers style name (see SUPPORTED_STYLES)."""
+    out = Shard(1) if sequence_parallel else Replicate()  # rowwise: reduce-scatter under SP
+    if name == "colwise":
+        return ColwiseParallel()
+    if name == "colwise_gather_output":
+        return ColwiseParallel(output_layouts=Replicate())
+    if name == "rowwise":
+        return RowwiseParallel(output_layouts=out)
+    if name == "rowwise_split_input":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=out)
+    if name == "replicated_with_grad_allreduce":
+        return ReplicatedWithGradAllReduce()
+    raise ValueError(f"tp: transformers plan style '{name}' for {pattern} is not supported; "
+                     f"allowed: {', '.join(SUPPORTED_STYLES)}")
 
 
 def block_plan(model: nn.Module, sequence_parallel: bool) -> dict:
@@ -31,14 +100,7 @@ def block_plan(model: nn.Module, sequence_parallel: bool) -> dict:
     for pattern, style in hf_plan.items():
         if not pattern.startswith("layers.*."):
             continue
-        name = pattern.removeprefix("layers.*.")
-        kind = style.split("_")[0]  # e.g. "colwise_rep" -> colwise
-        if kind not in _STYLES:
-            raise ValueError(f"tp: transformers plan style '{style}' for {name} is not supported")
-        if kind == "rowwise" and sequence_parallel:
-            plan[name] = RowwiseParallel(output_layouts=Shard(1))
-        else:
-            plan[name] = _STYLES[kind]()
+        plan[pattern.removeprefix("layers.*.")] = _style(style, pattern, sequence_parallel)
     if not plan:
         raise ValueError(f"tp: {type(model).__name__} has no tensor-parallel plan in transformers")
     if sequence_parallel:
@@ -52,12 +114,15 @@ def block_plan(model: nn.Module, sequence_parallel: bool) -> dict:
 
 def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> None:
     base = model.model
+    tied = model.lm_head.weight is base.embed_tokens.weight
     sp_out = Shard(1) if sequence_parallel else Replicate()
     parallelize_module(base.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=sp_out))
     if sequence_parallel:
         parallelize_module(base.norm, tp_mesh, SequenceParallel())
     parallelize_module(model.lm_head, tp_mesh,
                        ColwiseParallel(input_layouts=sp_out, output_layouts=Replicate(), use_local_output=True))
+    if tied:  # both are sharded over the vocabulary (Shard(0)): one parameter again, as in the reference
+        model.lm_head.weight = base.embed_tokens.weight
     plan = block_plan(model, sequence_parallel)
     for block in decoder_blocks(model):
         parallelize_module(block, tp_mesh, plan)
@@ -72,8 +137,6 @@ def clip_grad_norm(parameters, max_norm: float, pp_group=None, tp_group=None) ->
     shards of a tensor-parallel weight (marked `_st_info` by torch's DDP transform) contribute
     their squared norms summed over the tp group.
     """
-    import torch.distributed as dist
-
     params = [p for p in parameters if p.grad is not None]
     device = params[0].grad.device if params else torch.device("cpu")
     total_sq = torch.zeros((), dtype=torch.float32, device=device)

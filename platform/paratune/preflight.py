@@ -1,0 +1,205 @@
+"""Check a plan against the model it will build, before any worker starts.
+
+The Plan's own rules see only the config's numbers (heads, layers, vocabulary). Whether a
+family's layers can be split the way the plan asks depends on the model itself: which
+tensor-parallel styles transformers' plan for the family uses, how its blocks are laid out, how
+its attention is masked. Those rules are checked here on the model built on the meta device (no
+memory, any size), so an unsupported family/plan combination is an `invalid_config` with its
+reason instead of a crash, or worse a silently different training, inside the workers.
+
+Pipeline stages (paratune.parallel.pp) run embed_tokens -> layers(h, positions, no attention
+mask) -> norm -> lm_head, as Llama does. That is the same model only where SDPA applies the
+causal mask itself, no layer's sliding window is shorter than the sequence, the input embedding
+and the LM head are separate weights (they live on different stages), and the family's
+*ForCausalLM adds nothing between the head and the loss. PIPELINE_FAMILIES are those whose
+stages match the single-process reference in the loss-parity tests (tests/test_families.py).
+
+Tensor parallelism (paratune.parallel.tp) follows transformers' plan for the family: only the
+styles it implements, on the modules the plan names, with evenly split dimensions. ZeRO with tp
+is DeepSpeed's AutoTP, which shards by its own policy and is not checked here. Sequence and
+context parallelism need SDPA's mask-free causal path (no window shorter than the sequence).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from torch import nn
+
+from paratune.plan import Plan, PlanError
+
+# Families whose pipeline stages train exactly like the reference (measured, fp32 < 1e-5).
+PIPELINE_FAMILIES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
+# Why a known family is not among them (what its stages would get wrong).
+PIPELINE_REFUSALS = {
+    "gemma2": "Gemma2ForCausalLM soft-caps the logits after lm_head (final_logit_softcapping) and its "
+              "eager attention needs an explicit causal/sliding mask, which stages do not pass",
+}
+# Direct children of a decoder block that sequence parallelism shards (the rest see the residual
+# replicated or live inside the attention/MLP, whose inputs are gathered first).
+SEQUENCE_PARALLEL_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+@lru_cache(maxsize=16)
+def _meta_model(key: str) -> nn.Module:
+    """The model of a config key on the meta device (cached: a sweep checks many plans of one model)."""
+    from paratune.materialize import build_meta
+    from paratune.models import config_from_key
+
+    return build_meta(config_from_key(key))
+
+
+def check_plan_against_model(plan: Plan, config=None) -> None:
+    """Raise PlanError (field, value, what is allowed) if the model cannot be laid out as the plan
+    asks. `config`: the plan's built config (models.build_config), built here when not given."""
+    cp = getattr(plan, "cp", 1)
+    if plan.tp == 1 and plan.pp == 1 and cp == 1:
+        return  # data parallelism keeps every layer whole: nothing family-specific to check
+    from paratune.models import build_config, config_key
+
+    config = config if config is not None else build_config(plan.model, plan.model_overrides)
+    model = _meta_model(config_key(config))
+    if plan.tp > 1 and plan.strategy != "zero":  # zero: DeepSpeed's AutoTP shards by its own policy
+        _check_tp(plan, config, model)
+    if cp > 1:
+        _check_cp(plan, config, cp)
+    if plan.sequence_parallel:
+        _check_sequence_parallel(plan, config, model)
+    if plan.pp > 1:
+        _check_pp(plan, config, model)
+
+
+def attention_windows(config) -> list[int | None]:
+    """Each layer's sliding window (None: full causal attention), as the family applies it."""
+    layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not window:
+        return [None] * layers
+    if types:
+        return [None if kind == "full_attention" else window for kind in types]
+    return [window] * layers  # Mistral, Phi-3: one window on every layer
+
+
+def _short_windows(plan: Plan, config) -> str | None:
+    """A description of the layers whose window is shorter than the sequence, if any."""
+    short = [i for i, w in enumerate(attention_windows(config)) if w is not None and w < plan.seq_len]
+    if not short:
+        return None
+    shown = ", ".join(map(str, short[:6])) + (", ..." if len(short) > 6 else "")
+    return f"sliding_window {config.sliding_window} < seq_len {plan.seq_len} on layers {shown}"
+
+
+def _family(config) -> str:
+    return f"model_type '{config.model_type}'"
+
+
+def _check_tp(plan: Plan, config, model: nn.Module) -> None:
+    from paratune.models import decoder_blocks
+    from paratune.parallel.tp import LINEAR_STYLES, SUPPORTED_STYLES
+
+    tp = plan.tp
+    allowed_styles = ", ".join(SUPPORTED_STYLES)
+    hf_plan = getattr(config, "base_model_tp_plan", None) or {}
+    if not hf_plan:
+        raise PlanError(f"tp: {tp} with {_family(config)}, which has no tensor-parallel plan in transformers "
+                        "(base_model_tp_plan); allowed: tp 1")
+    base = getattr(model, "model", None)
+    if not isinstance(getattr(base, "embed_tokens", None), nn.Embedding) or not isinstance(
+            getattr(model, "lm_head", None), nn.Linear):
+        raise PlanError(f"tp: {tp} with {_family(config)}: paratune shards model.embed_tokens (nn.Embedding) and "
+                        f"lm_head (nn.Linear) itself and {type(model).__name__} has not both; allowed: tp 1")
+    blocks = decoder_blocks(model)
+    for pattern, style in hf_plan.items():
+        if not pattern.startswith("layers.*."):
+            raise PlanError(f"tp: {tp} with {_family(config)}: transformers' plan entry '{pattern}': '{style}' is "
+                            "outside the decoder blocks, where paratune shards only the embedding and the LM head; "
+                            "allowed: tp 1")
+        if style not in SUPPORTED_STYLES:
+            raise PlanError(f"tp: {tp} with {_family(config)}: transformers' plan shards {pattern} with '{style}' "
+                            f"(packed/fused or expert layouts are not sharded by paratune); allowed: tp 1, or "
+                            f"families whose plans use only {allowed_styles}")
+        name = pattern.removeprefix("layers.*.")
+        for index, block in enumerate(blocks):
+            try:
+                module = block.get_submodule(name)
+            except AttributeError:
+                raise PlanError(f"tp: {tp} with {_family(config)}: transformers' plan names {pattern} ('{style}'), "
+                                f"which block {index} ({type(block).__name__}) does not have; allowed: tp 1") from None
+            _check_module(plan, config, pattern, style, module, LINEAR_STYLES)
+
+
+def _check_module(plan: Plan, config, pattern: str, style: str, module: nn.Module, linear_styles: set[str]) -> None:
+    tp = plan.tp
+    if style in linear_styles:
+        if not isinstance(module, nn.Linear):
+            raise PlanError(f"tp: {tp} with {_family(config)}: {pattern} is a {type(module).__name__}, and "
+                            f"'{style}' shards nn.Linear only; allowed: tp 1")
+        sharded = module.out_features if style.startswith("colwise") else module.in_features
+        side = "out_features" if style.startswith("colwise") else "in_features"
+        if sharded % tp:
+            divisors = [d for d in range(1, sharded + 1) if sharded % d == 0 and d <= 64]
+            raise PlanError(f"tp: {tp} must divide {pattern}.{side} = {sharded} ('{style}' splits it evenly "
+                            f"over the tp ranks); allowed: {divisors}")
+    elif not any(True for _ in module.parameters(recurse=False)):
+        raise PlanError(f"tp: {tp} with {_family(config)}: {pattern} ('{style}') holds no parameters of its own; "
+                        "allowed: tp 1")
+
+
+def _check_sequence_parallel(plan: Plan, config, model: nn.Module) -> None:
+    from paratune.models import decoder_blocks
+
+    attn = getattr(config, "_attn_implementation", None)
+    if attn != "sdpa":
+        raise PlanError(f"sequence_parallel: true with attention '{attn}' ({_family(config)}): each rank builds the "
+                        "attention mask from its slice of the sequence, which only SDPA's mask-free causal path "
+                        "ignores; allowed: false, or model_overrides {\"attn_implementation\": \"sdpa\"} where "
+                        "the family supports it")
+    short = _short_windows(plan, config)
+    if short:
+        raise PlanError(f"sequence_parallel: true with {short}: the sliding-window mask would be built from one "
+                        "rank's slice of the sequence; allowed: false, or seq_len <= the window")
+    for index, block in enumerate(decoder_blocks(model)):
+        extra = sorted(name for name, child in block.named_children()
+                       if name not in ("self_attn", "mlp", *SEQUENCE_PARALLEL_NORMS)
+                       and any(True for _ in child.parameters()))
+        if extra:
+            raise PlanError(f"sequence_parallel: true with {_family(config)}: block {index} has {', '.join(extra)} on "
+                            f"the sequence-sharded residual stream, and paratune shards only "
+                            f"{', '.join(SEQUENCE_PARALLEL_NORMS)} there; allowed: false")
+
+
+def _check_cp(plan: Plan, config, cp: int) -> None:
+    attn = getattr(config, "_attn_implementation", None)
+    if attn != "sdpa":
+        raise PlanError(f"cp: {cp} with attention '{attn}' ({_family(config)}): context parallelism rings SDPA's "
+                        "kernels only; any other attention would attend to this rank's chunk of the keys alone; "
+                        "allowed: cp 1, or model_overrides {\"attn_implementation\": \"sdpa\"} where the family "
+                        "supports it")
+    short = _short_windows(plan, config)
+    if short:
+        raise PlanError(f"cp: {cp} with {short}: torch's ring attention applies the causal mask only (no mask "
+                        "tensor); allowed: cp 1, or seq_len <= the window")
+
+
+def _check_pp(plan: Plan, config, model: nn.Module) -> None:
+    pp = plan.pp
+    family = config.model_type
+    if family not in PIPELINE_FAMILIES:
+        why = PIPELINE_REFUSALS.get(family, f"{type(model).__name__} has not been verified to train the same model "
+                                            "when cut into Llama-style stages")
+        raise PlanError(f"pp: {pp} with {_family(config)}: {why}; allowed: pp 1, or pp > 1 with model_type "
+                        f"{', '.join(PIPELINE_FAMILIES)}")
+    if model.lm_head.weight is model.model.embed_tokens.weight:
+        raise PlanError(f"pp: {pp} with tie_word_embeddings true: the input embedding (first stage) and the LM head "
+                        "(last stage) would train as two separate weights; allowed: pp 1, or model_overrides "
+                        "{\"tie_word_embeddings\": false} (a different model)")
+    attn = getattr(config, "_attn_implementation", None)
+    if attn != "sdpa":
+        raise PlanError(f"pp: {pp} with attention '{attn}': pipeline stages pass no attention mask and only SDPA "
+                        "then applies the causal mask itself (eager would attend to future tokens); allowed: pp 1, "
+                        "or model_overrides {\"attn_implementation\": \"sdpa\"}")
+    short = _short_windows(plan, config)
+    if short:
+        raise PlanError(f"pp: {pp} with {short}: pipeline stages pass no attention mask, so tokens would attend "
+                        "past the window; allowed: pp 1, or seq_len <= the window")
