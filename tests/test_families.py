@@ -1,0 +1,192 @@
+"""Model families: every strategy on every shipped family trains like the reference, or is refused
+before any worker starts with the reason.
+
+The presets tiny-llama3, tiny-qwen2.5, tiny-qwen3, tiny-mistral, tiny-gemma2 and tiny-phi3 keep
+their family's real layout at hidden 64-112 (GQA ratios, head_dim != hidden/heads, tied
+embeddings, q/k/v biases, per-head q/k norms, soft-capping and sliding windows, fused
+projections). The matrix (ddp, fsdp full, ZeRO-3, tp2, plus the sequence-parallel and pipeline
+cases the preflight allows) runs as one batch of 2-process gloo plans: one spawn for all.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import BASE_PLAN
+from gloo_harness import run_plans_on_gloo
+
+from paratune.materialize import build_meta
+from paratune.models import ModelError, build_config, build_model, parameter_counts
+from paratune.plan import PlanError, load_plan_dict
+from paratune.preflight import attention_windows, check_plan_against_model
+from paratune.reference import max_loss_difference, reference_losses
+from paratune.trial import run_trial
+
+FAMILIES = ["tiny-llama3", "tiny-qwen2.5", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-phi3"]
+# Gemma-2 at lr 1e-2 is chaotic at the 1e-5 level even on one process: scaling its reference
+# weights by (1 + 1e-7 noise) moves step-3 loss by 9.5e-6 (Llama-3: 4.8e-7), so tp2's different
+# reduction order measured 1.5e-5 there with first-step gradients equal to 6e-7 relative. At lr
+# 1e-3 that floor is 1e-6. The others keep the suite's lr 1e-2 (a missing q/k-norm gradient
+# all-reduce on Qwen3 shows as 2.9e-4 there, only 1.5e-5 at 1e-3).
+FAMILY_PLAN = {"tiny-gemma2": {"lr": 1e-3}}
+STRATEGIES = {
+    "ddp": {"strategy": "ddp"},
+    "fsdp": {"strategy": "fsdp", "fsdp": {"sharding": "full"}},
+    "zero3": {"strategy": "zero", "zero": {"stage": 3}},
+    "tp2": {"tp": 2},
+}
+UNTIED = {"model_overrides": {"tie_word_embeddings": False}}  # pipelines refuse tied embeddings
+EXTRA = {  # what preflight allows beyond the four: sequence parallelism and pipeline stages
+    ("tiny-qwen3", "tp2-sp"): {"tp": 2, "sequence_parallel": True},
+    ("tiny-phi3", "tp2-sp"): {"tp": 2, "sequence_parallel": True},
+    ("tiny-mistral", "pp2"): {"pp": 2},
+    ("tiny-phi3", "pp2"): {"pp": 2},
+    ("tiny-qwen2.5", "pp2-untied"): {"pp": 2, **UNTIED},
+    ("tiny-qwen3", "pp2-untied"): {"pp": 2, **UNTIED},
+}
+CASES = {(f, s): c for f in FAMILIES for s, c in STRATEGIES.items()} | EXTRA
+
+
+def _plan(family: str, case: dict):
+    return load_plan_dict({**BASE_PLAN, "seed": 7, "track_memory": False, "model": family,
+                           **FAMILY_PLAN.get(family, {}), **case})
+
+
+@pytest.fixture(scope="module")
+def matrix() -> dict:
+    """Every case's rank-0 measurements (or its failure), from one 2-process gloo run."""
+    keys = list(CASES)
+    plans = [_plan(f, CASES[(f, s)]) for f, s in keys]
+    for plan in plans:  # the preflight passes every case the matrix runs
+        check_plan_against_model(plan)
+    try:
+        return dict(zip(keys, run_plans_on_gloo(plans)))
+    except RuntimeError:  # one plan broke the batch: run each alone, so each case reports its own
+        results: dict = {}
+        for key, plan in zip(keys, plans):
+            try:
+                results[key] = run_plans_on_gloo([plan])[0]
+            except RuntimeError as err:
+                results[key] = err
+        return results
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("family,strategy", list(CASES), ids=[f"{f}-{s}" for f, s in CASES])
+def test_family_loss_parity(matrix, family, strategy):
+    out = matrix[(family, strategy)]
+    if isinstance(out, Exception):
+        raise out
+    plan = _plan(family, CASES[(family, strategy)])
+    reference = reference_losses(plan)
+    assert len(out["losses"]) == plan.total_steps
+    assert max_loss_difference(out["losses"], reference) < 1e-5, (out["losses"], reference)
+    if plan.tp > 1 or plan.pp > 1 or strategy in ("fsdp", "zero3"):  # each rank holds only its part
+        total = parameter_counts(build_config(plan.model, plan.model_overrides))["total"]
+        assert max(out["local_parameter_counts"]) < 0.75 * total
+
+
+# ---- the fixtures keep their family's traits (what the matrix is meant to exercise) ------------
+def test_fixtures_have_their_family_traits():
+    def meta(name):
+        return build_meta(build_config(name))
+
+    llama3, qwen25, qwen3 = meta("tiny-llama3"), meta("tiny-qwen2.5"), meta("tiny-qwen3")
+    mistral, gemma2, phi3 = meta("tiny-mistral"), meta("tiny-gemma2"), meta("tiny-phi3")
+    assert llama3.config.rope_parameters["rope_type"] == "llama3" and llama3.config.tie_word_embeddings
+    assert qwen25.model.layers[0].self_attn.q_proj.bias is not None  # Qwen2: q/k/v biases
+    assert qwen3.config.head_dim == 2 * qwen3.config.hidden_size // qwen3.config.num_attention_heads
+    assert hasattr(qwen3.model.layers[0].self_attn, "q_norm")
+    assert "replicated_with_grad_allreduce" in qwen3.config.base_model_tp_plan.values()
+    assert attention_windows(mistral.config) == [4096, 4096]
+    assert gemma2.config.final_logit_softcapping and gemma2.config.attn_logit_softcapping
+    assert attention_windows(gemma2.config) == [16, None]  # sliding on every other layer, < seq_len 32
+    assert hasattr(phi3.model.layers[0].self_attn, "qkv_proj") and hasattr(phi3.model.layers[0].mlp, "gate_up_proj")
+    assert phi3.config.num_key_value_heads < phi3.config.num_attention_heads  # fused q|k|v of unequal sizes
+    for model in (llama3, qwen25, qwen3, mistral, gemma2, phi3):  # all grouped-query, as published
+        assert model.config.num_key_value_heads < model.config.num_attention_heads
+
+
+# ---- attention implementation ----------------------------------------------------------------
+def test_attention_is_sdpa_where_supported_else_eager():
+    assert build_config("tiny-llama3")._attn_implementation == "sdpa"
+    assert build_config("tiny-phi3")._attn_implementation == "sdpa"
+    gemma2 = build_config("tiny-gemma2")  # transformers: _supports_sdpa = False (soft-capping)
+    assert gemma2._attn_implementation == "eager"
+    assert build_meta(gemma2).config._attn_implementation == "eager"
+
+
+def test_attention_override_is_kept_or_refused_with_the_reason():
+    eager = build_config("tiny-llama3", {"attn_implementation": "eager"})
+    assert build_meta(eager).config._attn_implementation == "eager"
+    with pytest.raises(ModelError, match=r"model_overrides.attn_implementation: got 'sdpa'; Gemma2ForCausalLM "
+                                         r"does not support it; allowed: eager"):
+        build_config("tiny-gemma2", {"attn_implementation": "sdpa"})
+    with pytest.raises(ModelError, match=r"got 'flash_attention_2'; paratune builds with sdpa or eager; allowed: sdpa, eager"):
+        build_config("tiny-llama3", {"attn_implementation": "flash_attention_2"})
+
+
+def test_tied_embeddings_stay_tied_when_materialized():
+    model = build_model(build_config("tiny-llama3"), seed=0)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert sum(p.numel() for p in model.parameters()) == parameter_counts(model.config)["total"]
+
+
+# ---- refusals: before any worker, with the reason ---------------------------------------------
+def _refused(model: str, message: str, **changes) -> None:
+    """Preflight raises PlanError with `message`, and run_trial turns it into invalid_config
+    without starting Ray (it returns before ensure_ray)."""
+    plan = load_plan_dict({**BASE_PLAN, "model": model, **changes})
+    with pytest.raises(PlanError, match=message):
+        check_plan_against_model(plan)
+    result = run_trial(plan)
+    assert (result.status, result.reason) == ("failed", "invalid_config")
+    assert message.replace("\\", "") in result.message
+
+
+REFUSALS = {
+    "gemma2-pp": ("tiny-gemma2", r"pp: 2 with model_type 'gemma2': Gemma2ForCausalLM soft-caps the logits",
+                  {"pp": 2}),
+    "tied-pp": ("tiny-llama3", r"pp: 2 with tie_word_embeddings true", {"pp": 2}),
+    "eager-pp": ("tiny-llama3", r"pp: 2 with attention 'eager'",
+                 {"pp": 2, "model_overrides": {"tie_word_embeddings": False, "attn_implementation": "eager"}}),
+    "window-pp": ("tiny-mistral", r"pp: 2 with sliding_window 16 < seq_len 32 on layers 0, 1",
+                  {"pp": 2, "model_overrides": {"sliding_window": 16}}),
+    "eager-sp": ("tiny-gemma2", r"sequence_parallel: true with attention 'eager'",
+                 {"tp": 2, "sequence_parallel": True}),
+    "window-sp": ("tiny-mistral", r"sequence_parallel: true with sliding_window 16 < seq_len 32",
+                  {"tp": 2, "sequence_parallel": True, "model_overrides": {"sliding_window": 16}}),
+    "uneven-tp": ("tiny-llama", r"tp: 2 must divide layers\.\*\.mlp\.gate_proj\.out_features = 175",
+                  {"tp": 2, "model_overrides": {"intermediate_size": 175}}),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_refused_before_launch_with_the_reason(name):
+    model, message, changes = REFUSALS[name]
+    _refused(model, message, **changes)
+
+
+def _config_dir(tmp_path, **config) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def test_tp_refuses_packed_expert_layouts(tmp_path):
+    mixtral = _config_dir(tmp_path, model_type="mixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=512, num_local_experts=4,
+                          num_experts_per_tok=2)
+    _refused(mixtral, r"tp: 2 with model_type 'mixtral': transformers' plan shards layers\.\*\.mlp\.experts\.gate_up_proj "
+                      r"with 'packed_colwise'", tp=2)
+
+
+def test_tp_refuses_a_family_without_a_plan(tmp_path):
+    stablelm = _config_dir(tmp_path, model_type="stablelm", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, vocab_size=512)
+    _refused(stablelm, r"tp: 2 with model_type 'stablelm', which has no tensor-parallel plan in transformers", tp=2)
+
+
+def test_data_parallel_plans_need_no_model_check():
+    # dp-only plans keep every layer whole: no family rule applies (and nothing is built)
+    check_plan_against_model(load_plan_dict({**BASE_PLAN, "model": "tiny-gemma2", "strategy": "zero"}))
