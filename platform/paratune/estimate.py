@@ -186,6 +186,7 @@ def _traced_coefficients(config_json: str, checkpointing: str, precision: str) -
     from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import AutoModelForCausalLM
 
+    from paratune.materialize import attn_implementation
     from paratune.models import config_from_key
     from paratune.parallel import enable_full_recompute
 
@@ -194,7 +195,7 @@ def _traced_coefficients(config_json: str, checkpointing: str, precision: str) -
         config = config_from_key(config_json, num_hidden_layers=layers)
         for tokens in (64, 128):
             with FakeTensorMode():
-                model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+                model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation(config))
                 model.train()
                 if checkpointing == "full":
                     enable_full_recompute(model)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paratune.materialize import ModelInit, materialize
+from paratune.materialize import ModelInit, attn_implementation, materialize
 from paratune.parallel import ADAM_BETAS, ADAM_EPS, StepRunner, apply_activation_checkpointing, make_optimizer
 from paratune.plan import Plan
 
@@ -128,7 +128,7 @@ def build_zero3(init: ModelInit, ds_config: dict[str, Any], device: torch.device
                    "zero_optimization": ds_config["zero_optimization"], "bf16": ds_config["bf16"]}
     with deepspeed.zero.Init(config_dict_or_path=init_config, remote_device="cpu" if offload else None,
                              pin_memory=bool(offload and offload.get("pin_memory"))), no_init_weights():
-        model = AutoModelForCausalLM.from_config(init.config, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(init.config, attn_implementation=attn_implementation(init.config))
     if getattr(init.config, "tie_word_embeddings", False):
         model.tie_weights()  # no_init_weights also skipped the tying
     model_init = ModelInit(model, init.config, init.seed, init.dtype)
