@@ -157,6 +157,8 @@ REFUSALS = {
                  {"tp": 2, "sequence_parallel": True}),
     "window-sp": ("tiny-mistral", r"sequence_parallel: true with sliding_window 16 < seq_len 32",
                   {"tp": 2, "sequence_parallel": True, "model_overrides": {"sliding_window": 16}}),
+    "tied-ddp-tp": ("tiny-qwen3", r"strategy: 'ddp' over 2 replicas with tp 2 and tie_word_embeddings true",
+                    {"num_workers": 4, "tp": 2}),
     "uneven-tp": ("tiny-llama", r"tp: 2 must divide layers\.\*\.mlp\.gate_proj\.out_features = 175",
                   {"tp": 2, "model_overrides": {"intermediate_size": 175}}),
 }

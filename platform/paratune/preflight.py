@@ -109,6 +109,12 @@ def _check_tp(plan: Plan, config, model: nn.Module) -> None:
             getattr(model, "lm_head", None), nn.Linear):
         raise PlanError(f"tp: {tp} with {_family(config)}: paratune shards model.embed_tokens (nn.Embedding) and "
                         f"lm_head (nn.Linear) itself and {type(model).__name__} has not both; allowed: tp 1")
+    replicas = plan.num_workers // (tp * plan.pp)  # the ranks DDP averages over (dp, x cp if any)
+    if plan.strategy == "ddp" and plan.pp == 1 and replicas > 1 and model.lm_head.weight is base.embed_tokens.weight:
+        raise PlanError(f"strategy: 'ddp' over {replicas} replicas with tp {tp} and tie_word_embeddings true: torch's "
+                        "DDP over DTensor weights (_pre_dp_module_transform) swaps a tied weight in one of its two "
+                        "modules only, and DDP's first broadcast fails on the mix of Tensor and DTensor; allowed: "
+                        "strategy 'fsdp' (FSDP2 x TP keeps the tie), or ddp with dp 1")
     blocks = decoder_blocks(model)
     for pattern, style in hf_plan.items():
         if not pattern.startswith("layers.*."):
