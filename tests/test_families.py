@@ -17,6 +17,7 @@ from conftest import BASE_PLAN
 from gloo_harness import run_plans_on_gloo
 
 from paratune.materialize import build_meta
+from paratune.models import PRESET_DIR as PRESETS
 from paratune.models import ModelError, build_config, build_model, parameter_counts
 from paratune.plan import PlanError, load_plan_dict
 from paratune.preflight import attention_windows, check_plan_against_model
@@ -125,6 +126,19 @@ def test_attention_override_is_kept_or_refused_with_the_reason():
         build_config("tiny-gemma2", {"attn_implementation": "sdpa"})
     with pytest.raises(ModelError, match=r"got 'flash_attention_2'; paratune builds with sdpa or eager; allowed: sdpa, eager"):
         build_config("tiny-llama3", {"attn_implementation": "flash_attention_2"})
+
+
+def test_per_layer_types_follow_a_changed_layer_count(tmp_path):
+    # a config.json listing layer_types (as recent Gemma/Qwen ones do) still builds with fewer or more
+    # layers (proxies, the cost model's 1- and 2-layer traces): the family's pattern, cut or repeated
+    from paratune.models import config_from_key, config_key
+
+    data = {k: v for k, v in json.loads((PRESETS / "tiny-gemma2.json").read_text()).items() if not k.startswith("_")}
+    (tmp_path / "config.json").write_text(json.dumps({**data, "layer_types": ["sliding_attention", "full_attention"]}))
+    assert build_config(str(tmp_path), {"num_hidden_layers": 3}).layer_types == [
+        "sliding_attention", "full_attention", "sliding_attention"]
+    one = config_from_key(config_key(build_config(str(tmp_path))), num_hidden_layers=1)
+    assert one.layer_types == ["sliding_attention"] and one._attn_implementation == "eager"
 
 
 def test_tied_embeddings_stay_tied_when_materialized():

@@ -36,7 +36,7 @@ def load_config_dict(model: str, overrides: dict[str, Any] | None = None) -> dic
     if "model_type" not in data:
         raise ModelError(f"model: {path} has no 'model_type'; a transformers config.json is required")
     data.update(overrides or {})
-    return data
+    return _fit_layer_types(data, overrides or {})
 
 
 def build_config(model: str, overrides: dict[str, Any] | None = None):
@@ -105,11 +105,21 @@ def config_key(config) -> str:
 
 
 def config_from_key(key: str, **overrides: Any):
-    """The config a config_key() describes (with overrides, e.g. fewer layers)."""
+    """The config a config_key() describes (with overrides, e.g. fewer layers: a per-layer
+    `layer_types` list follows the new layer count)."""
     from transformers import AutoConfig
 
-    data = {**json.loads(key), **overrides}
+    data = _fit_layer_types({**json.loads(key), **overrides}, overrides)
     return AutoConfig.for_model(data.pop("model_type"), **data)
+
+
+def _fit_layer_types(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A per-layer `layer_types` list (Gemma-2, Qwen2/3: transformers requires one entry per layer)
+    follows an overridden layer count: the family's pattern, repeated or cut."""
+    layers, types = data.get("num_hidden_layers"), data.get("layer_types")
+    if types and layers and "layer_types" not in overrides and layers != len(types):
+        data["layer_types"] = [types[i % len(types)] for i in range(layers)]
+    return data
 
 
 @lru_cache(maxsize=64)
