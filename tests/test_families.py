@@ -186,6 +186,9 @@ REFUSALS = {
                   {"tp": 2, "sequence_parallel": True, "model_overrides": {"sliding_window": 16}}),
     "tied-ddp-tp": ("tiny-qwen3", r"strategy: 'ddp' over 2 replicas with tp 2 and tie_word_embeddings true",
                     {"num_workers": 4, "tp": 2}),
+    "autotp-phi3": ("tiny-phi3", r"tp: 2 with strategy 'zero' and model_type 'phi3': DeepSpeed's AutoTP rejects "
+                                 r"transformers' plan for the family, whose style\(s\) \['rowwise_split_input'\]",
+                    {"tp": 2, "strategy": "zero", "zero": {"stage": 1}}),
     "uneven-tp": ("tiny-llama", r"tp: 2 must divide layers\.\*\.mlp\.gate_proj\.out_features = 175",
                   {"tp": 2, "model_overrides": {"intermediate_size": 175}}),
 }

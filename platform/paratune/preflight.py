@@ -16,7 +16,8 @@ stages match the single-process reference in the loss-parity tests (tests/test_f
 
 Tensor parallelism (paratune.parallel.tp) follows transformers' plan for the family: only the
 styles it implements, on the modules the plan names, with evenly split dimensions. ZeRO with tp
-is DeepSpeed's AutoTP, which shards by its own policy and is not checked here. Sequence and
+is DeepSpeed's AutoTP, which implements fewer of transformers' styles (Phi-3's fused
+projections are refused by DeepSpeed itself, inside every worker, so here first). Sequence and
 context parallelism need SDPA's mask-free causal path (no window shorter than the sequence).
 """
 
@@ -59,7 +60,9 @@ def check_plan_against_model(plan: Plan, config=None) -> None:
 
     config = config if config is not None else build_config(plan.model, plan.model_overrides)
     model = _meta_model(config_key(config))
-    if plan.tp > 1 and plan.strategy != "zero":  # zero: DeepSpeed's AutoTP shards by its own policy
+    if plan.tp > 1 and plan.strategy == "zero":
+        _check_autotp(plan, config, model)
+    elif plan.tp > 1:
         _check_tp(plan, config, model)
     if cp > 1:
         _check_cp(plan, config, cp)
@@ -133,6 +136,22 @@ def _check_tp(plan: Plan, config, model: nn.Module) -> None:
                 raise PlanError(f"tp: {tp} with {_family(config)}: transformers' plan names {pattern} ('{style}'), "
                                 f"which block {index} ({type(block).__name__}) does not have; allowed: tp 1") from None
             _check_module(plan, config, pattern, style, module, LINEAR_STYLES)
+
+
+def _check_autotp(plan: Plan, config, model: nn.Module) -> None:
+    """ZeRO with tp is DeepSpeed's AutoTP, which follows the same transformers plan but implements
+    fewer styles and rejects a plan with any other (deepspeed/module_inject/tp_plan_converter.py),
+    inside `deepspeed.initialize` on every worker. The same test, on the same merged plan, here."""
+    from deepspeed.module_inject.tp_plan_converter import SUPPORTED_STYLES as AUTOTP_STYLES
+    from deepspeed.runtime.tensor_parallel.config import _get_hf_tp_plan
+
+    hf_plan = _get_hf_tp_plan(model) or {}
+    unsupported = sorted({style for style in hf_plan.values() if style.lower() not in AUTOTP_STYLES})
+    if unsupported:
+        raise PlanError(f"tp: {plan.tp} with strategy 'zero' and {_family(config)}: DeepSpeed's AutoTP rejects "
+                        f"transformers' plan for the family, whose style(s) {unsupported} it does not implement; "
+                        f"allowed: tp 1 with zero, or strategy 'ddp'/'fsdp' with tp {plan.tp} (paratune's own tensor "
+                        "parallelism implements them)")
 
 
 def _check_module(plan: Plan, config, pattern: str, style: str, module: nn.Module, linear_styles: set[str]) -> None:
