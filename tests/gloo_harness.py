@@ -21,8 +21,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, plan_dicts: list[dict], queue) -> None:
-    """Runs the plans one after another in one process group (one spawn and import for all)."""
+def _function(name: str):
+    """The function a 'module:function' name points to."""
+    import importlib
+
+    module, _, function = name.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def _worker(rank: int, world: int, port: int, plan_dicts: list[dict], queue, setup: str | None = None,
+            measure: str | None = None) -> None:
+    """Runs the plans one after another in one process group (one spawn and import for all).
+    `setup` ('module:function') is called first, in every worker; `measure` replaces
+    train_and_measure (same arguments)."""
     import torch
     import torch.distributed as dist
 
@@ -33,8 +44,11 @@ def _worker(rank: int, world: int, port: int, plan_dicts: list[dict], queue) -> 
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     try:
+        if setup is not None:
+            _function(setup)()
+        run = train_and_measure if measure is None else _function(measure)
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        outs = [train_and_measure(load_plan_dict(p), rank, world, world, torch.device("cpu")) for p in plan_dicts]
+        outs = [run(load_plan_dict(p), rank, world, world, torch.device("cpu")) for p in plan_dicts]
         if rank == 0:
             queue.put(("ok", outs))
     except Exception:
@@ -63,16 +77,18 @@ def run_on_gloo(plan) -> dict:
     return run_plans_on_gloo([plan])[0]
 
 
-def run_plans_on_gloo(plans) -> list[dict]:
+def run_plans_on_gloo(plans, setup: str | None = None, measure: str | None = None) -> list[dict]:
     """Rank 0's measurements of several plans of one world size, run in order by the same
-    processes (what a test of many plans pays once: process start, imports, process group)."""
+    processes (what a test of many plans pays once: process start, imports, process group).
+    `setup`: 'module:function' each worker calls first (e.g. a test-only shim); `measure`:
+    'module:function' each worker runs per plan instead of train_and_measure (same arguments)."""
     ctx = _context()
     queue = ctx.SimpleQueue()
     world = plans[0].num_workers
     if any(p.num_workers != world for p in plans):
         raise ValueError("run_plans_on_gloo: every plan must have the same num_workers")
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, [p.to_dict() for p in plans], queue))
+    procs = [ctx.Process(target=_worker, args=(r, world, port, [p.to_dict() for p in plans], queue, setup, measure))
              for r in range(world)]
     for p in procs:
         p.start()

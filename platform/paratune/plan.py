@@ -333,6 +333,23 @@ def _check_cp_degrees(plan: "Plan") -> None:
     if plan.fsdp is not None and plan.fsdp.sharding == "hybrid":
         raise ValueError(f"cp: {cp} with fsdp.sharding 'hybrid'; allowed: 'full', 'grad_op' or 'no_shard' "
                          "(cp is folded into the shard group)")
+    if plan.sequence_parallel and plan.seq_len % (cp * plan.tp):
+        raise ValueError(f"cp: {cp} with sequence_parallel needs seq_len divisible by cp x tp = {cp * plan.tp} (each "
+                         f"rank's shard is split again over tp), got seq_len {plan.seq_len}")
+    # Attention kernels and sliding windows are the model's: paratune.preflight checks them before launch.
+    if plan.device == "cuda" and plan.precision == "fp32":
+        from paratune.models import ModelError, load_config_dict
+
+        try:
+            config = load_config_dict(plan.model, plan.model_overrides)
+        except ModelError:
+            return  # the model's own error is reported where the model is built
+        heads = config.get("num_attention_heads", 1)
+        kv_heads = config.get("num_key_value_heads") or heads
+        if kv_heads != heads:
+            raise ValueError(f"cp: {cp} with precision 'fp32' and grouped-query attention ({heads} heads, {kv_heads} "
+                             "KV heads): CUDA runs fp32 GQA on SDPA's math kernel only, which context parallel cannot "
+                             "ring; allowed: precision 'bf16' (flash attention)")
 
 
 def _check_zero_degrees(plan: "Plan") -> None:

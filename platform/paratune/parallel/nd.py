@@ -2,6 +2,8 @@
 
 Tensor parallelism innermost (inside a node), then data parallelism on the dp axis of every
 pipeline stage (FSDP2, hybrid FSDP2, FSDP2's `replicate` or DDP), pipeline stages outermost.
+Context parallelism (without pipeline stages) splits every sequence over the cp ranks, which
+hold the parameters as dp ranks do: the data-parallel layer spans dp x cp (paratune.parallel.cp).
 Everything is applied on the meta device; each rank then allocates and fills only its part.
 """
 
@@ -34,7 +36,7 @@ class DataParallelLayout:
 
     @classmethod
     def for_plan(cls, plan: Plan, dims: ParallelDims) -> "DataParallelLayout":
-        if dims.dp == 1:
+        if dims.dp * dims.cp == 1:  # cp ranks hold the same parameters: reduced like dp ranks
             return cls("none", False, False)
         bf16 = plan.precision == "bf16"
         if plan.strategy == "fsdp":
@@ -110,6 +112,10 @@ def _materialize_device(plan: Plan, device: torch.device, layout: DataParallelLa
 def parallelize_model_parallel(model: nn.Module, init: ModelInit, plan: Plan, device: torch.device,
                                local_world_size: int | None = None) -> StepRunner:
     dims = ParallelDims.from_plan(plan, device.type, local_world_size)
+    if dims.cp > 1:
+        from paratune.parallel.cp import check_cp_supported
+
+        check_cp_supported(model.config, plan, device)  # before anything is allocated
     layout = DataParallelLayout.for_plan(plan, dims)
     apply_activation_checkpointing(model, plan)
     if dims.tp > 1:
@@ -126,10 +132,16 @@ def parallelize_model_parallel(model: nn.Module, init: ModelInit, plan: Plan, de
         # With sequence parallelism the model sees a sequence shard; positions must be the full ones.
         return {"position_ids": torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)}
 
-    return StepRunner(wrapped, make_optimizer(params, plan), plan, device, _sync_context(wrapped, plan, layout),
-                      autocast=plan.precision == "bf16" and not layout.mixed_precision,
-                      clip=partial(clip_grad_norm, params, plan.grad_clip, tp_group=dims.mesh["tp"].get_group()),
-                      forward_extra=forward_extra if plan.sequence_parallel else None)
+    runner_args = (wrapped, make_optimizer(params, plan), plan, device, _sync_context(wrapped, plan, layout))
+    runner_kwargs = dict(autocast=plan.precision == "bf16" and not layout.mixed_precision,
+                         clip=partial(clip_grad_norm, params, plan.grad_clip, tp_group=dims.mesh["tp"].get_group()))
+    if dims.cp > 1:  # positions come with the sequence shard (sequence parallelism included)
+        from paratune.parallel.cp import CPStepRunner, configure_gradient_reduction
+
+        scale = configure_gradient_reduction(wrapped, layout.kind, dims.dp, dims.cp, device)
+        return CPStepRunner(*runner_args, cp_mesh=dims.cp_mesh, loss_scale=scale,
+                            tp_seq_shards=dims.tp if plan.sequence_parallel else 1, **runner_kwargs)
+    return StepRunner(*runner_args, **runner_kwargs, forward_extra=forward_extra if plan.sequence_parallel else None)
 
 
 class PipelineRunner(StepRunner):
