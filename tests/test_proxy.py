@@ -94,14 +94,15 @@ def test_proxy_keeps_per_layer_keys_and_a_tokenizer_vocab(tmp_path):
 
 
 def test_the_widest_proxy_trains_in_the_cpu_reference():
-    # The tp-8 proxy of the 70B space (16 heads, hidden 256) builds and trains in the single-process
-    # reference. One data-parallel step's worth of sequences: the space's global batch of 256 costs
-    # minutes on a shared 2-core CPU and adds nothing to what this shows.
+    # The widest proxy of the 70B space (tp 8 x pp 4: 16 heads, hidden 256, 8 layers) builds and
+    # trains in the single-process reference. The fewest sequences the plan allows (one per pipeline
+    # stage per dp rank): the space's global batch of 256 costs minutes on a shared 2-core CPU and
+    # adds nothing to what this shows.
     plan = max((c.plan for c in load_space(SPACES[0].parent / "llama3_70b_4x8.yaml").candidates),
                key=lambda p: (p.tp, p.pp))
     proxy = parity_proxy(plan)
     assert proxy.tp == 8
-    short = proxy.with_changes(global_batch=proxy.micro_batch * proxy.dp_degree)
+    short = proxy.with_changes(global_batch=proxy.micro_batch * proxy.dp_degree * proxy.pp)
     losses = reference_losses(short, steps=1)
     assert len(losses) == 1 and math.isfinite(losses[0])
 

@@ -201,7 +201,11 @@ def _rule_of(message: str) -> str:
 
 
 def enumerate_candidates(spec: SpaceFile) -> tuple[list[Candidate], int, Counter, dict[str, str]]:
-    """Every structural combination (strategy, its knobs, shared knobs), validated as a Plan."""
+    """Every structural combination (strategy, its knobs, shared knobs), validated as a Plan and
+    checked against the model (paratune.preflight): what the family cannot do is pruned here."""
+    from paratune.models import ModelError
+    from paratune.preflight import check_plan_against_model
+
     candidates: list[Candidate] = []
     removed: Counter = Counter()
     examples: dict[str, str] = {}
@@ -221,8 +225,10 @@ def enumerate_candidates(spec: SpaceFile) -> tuple[list[Candidate], int, Counter
                 plan_dict = {**spec.fixed, "strategy": strategy, strategy: dict(zip(knob_names, knob_values)),
                              **{name: v for (name, _), v in zip(shared, shared_values)}}
                 try:
-                    candidates.append(Candidate(choices, load_plan_dict(plan_dict)))
-                except PlanError as err:
+                    plan = load_plan_dict(plan_dict)
+                    check_plan_against_model(plan)  # the family's rules, on the meta model (cached)
+                    candidates.append(Candidate(choices, plan))
+                except (PlanError, ModelError) as err:
                     rule = _rule_of(str(err))
                     removed[rule] += 1
                     examples.setdefault(rule, str(err).splitlines()[0].removeprefix("plan: ").split(";")[0])

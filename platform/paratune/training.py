@@ -158,6 +158,13 @@ def run_training(plan: Plan | dict[str, Any], *, steps: int, checkpoint_every: i
     if steps < 1 or checkpoint_every < 1:
         return TrainingResult(status="failed", reason="invalid_config", name=name, steps=steps,
                               message=f"steps: got {steps}, checkpoint_every: got {checkpoint_every}; allowed: >= 1")
+    from paratune.models import ModelError, build_config
+    from paratune.preflight import check_plan_against_model
+
+    try:  # the model laid out as the plan asks, checked on the meta device before any worker starts
+        check_plan_against_model(plan, build_config(plan.model, plan.model_overrides))
+    except (ModelError, PlanError) as err:
+        return TrainingResult(status="failed", reason="invalid_config", message=str(err), name=name, steps=steps)
 
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
