@@ -20,3 +20,14 @@ def ray_local(tmp_path_factory):
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+def expected_parameter_share(plan) -> float:
+    """Parameters one rank should hold under a plan: the model over tp and pp, and over the ranks
+    FSDP2 shards across (the dp axis with cp folded in, or a hybrid shard group)."""
+    from paratune.models import build_config, parameter_counts
+
+    total = parameter_counts(build_config(plan.model, plan.model_overrides))["total"]
+    sharded = plan.strategy == "fsdp" and plan.fsdp.sharding != "no_shard"
+    shards = (plan.fsdp.shard_group_size or plan.dp_degree * plan.cp) if sharded else 1
+    return total / (plan.tp * plan.pp * shards)

@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 import pytest
-from conftest import BASE_PLAN
+from conftest import BASE_PLAN, expected_parameter_share
 from gloo_harness import run_plans_on_gloo
 
 from paratune.plan import CP_CPU_REASON, load_plan_dict
@@ -246,15 +246,6 @@ def _runs(world: int) -> dict:
         return {n: err for n in names}
 
 
-def _expected_share(plan) -> float:
-    """Parameters a rank holds: over tp, and over dp x cp where FSDP2 shards (cp folded in)."""
-    from paratune.models import build_config, parameter_counts
-
-    total = parameter_counts(build_config(plan.model, plan.model_overrides))["total"]
-    sharded = plan.strategy == "fsdp" and plan.fsdp.sharding != "no_shard"
-    return total / (plan.tp * (plan.dp_degree * plan.cp if sharded else 1))
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize("name", list(CASES))
 def test_cp_matches_reference(name):
@@ -272,7 +263,7 @@ def test_cp_matches_reference(name):
     for key, grad in grads.items():
         scale = max(1e-3, float(np.abs(reference[key]).max()))
         assert np.abs(grad - reference[key]).max() < 1e-5 * scale, key
-    share = _expected_share(plan)
+    share = expected_parameter_share(plan)
     assert 0.9 * share <= min(out["local_parameter_counts"]) <= max(out["local_parameter_counts"]) <= 1.1 * share
 
 

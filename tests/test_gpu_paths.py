@@ -68,13 +68,19 @@ def test_deepspeed_optimizer_only_with_zero():
 def test_offload_host_only_where_fsdp_was_applied():
     """FSDP2 CPU offload keeps shards on the host only where FSDP2 wraps the model (dp > 1); a
     tp/pp plan at dp 1 gets no FSDP2, so its model must be materialized on the device."""
-    from paratune.parallel.nd import _materialize_device
+    from paratune.parallel.dims import ParallelDims
+    from paratune.parallel.nd import DataParallelLayout, _materialize_device
 
-    plan = load_plan_dict({**BASE, "strategy": "fsdp", "tp": 2, "fsdp": {"cpu_offload": True}})
     cuda = torch.device("cuda", 0)
-    assert _materialize_device(plan, cuda, fsdp_applied=False) == cuda
-    assert _materialize_device(plan, cuda, fsdp_applied=True) == torch.device("cpu")
-    assert _materialize_device(plan.with_changes(fsdp={"cpu_offload": False}), cuda, fsdp_applied=True) == cuda
+
+    def device_of(plan):
+        return _materialize_device(cuda, DataParallelLayout.for_plan(plan, ParallelDims.from_plan(plan, "cuda")))
+
+    tp_only = load_plan_dict({**BASE, "strategy": "fsdp", "tp": 2, "fsdp": {"cpu_offload": True}})
+    assert tp_only.dp_degree == 1 and device_of(tp_only) == cuda
+    dp2_tp2 = tp_only.with_changes(num_workers=4)
+    assert dp2_tp2.dp_degree == 2 and device_of(dp2_tp2) == torch.device("cpu")
+    assert device_of(dp2_tp2.with_changes(fsdp={"cpu_offload": False})) == cuda
 
 
 def test_gpu_workers_raise_on_nccl_timeouts_unless_the_plan_says_otherwise():

@@ -9,7 +9,7 @@ import math
 
 import pytest
 from gloo_harness import run_on_gloo, run_plans_on_gloo
-from conftest import BASE_PLAN
+from conftest import BASE_PLAN, expected_parameter_share
 
 from paratune.plan import load_plan_dict
 from paratune.reference import max_loss_difference, reference_losses
@@ -98,16 +98,6 @@ def _model_parallel_runs(world: int) -> dict:
         return {n: err for n in names}
 
 
-def _expected_share(plan) -> float:
-    """Parameters a rank should hold: the model over tp and pp, and over dp where dp shards."""
-    from paratune.models import build_config, parameter_counts
-
-    total = parameter_counts(build_config(plan.model, plan.model_overrides))["total"]
-    sharded = plan.strategy == "fsdp" and plan.fsdp.sharding != "no_shard"
-    dp_shards = (plan.fsdp.shard_group_size or plan.dp_degree) if sharded else 1
-    return total / (plan.tp * plan.pp * dp_shards)
-
-
 @pytest.mark.parametrize("name", list(MODEL_PARALLEL))
 def test_model_parallel_loss_parity(name):
     run = _model_parallel_runs(MODEL_PARALLEL[name]["num_workers"])[name]
@@ -115,7 +105,7 @@ def test_model_parallel_loss_parity(name):
         raise run
     plan, out = run
     assert max_loss_difference(out["losses"], reference_losses(plan)) < 1e-5
-    share = _expected_share(plan)
+    share = expected_parameter_share(plan)
     # Replicated norm weights under tp and layer counts that do not split evenly leave a few percent.
     assert 0.9 * share <= min(out["local_parameter_counts"]) <= max(out["local_parameter_counts"]) <= 1.1 * share, \
         (out["local_parameter_counts"], share)

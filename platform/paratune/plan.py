@@ -262,6 +262,23 @@ def _factorizations(world: int) -> str:
                      for p in range(1, world // t + 1) if (world // t) % p == 0)
 
 
+def _model_numbers(plan: "Plan") -> dict[str, Any] | None:
+    """The model's config as a dict for the rules that need its shape; None when it cannot be read
+    (the model's own error is reported where the model is built)."""
+    from paratune.models import ModelError, load_config_dict
+
+    try:
+        return load_config_dict(plan.model, plan.model_overrides)
+    except ModelError:
+        return None
+
+
+def _heads(config: dict[str, Any]) -> tuple[int, int]:
+    """(attention heads, key/value heads) of a config dict."""
+    heads = config.get("num_attention_heads", 1)
+    return heads, config.get("num_key_value_heads") or heads
+
+
 def _check_degrees(plan: "Plan") -> None:
     """Static rules of the parallel degrees (torchtitan's ParallelDims, with the model's shape)."""
     tp, pp, world = plan.tp, plan.pp, plan.num_workers
@@ -287,14 +304,10 @@ def _check_degrees(plan: "Plan") -> None:
     if tp > 1 and plan.gpus_per_node and (tp > plan.gpus_per_node or plan.gpus_per_node % tp):
         raise ValueError(f"tp: {tp} crosses node boundaries (gpus_per_node {plan.gpus_per_node}); allowed: "
                          f"{[d for d in range(1, plan.gpus_per_node + 1) if plan.gpus_per_node % d == 0]}")
-    from paratune.models import ModelError, load_config_dict
-
-    try:
-        config = load_config_dict(plan.model, plan.model_overrides)
-    except ModelError:
-        return  # the model's own error is reported where the model is built
-    heads = config.get("num_attention_heads", 1)
-    kv_heads = config.get("num_key_value_heads") or heads
+    config = _model_numbers(plan)
+    if config is None:
+        return
+    heads, kv_heads = _heads(config)
     layers = config.get("num_hidden_layers", 1)
     if tp > 1 and (heads % tp or kv_heads % tp):
         raise ValueError(f"tp: {tp} must divide attention heads ({heads}) and KV heads ({kv_heads}); allowed: "
@@ -338,14 +351,10 @@ def _check_cp_degrees(plan: "Plan") -> None:
                          f"rank's shard is split again over tp), got seq_len {plan.seq_len}")
     # Attention kernels and sliding windows are the model's: paratune.preflight checks them before launch.
     if plan.device == "cuda" and plan.precision == "fp32":
-        from paratune.models import ModelError, load_config_dict
-
-        try:
-            config = load_config_dict(plan.model, plan.model_overrides)
-        except ModelError:
-            return  # the model's own error is reported where the model is built
-        heads = config.get("num_attention_heads", 1)
-        kv_heads = config.get("num_key_value_heads") or heads
+        config = _model_numbers(plan)
+        if config is None:
+            return
+        heads, kv_heads = _heads(config)
         if kv_heads != heads:
             raise ValueError(f"cp: {cp} with precision 'fp32' and grouped-query attention ({heads} heads, {kv_heads} "
                              "KV heads): CUDA runs fp32 GQA on SDPA's math kernel only, which context parallel cannot "

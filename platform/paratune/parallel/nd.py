@@ -103,7 +103,7 @@ def _sync_context(module: nn.Module, plan: Plan, layout: DataParallelLayout):
     return context
 
 
-def _materialize_device(plan: Plan, device: torch.device, layout: DataParallelLayout) -> torch.device:
+def _materialize_device(device: torch.device, layout: DataParallelLayout) -> torch.device:
     """The host only where FSDP2 wraps with CPU offload (it moves each block's parameters to the
     device around its compute); anything else must live on the device."""
     return torch.device("cpu") if layout.offload else device
@@ -123,7 +123,7 @@ def parallelize_model_parallel(model: nn.Module, init: ModelInit, plan: Plan, de
     if dims.pp > 1:
         return _parallelize_pipeline(model, init, plan, device, dims, layout)
     _apply_dp_on_meta(model, decoder_blocks(model), plan, dims, layout)
-    materialize(model, init, _materialize_device(plan, device, layout))
+    materialize(model, init, _materialize_device(device, layout))
     move_buffers(model, device)
     wrapped = _wrap_ddp(model, plan, dims, layout)
     params = list(wrapped.parameters())
@@ -187,7 +187,7 @@ def _parallelize_pipeline(model: nn.Module, init: ModelInit, plan: Plan, device:
     for _, module in owned:
         _apply_dp_on_meta(module, list(module.layers), plan, dims, layout)
     # Only this rank's stages are allocated and filled; the rest of the model never exists here.
-    materialize(model, init, _materialize_device(plan, device, layout), modules=[module for _, module in owned])
+    materialize(model, init, _materialize_device(device, layout), modules=[module for _, module in owned])
     for _, module in owned:
         move_buffers(module, device)
         # bf16 compute: FSDP2's MixedPrecisionPolicy where it wraps the stages, else autocast in
