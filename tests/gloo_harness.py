@@ -109,3 +109,20 @@ def run_plans_on_gloo(plans, setup: str | None = None, measure: str | None = Non
     if status != "ok":
         raise RuntimeError(payload)
     return payload
+
+
+def run_named_batch(named_plans: dict, **kwargs) -> dict:
+    """Plans of one world size (by case name) run as one batch: name -> (plan, rank 0's output).
+    A failure is kept for every name, so each test re-raises it (`batch_result`) instead of re-running."""
+    names, plans = list(named_plans), list(named_plans.values())
+    try:
+        return dict(zip(names, zip(plans, run_plans_on_gloo(plans, **kwargs))))
+    except RuntimeError as err:
+        return {n: err for n in names}
+
+
+def batch_result(run) -> tuple:
+    """(plan, output) of one case of `run_named_batch`, or its batch's failure raised."""
+    if isinstance(run, Exception):
+        raise run
+    return run

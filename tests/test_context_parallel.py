@@ -13,7 +13,7 @@ import functools
 import numpy as np
 import pytest
 from conftest import BASE_PLAN, expected_parameter_share
-from gloo_harness import run_plans_on_gloo
+from gloo_harness import batch_result, run_named_batch
 
 from paratune.plan import CP_CPU_REASON, load_plan_dict
 from paratune.reference import max_loss_difference, reference_losses
@@ -238,21 +238,14 @@ def _reference(plan) -> tuple[list[float], dict]:
 def _runs(world: int) -> dict:
     """Every case of one world size, run by one set of gloo processes with the shim installed."""
     cases = {**CASES, **BF16}
-    names = [n for n, case in cases.items() if case["num_workers"] == world]
-    plans = [_plan(cases[n]) for n in names]
-    try:
-        return dict(zip(names, zip(plans, run_plans_on_gloo(plans, setup=SHIM, measure=MEASURE))))
-    except RuntimeError as err:
-        return {n: err for n in names}
+    return run_named_batch({n: _plan(case) for n, case in cases.items() if case["num_workers"] == world},
+                           setup=SHIM, measure=MEASURE)
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("name", list(CASES))
 def test_cp_matches_reference(name):
-    run = _runs(CASES[name]["num_workers"])[name]
-    if isinstance(run, Exception):
-        raise run
-    plan, out = run
+    plan, out = batch_result(_runs(CASES[name]["num_workers"])[name])
     reference_loss, reference = _reference(plan)
     assert max_loss_difference(out["losses"], reference_loss) < 1e-5, out["losses"]
     assert set(out["linear_matmul_dtypes"]) == {"float32"}
@@ -270,9 +263,6 @@ def test_cp_matches_reference(name):
 @pytest.mark.integration
 @pytest.mark.parametrize("name", list(BF16))
 def test_cp_bf16_trains_close_to_reference(name):
-    run = _runs(BF16[name]["num_workers"])[name]
-    if isinstance(run, Exception):
-        raise run
-    plan, out = run
+    plan, out = batch_result(_runs(BF16[name]["num_workers"])[name])
     assert max_loss_difference(out["losses"], _reference(plan)[0]) < 0.05
     assert set(out["linear_matmul_dtypes"]) == {"bfloat16"}

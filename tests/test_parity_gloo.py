@@ -8,7 +8,7 @@ import functools
 import math
 
 import pytest
-from gloo_harness import run_on_gloo, run_plans_on_gloo
+from gloo_harness import batch_result, run_named_batch, run_on_gloo
 from conftest import BASE_PLAN, expected_parameter_share
 
 from paratune.plan import load_plan_dict
@@ -90,20 +90,13 @@ MODEL_PARALLEL = {
 def _model_parallel_runs(world: int) -> dict:
     """Every model-parallel case of one world size, run by one set of processes (start-up paid once).
     A failure is kept and re-raised by each test of that world size, not re-run."""
-    names = [n for n, case in MODEL_PARALLEL.items() if case["num_workers"] == world]
-    plans = [load_plan_dict({**BASE_PLAN, **MODEL_PARALLEL[n]}) for n in names]
-    try:
-        return dict(zip(names, zip(plans, run_plans_on_gloo(plans))))
-    except RuntimeError as err:
-        return {n: err for n in names}
+    return run_named_batch({n: load_plan_dict({**BASE_PLAN, **case}) for n, case in MODEL_PARALLEL.items()
+                            if case["num_workers"] == world})
 
 
 @pytest.mark.parametrize("name", list(MODEL_PARALLEL))
 def test_model_parallel_loss_parity(name):
-    run = _model_parallel_runs(MODEL_PARALLEL[name]["num_workers"])[name]
-    if isinstance(run, Exception):
-        raise run
-    plan, out = run
+    plan, out = batch_result(_model_parallel_runs(MODEL_PARALLEL[name]["num_workers"])[name])
     assert max_loss_difference(out["losses"], reference_losses(plan)) < 1e-5
     share = expected_parameter_share(plan)
     # Replicated norm weights under tp and layer counts that do not split evenly leave a few percent.

@@ -8,7 +8,7 @@ micro-batches, and step the optimizer.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -85,22 +85,40 @@ class StepRunner:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
+    # Each rank's loss is multiplied by this before backward (context parallelism: DDP averages
+    # over dp x cp ranks where the step needs the sum over cp).
+    loss_scale: float = 1.0
+
+    @contextlib.contextmanager
+    def micro_batch_inputs(self, ids: torch.Tensor) -> Iterator[dict]:
+        """The model's keyword arguments for one micro-batch; forward and backward run inside."""
+        yield {"input_ids": ids, "labels": ids, **self._forward_extra(ids)}
+
+    def step_loss(self, total: torch.Tensor) -> torch.Tensor:
+        """The step's summed micro-batch losses as the reference computes them (hook: cp sums ranks)."""
+        return total
+
     def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor | None:
         """One optimizer step; the mean loss, or None on a rank that computes no loss (a PP stage)."""
         n = len(micro_batches)
         total = torch.zeros((), device=self.device)
         for i, ids in enumerate(micro_batches):
-            with self._sync_context(self.steps_done, i == n - 1):
+            with self._sync_context(self.steps_done, i == n - 1), self.micro_batch_inputs(ids) as inputs:
                 with self._autocast_ctx():
-                    loss = self.model(input_ids=ids, labels=ids, **self._forward_extra(ids)).loss
-                (loss / n).backward()
+                    loss = self.model(**inputs).loss
+                (loss * self.loss_scale / n).backward()
             total += loss.detach().float()
+        total = self.step_loss(total)
+        self.optimizer_step()
+        return total / n
+
+    def optimizer_step(self) -> None:
+        """Clip (when the plan does), step and zero the gradients: the end of every step."""
         if self.plan.grad_clip > 0:
             self.clip_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
-        return total / n
 
     def save_state(self, path: str) -> None:
         """Model and optimizer state, sharded as the strategy holds it (torch.distributed.checkpoint:

@@ -148,20 +148,10 @@ class CPStepRunner(StepRunner):
         super().__init__(*args, **kwargs)
         self.cp_mesh, self.loss_scale, self.tp_seq_shards = cp_mesh, loss_scale, tp_seq_shards
 
-    def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
-        n = len(micro_batches)
-        total = torch.zeros((), device=self.device)  # this rank's share of the micro-batch means
-        for i, ids in enumerate(micro_batches):
-            sync = self._sync_context(self.steps_done, i == n - 1)
-            with sync, sequence_shard(ids, self.cp_mesh, self.tp_seq_shards) as inputs:
-                with self._autocast_ctx():
-                    loss = self.model(**inputs).loss
-                (loss * self.loss_scale / n).backward()  # backward inside: the ring runs there too
-            total += loss.detach().float()
-        dist.all_reduce(total, group=self.cp_mesh.get_group())
-        if self.plan.grad_clip > 0:
-            self.clip_gradients()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.steps_done += 1
-        return total / n
+    def micro_batch_inputs(self, ids: torch.Tensor):
+        # Backward runs inside too: the ring runs there as well.
+        return sequence_shard(ids, self.cp_mesh, self.tp_seq_shards)
+
+    def step_loss(self, total: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(total, group=self.cp_mesh.get_group())  # this rank's shares -> the micro-batch means
+        return total

@@ -155,18 +155,17 @@ class PipelineRunner(StepRunner):
     def micro_batch_roots(self) -> list[nn.Module]:
         return list(self.model)  # each stage module is entered once per micro-batch
 
+    def clip_gradients(self) -> None:
+        clip_grad_norm(list(self.model.parameters()), self.plan.grad_clip, pp_group=self.pp_group,
+                       tp_group=self.tp_group)
+
     def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor | None:
         batch = torch.cat(micro_batches)
         losses: list[torch.Tensor] = []
         args = (batch,) if self.has_first else ()
         kwargs = {"target": batch, "losses": losses} if self.has_last else {}
         self.schedule.step(*args, **kwargs)
-        if self.plan.grad_clip > 0:
-            clip_grad_norm(list(self.model.parameters()), self.plan.grad_clip, pp_group=self.pp_group,
-                           tp_group=self.tp_group)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.steps_done += 1
+        self.optimizer_step()
         return torch.stack([loss.detach().float() for loss in losses]).mean() if self.has_last else None
 
 
