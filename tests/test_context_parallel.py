@@ -266,3 +266,51 @@ def test_cp_bf16_trains_close_to_reference(name):
     plan, out = batch_result(_runs(BF16[name]["num_workers"])[name])
     assert max_loss_difference(out["losses"], _reference(plan)[0]) < 0.05
     assert set(out["linear_matmul_dtypes"]) == {"bfloat16"}
+
+
+_REDUCTION_PROBE = """
+import json, os, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from paratune.parallel.cp import configure_gradient_reduction
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PROBE_PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+out = {}
+for device in ("cpu", "cuda"):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    scale = configure_gradient_reduction(model, "fsdp", dp=2, cp=2, device=torch.device(device))
+    # every FSDP unit that holds parameters (the two layers; the root holds none)
+    groups = [g for m in model.modules() if hasattr(m, "_get_fsdp_state") for g in m._get_fsdp_state()._fsdp_param_groups]
+    out[device] = {"scale": scale, "units": len(groups), "factors": sorted({g.gradient_divide_factor for g in groups}),
+                   "force_sum": sorted({bool(g.force_sum_reduction_for_comms) for g in groups})}
+print(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp_reduction_over_dp_x_cp_divides_by_dp_and_sums_only_on_gloo():
+    """On GPUs FSDP2 divides by dp inside NCCL's reduction (PREMUL_SUM); gloo has no PREMUL_SUM, so
+    only CPU workers force a plain sum (divided after). Real FSDP2 units on a one-rank gloo group."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    platform_dir = str(Path(__file__).parents[1] / "platform")
+    env = {**os.environ, "PROBE_PORT": str(port), "PYTHONPATH": platform_dir}
+    done = subprocess.run([sys.executable, "-c", _REDUCTION_PROBE], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for device in ("cpu", "cuda"):
+        assert out[device]["units"] == 2 and out[device]["factors"] == [2.0] and out[device]["scale"] == 1.0
+    assert out["cpu"]["force_sum"] == [True] and out["cuda"]["force_sum"] == [False]
