@@ -16,6 +16,16 @@ def test_presets_include_cpu_and_real_shapes():
     assert cfg.model_type == "qwen2" and cfg.num_key_value_heads == 4
 
 
+def test_every_listed_preset_builds():
+    """`paratune models` builds every listed preset: the device table beside them is not one."""
+    names = preset_names()
+    assert "devices" not in names
+    for name in names:
+        assert build_config(name).num_hidden_layers >= 1
+    with pytest.raises(ModelError, match="neither a preset"):
+        build_config("devices")
+
+
 def test_same_seed_same_weights_different_seed_different():
     cfg = build_config("tiny-llama")
     a, b, c = build_model(cfg, seed=3), build_model(cfg, seed=3), build_model(cfg, seed=4)

@@ -17,14 +17,18 @@ class ModelError(ValueError):
     """A model spec that cannot be built (unknown preset, bad path, not a causal decoder)."""
 
 
+# Files in presets/ that are not model configs (the device table lives beside the models).
+NOT_MODELS = {"devices"}
+
+
 def preset_names() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json") if p.stem not in NOT_MODELS)
 
 
 def load_config_dict(model: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The config as a dict: a preset name or a path to a local config.json, then overrides."""
     preset = PRESET_DIR / f"{model}.json"
-    path = preset if preset.is_file() else Path(model)
+    path = preset if preset.is_file() and model not in NOT_MODELS else Path(model)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
