@@ -163,3 +163,19 @@ def test_comm_share_from_a_real_profile():
     assert any(e.name == "gloo:all_reduce" and not e.on_device for e in events)
     assert measure.comm_share_from_profile(prof, seconds, "cpu") == pytest.approx(0.5, abs=0.15)
     assert measure.comm_share_from_profile(prof, seconds, "cuda") == 0.0
+
+
+def test_stop_rule_waits_for_its_steps_then_stops_only_outside_both_noise_bands():
+    from paratune.measure import StopRule
+
+    # 1,000 tokens per step on 2 GPUs: a 1 s step is 500 tokens/s/GPU.
+    rule = StopRule(incumbent_tokens_per_s_per_gpu=1000.0, incumbent_spread=0.10, min_steps=2)
+    assert not rule.cannot_reach(1000, [2.0], 2)  # one step is not evidence
+    assert rule.cannot_reach(1000, [1.0, 1.0], 2)  # 500 x 1.05 < 1000 x 0.9
+    # Within the bands: 0.55 s -> 909 tokens/s/GPU, raised by 5% (954) > 900, so it runs on.
+    assert not rule.cannot_reach(1000, [0.55, 0.55], 2)
+    # Its own spread widens its band: a fast step among slow ones keeps it alive.
+    assert not rule.cannot_reach(1000, [0.58, 1.2], 2)
+    assert rule.upper_bound(1000, [0.58, 1.2], 2) == pytest.approx(1000 / (0.58 * 2) * (1 + (1.2 - 0.58) / 0.89))
+    text = rule.explain(1000, [1.0, 1.0], 2, planned=5)
+    assert "after 2 of 5 measured steps" in text and "900" in text

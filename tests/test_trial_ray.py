@@ -89,3 +89,18 @@ def test_hanging_worker_is_ended_by_the_trial_timeout(ray_local):
         time.sleep(1)
     assert ray.available_resources().get("CPU", 0) >= 2
     assert run_trial(load_plan_dict({**BASE_PLAN, "measure_steps": 1})).ok
+
+
+def test_a_trial_that_cannot_reach_the_incumbent_stops_early_with_its_partial_figures(ray_local):
+    from paratune.measure import StopRule
+
+    plan = load_plan_dict({**BASE_PLAN, "measure_steps": 5, "track_memory": True})
+    result = run_trial(plan, stop_rule=StopRule(incumbent_tokens_per_s_per_gpu=1e12, min_steps=2))
+    assert result.status == "stopped_early" and not result.ok and result.stopped_early
+    assert len(result.step_times_s) == 2 and len(result.losses) == plan.warmup_steps + 2
+    assert result.tokens_per_s_per_gpu > 0 and "after 2 of 5 measured steps" in result.message
+    assert result.peak_memory_bytes == [0, 0]  # its extra memory-tracked step was skipped
+    # An incumbent it can beat: every measured step runs, and the result is a full measurement.
+    full = run_trial(plan, stop_rule=StopRule(incumbent_tokens_per_s_per_gpu=1e-3, min_steps=2))
+    assert full.ok and len(full.step_times_s) == 5 and min(full.peak_memory_bytes) > 0
+    assert full.losses[: len(result.losses)] == pytest.approx(result.losses, abs=1e-6)

@@ -252,3 +252,40 @@ def mfu(tokens_per_s_per_gpu: float, flops_per_tok: float, peak_flops: float | N
     if not peak_flops:
         return None
     return tokens_per_s_per_gpu * flops_per_tok / peak_flops
+
+
+# --------------------------------------------------------------------------- early stopping
+# A noise band never narrower than this: a handful of steps understates the spread a re-run sees.
+NOISE_FLOOR = 0.05
+
+
+class StopRule(NamedTuple):
+    """When a running trial is stopped early: after `min_steps` measured steps, if even its fastest
+    step, raised by its own noise band, stays below the incumbent lowered by the incumbent's band
+    (outside both noise bands), it cannot reach the incumbent."""
+
+    incumbent_tokens_per_s_per_gpu: float
+    incumbent_spread: float = 0.0  # the incumbent's (p90 - p10) / median
+    min_steps: int = 2
+    noise_floor: float = NOISE_FLOOR
+
+    def upper_bound(self, tokens_per_step: int, step_times: list[float], world_size: int) -> float:
+        """The most tokens/s/GPU the trial can still reach: its fastest step, plus its noise band."""
+        fastest = min(step_times)
+        stats = step_stats(step_times)
+        own_band = max(self.noise_floor, (stats.maximum - stats.minimum) / stats.median)
+        return tokens_per_step / (fastest * world_size) * (1 + own_band)
+
+    def incumbent_floor(self) -> float:
+        return self.incumbent_tokens_per_s_per_gpu * (1 - max(self.noise_floor, self.incumbent_spread))
+
+    def cannot_reach(self, tokens_per_step: int, step_times: list[float], world_size: int) -> bool:
+        if len(step_times) < self.min_steps:
+            return False
+        return self.upper_bound(tokens_per_step, step_times, world_size) < self.incumbent_floor()
+
+    def explain(self, tokens_per_step: int, step_times: list[float], world_size: int, planned: int) -> str:
+        return (f"stopped early after {len(step_times)} of {planned} measured steps: at best "
+                f"{self.upper_bound(tokens_per_step, step_times, world_size):,.0f} tokens/s/GPU (fastest step + its "
+                f"noise band) < the incumbent's {self.incumbent_floor():,.0f} ({self.incumbent_tokens_per_s_per_gpu:,.0f} "
+                f"less its noise band)")

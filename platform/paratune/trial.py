@@ -25,14 +25,17 @@ from paratune import measure
 from paratune.failures import Reason, classify
 from paratune.plan import Plan, PlanError, load_plan_dict
 
-# Fault injection for tests: "kill:rank=1:step=2[:delay_s=3]" | "hang:rank=0:step=1" | "none".
+# Fault injection for tests: "kill:rank=1:step=2[:delay_s=3][:seed=7]" | "hang:rank=0:step=1" | "none"
+# (seed=N: only in plans with that seed, so one plan of several in a reused worker group fails).
 FAULT_ENV = "PARATUNE_FAULT"
 
 
 class TrialResult(BaseModel):
     """What one trial measured, or why it failed."""
 
-    status: Literal["ok", "failed"]
+    # stopped_early: a loser seen in its first measured steps (measure.StopRule); its partial
+    # figures are kept, and it is neither a failure nor a full measurement.
+    status: Literal["ok", "failed", "stopped_early"]
     reason: Reason | None = None
     message: str | None = None
     plan: dict[str, Any]
@@ -66,6 +69,10 @@ class TrialResult(BaseModel):
     def ok(self) -> bool:
         return self.status == "ok"
 
+    @property
+    def stopped_early(self) -> bool:
+        return self.status == "stopped_early"
+
     @classmethod
     def failed(cls, plan: Plan | dict, reason: Reason, message: str, world_size: int = 0, **kw: Any) -> "TrialResult":
         plan_dict = plan.to_dict() if isinstance(plan, Plan) else dict(plan)
@@ -79,13 +86,15 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def maybe_inject_fault(rank: int, step: int) -> None:
+def maybe_inject_fault(rank: int, step: int, seed: int | None = None) -> None:
     spec = os.environ.get(FAULT_ENV)
     if not spec or spec == "none":
         return
     kind, *fields = spec.split(":")
     where = dict(f.split("=", 1) for f in fields)
     if int(where.get("rank", -1)) != rank or int(where.get("step", -1)) != step:
+        return
+    if "seed" in where and int(where["seed"]) != seed:
         return
     time.sleep(float(where.get("delay_s", 0)))  # e.g. a node lost some seconds into the step
     if kind == "kill":
@@ -186,8 +195,13 @@ def _local_parameter_count(runner) -> int:
     return sum(held(p) for p in params)
 
 
-def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, device: torch.device) -> dict[str, Any]:
-    """Everything a worker does. Returns the same dict on every rank (reduced across ranks)."""
+def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, device: torch.device,
+                      stop_rule: measure.StopRule | None = None) -> dict[str, Any]:
+    """Everything a worker does. Returns the same dict on every rank (reduced across ranks).
+
+    With a stop rule, each measured step's slowest-rank time is agreed on by all ranks (one small
+    all-reduce after the clock is read), so every rank stops at the same step when the trial
+    cannot reach the incumbent; the extra profiled and memory-tracked steps are then skipped."""
     import torch.distributed as dist
 
     from paratune.data import TokenBatches
@@ -213,10 +227,12 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         return [m.to(device) for m in data.micro_batches(step, dp_rank, dims.dp, plan.micro_batch)]
 
     losses, times = [], []
+    slowest: list[float] = []  # measured steps, slowest rank (only with a stop rule)
+    stopped = False
     first_step_at = None
     dtypes = LinearMatmulDtypes()
     for step in range(plan.total_steps):
-        maybe_inject_fault(rank, step)
+        maybe_inject_fault(rank, step, plan.seed)
         micro = batches(step)
         if step == plan.warmup_steps and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -231,6 +247,13 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         sync_device(device)
         times.append(time.perf_counter() - t0)
         losses.append(loss)
+        if stop_rule is not None and step >= plan.warmup_steps:
+            agreed = torch.tensor([times[-1]], dtype=torch.float64, device=device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            slowest.append(float(agreed))
+            if step + 1 < plan.total_steps and stop_rule.cannot_reach(plan.tokens_per_step, slowest, world):
+                stopped = True
+                break
 
     all_losses, all_times = reduce_losses_and_times(losses, times, device)
     step_times = all_times[plan.warmup_steps :]
@@ -241,9 +264,11 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         "first_step_epoch_s": first_step_at,
         "env_seen": env_seen,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "stopped_early": stopped,
+        "planned_measure_steps": plan.measure_steps,
     }
     extra_step = plan.total_steps
-    if plan.profile_comm and world > 1:
+    if plan.profile_comm and world > 1 and not stopped:
         from torch.profiler import ProfilerActivity, profile
 
         micro = batches(extra_step)
@@ -262,6 +287,8 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
         method = "torch.cuda.max_memory_allocated over the measured steps"
+    elif stopped:
+        peak, method = 0, "not measured (stopped early)"
     elif plan.track_memory and plan.pp > 1:
         # MemTracker breaks inside pipeline schedules (and a failure on one rank would leave the
         # others waiting in the schedule's p2p), so pipeline plans report the process RSS.
@@ -313,7 +340,9 @@ def worker_loop(config: dict[str, Any]) -> dict[str, Any]:
     ctx = ray.train.get_context()
     plan = load_plan_dict(config["plan"])
     device = ray.train.torch.get_device()
-    return train_and_measure(plan, ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_world_size(), device)
+    rule = measure.StopRule(**config["stop_rule"]) if config.get("stop_rule") else None
+    return train_and_measure(plan, ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_world_size(), device,
+                             stop_rule=rule)
 
 
 # --------------------------------------------------------------------------- driver side
@@ -485,9 +514,10 @@ def default_storage() -> str:
     return os.environ.get("PARATUNE_STORAGE") or str(paratune_home() / "ray")
 
 
-def run_trial(plan: Plan | dict[str, Any], *, storage_path: str | Path | None = None,
-              ray_address: str | None = None) -> TrialResult:
-    """Run one plan on Ray Train and measure it. Never raises for a failing plan."""
+def check_before_launch(plan: Plan | dict[str, Any], ray_address: str | None = None) -> tuple[Plan, float] | TrialResult:
+    """(the plan, its model FLOPs per token), or the failed result that means no worker should
+    start: the plan's rules, the model's layout rules on the meta device, cp on CPU workers (a
+    cp plan on device 'auto' asks the cluster, joining Ray first)."""
     if not isinstance(plan, Plan):
         try:
             plan = load_plan_dict(plan)
@@ -505,25 +535,38 @@ def run_trial(plan: Plan | dict[str, Any], *, storage_path: str | Path | None = 
     except Exception as err:  # noqa: BLE001 - a config transformers accepts but cannot build
         return TrialResult.failed(plan, "invalid_config", f"model: '{plan.model}' cannot be built: "
                                   f"{type(err).__name__}: {err}")
+    if plan.cp > 1:  # device 'auto' on a cluster without GPUs (device 'cpu': the plan refuses)
+        ensure_ray(ray_address)
+        if wants_gpu(plan):
+            return plan, flops_tok
+        from paratune.plan import CP_CPU_REASON
 
+        return TrialResult.failed(plan, "invalid_config", f"cp: {plan.cp} on CPU workers: {CP_CPU_REASON}; "
+                                  "allowed: cp 1 on CPU")
+    return plan, flops_tok
+
+
+def run_trial(plan: Plan | dict[str, Any], *, storage_path: str | Path | None = None,
+              ray_address: str | None = None, stop_rule: measure.StopRule | None = None) -> TrialResult:
+    """Run one plan on Ray Train (its own worker group) and measure it. Never raises for a failing
+    plan. With a stop rule, a trial that cannot reach the incumbent ends as stopped_early."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
     import ray
 
+    checked = check_before_launch(plan, ray_address)
+    if isinstance(checked, TrialResult):
+        return checked
+    plan, flops_tok = checked
     ensure_ray(ray_address)
     use_gpu = wants_gpu(plan)
-    if plan.cp > 1 and not use_gpu:  # device 'auto' on a cluster without GPUs (device 'cpu': the plan refuses)
-        from paratune.plan import CP_CPU_REASON
-
-        return TrialResult.failed(plan, "invalid_config", f"cp: {plan.cp} on CPU workers: {CP_CPU_REASON}; "
-                                  "allowed: cp 1 on CPU")
     before = set(_placement_groups())
     trainer_cls = _timed_trainer_class()
     env = worker_env(plan, use_gpu)
     trainer = trainer_cls(
         worker_loop,
-        train_loop_config={"plan": plan.to_dict()},
+        train_loop_config={"plan": plan.to_dict(), "stop_rule": stop_rule._asdict() if stop_rule else None},
         scaling_config=ScalingConfig(num_workers=plan.num_workers, use_gpu=use_gpu,
                                      resources_per_worker=worker_resources(plan, use_gpu, ray.nodes() if use_gpu else None)),
         torch_config=TorchConfig(backend=process_group_backend(plan, use_gpu), timeout_s=int(plan.comm_timeout_s)),
@@ -550,17 +593,23 @@ def run_trial(plan: Plan | dict[str, Any], *, storage_path: str | Path | None = 
         reason, message = classify(error) if error is not None else ("error", "no result from rank 0")
         return TrialResult.failed(plan, reason, message, wall_s=wall)
     out["launch_s"] = out.pop("first_step_epoch_s") - fit_started
-    return summarize(plan, out, flops_tok, wall)
+    return summarize(plan, out, flops_tok, wall, stop_rule)
 
 
-def summarize(plan: Plan, out: dict[str, Any], flops_tok: float, wall_s: float | None = None) -> TrialResult:
-    """Turn a worker's raw measurements into the trial's numbers."""
+def summarize(plan: Plan, out: dict[str, Any], flops_tok: float, wall_s: float | None = None,
+              stop_rule: measure.StopRule | None = None) -> TrialResult:
+    """Turn a worker's raw measurements into the trial's numbers (partial ones for a trial
+    stopped early: its figures are over the measured steps it ran)."""
     step_times = out["step_times_s"]
+    stopped = bool(out.get("stopped_early"))
+    message = stop_rule.explain(plan.tokens_per_step, step_times, plan.num_workers, plan.measure_steps) \
+        if stopped and stop_rule is not None else ("stopped early" if stopped else None)
     stats = measure.step_stats(step_times)
     tps = measure.tokens_per_second_per_gpu(plan.tokens_per_step, step_times, plan.num_workers)
     peak = measure.device_peak_flops(out.get("device", "cpu"), plan.precision)
     return TrialResult(
-        status="ok", plan=plan.to_dict(), world_size=plan.num_workers, device=out.get("device", "cpu"),
+        status="stopped_early" if stopped else "ok", message=message,
+        plan=plan.to_dict(), world_size=plan.num_workers, device=out.get("device", "cpu"),
         tokens_per_step=plan.tokens_per_step, tokens_per_s_per_gpu=tps,
         step_time_median_s=stats.median, step_time_p10_s=stats.p10, step_time_p90_s=stats.p90,
         step_time_spread=stats.spread, mfu=measure.mfu(tps, flops_tok, peak), flops_per_token=flops_tok,
