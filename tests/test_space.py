@@ -52,7 +52,7 @@ def test_static_pruning_counts_and_reasons():
     ({"fixed": {"micro_batch": 2}}, r"micro_batch: both fixed and swept; allowed: fixed.micro_batch or space.micro_batch"),
     ({"fixed": {"sequence": 2}}, r"fixed: sequence: not a plan field; allowed: model, "),
     ({"fixed": {"seq_len": 2}}, r"fixed.seq_len: got 2; Input should be greater than or equal to 8"),
-    ({"search": {"algorithm": "bayes"}}, r"search.algorithm: got 'bayes'; Input should be 'tpe', 'random' or 'grid'"),
+    ({"search": {"algorithm": "bayes"}}, r"search.algorithm: got 'bayes'; Input should be 'calibrated', 'tpe', 'random' or 'grid'"),
 ])
 def test_space_errors_name_the_key_path_and_what_is_allowed(tmp_path, patch, expected):
     import yaml

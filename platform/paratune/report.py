@@ -113,7 +113,13 @@ def print_sweep(report, console: Console | None = None) -> None:
         table.add_row(str(i), s.label, f"{s.median:,.0f}", f"{s.relative_spread / 2:.0%}", str(len(s.values)),
                       _fmt(r.mfu, ".1%"), _fmt(peak, ",.1f"), mark)
     console.print(table)
-    failed = [e for e in report.entries if not e.result.ok]
+    failed = [e for e in report.entries if not e.result.ok and not e.result.stopped_early]
+    stopped = [e for e in report.entries if e.result.stopped_early]
+    if stopped:
+        console.print(f"{len(stopped)} trial(s) stopped early (their first measured steps could not reach the "
+                      "incumbent): " + ", ".join(strategy_label(e.result.plan) for e in stopped))
+    if getattr(report, "stop_reason", ""):
+        console.print(f"search stopped: {escape(report.stop_reason)}")
     if failed:
         console.print(f"[red]{len(failed)} failed trial(s):[/red]")
         for e in failed:
@@ -125,12 +131,18 @@ def print_sweep(report, console: Console | None = None) -> None:
                       f"{_fmt(mem, '.0%')}, of predicted step time {_fmt(step, '.0%')} (time model refitted "
                       f"after each trial: compute at {c['compute_efficiency']:.0%} of peak, "
                       f"+{c['overhead_s'] * 1e3:.0f} ms per step)")
+    m = getattr(report, "time_model", None)
+    if m and m.get("trials"):
+        console.print(f"step-time model ({m['source']}), each trial predicted before it ran: median |error| "
+                      f"{m['median_abs_error']:.1%}, worst {m['worst_abs_error']:.1%} over {m['trials']} trial(s); "
+                      f"error band now {m['error_band']:.0%}")
     t = report.time_split
     if t.get("trials_wall_s"):
         console.print(f"time: {t['trials_wall_s']:.0f} s in trials = {t['launch_s']:.0f} s launching "
                       f"({t['launch_s'] / t['trials_wall_s']:.0%}) + {t['measured_s']:.0f} s measured steps "
                       f"({t['measured_s'] / t['trials_wall_s']:.0%}) + {t['other_s']:.0f} s other "
-                      "(profiled/memory steps, teardown)")
+                      "(warm-up, profiled/memory steps, teardown)"
+                      + (f"; {t['profile_s']:.0f} s profiling the cluster" if t.get("profile_s") else ""))
     if verdict and verdict.winner is not None:
         console.print(f"winner: [bold]{verdict.winner.label}[/bold] — {verdict.winner.median:,.0f} tokens/s/GPU, "
                       f"loss parity vs single process: max |Δ| = {report.winner_parity:.1e}")

@@ -55,9 +55,18 @@ class Objective(_Strict):
 
 
 class SearchSettings(_Strict):
-    algorithm: Literal["tpe", "random", "grid"] = "tpe"
-    trials: int = Field(12, ge=1, le=10_000)
+    # calibrated: the plans predicted fastest by the step-time model (profiled on the cluster,
+    # refitted on each trial) first, stopping when none left can win (paratune.search).
+    algorithm: Literal["calibrated", "tpe", "random", "grid"] = "calibrated"
+    trials: int = Field(12, ge=1, le=10_000)  # the budget: at most this many trials
     seed: int = 0
+    # Stop a running trial whose first measured steps show it cannot reach the incumbent
+    # (measure.StopRule); it is recorded as stopped_early. Grid sweeps always measure fully.
+    early_stop: bool = True
+    early_stop_min_steps: int = Field(2, ge=1, le=100)
+    # Measure plans with the same world size and env one after another in one worker group
+    # (paratune.session), instead of launching workers for every trial.
+    reuse_workers: bool = True
     # Noise-aware verdict: re-measure the top plans side by side before naming a winner.
     top_k: int = Field(3, ge=1, le=10)
     remeasure_rounds: int = Field(2, ge=0, le=10)

@@ -22,8 +22,10 @@ from ray.tune import Callback
 from rich.console import Console
 from rich.markup import escape
 
+from paratune.measure import StopRule
 from paratune.plan import Plan, load_plan_dict
 from paratune.report import strategy_label
+from paratune.search import Incumbent, StoppingRule
 from paratune.space import Space
 from paratune.trial import TrialResult, ensure_ray, run_trial
 
@@ -154,9 +156,29 @@ class Ledger:
 
 
 def objective_value(result: TrialResult, memory_budget_gb: float | None) -> float:
-    """tokens/s/GPU, or 0 for a failed or over-budget trial (so the searcher learns to avoid it)."""
+    """tokens/s/GPU, or 0 for a failed or over-budget trial (so the searcher learns to avoid it).
+    A trial stopped early scores what its measured steps reached: a real figure below the
+    incumbent, not a failure."""
     result = apply_budget(result, memory_budget_gb)
-    return float(result.tokens_per_s_per_gpu) if result.ok and result.tokens_per_s_per_gpu else 0.0
+    usable = result.ok or result.stopped_early
+    return float(result.tokens_per_s_per_gpu) if usable and result.tokens_per_s_per_gpu else 0.0
+
+
+def incumbent_of(results: dict[str, TrialResult], memory_budget_gb: float | None) -> Incumbent | None:
+    """The best fully measured plan (stopped-early and failed trials never are)."""
+    full = {k: apply_budget(r, memory_budget_gb) for k, r in results.items()}
+    full = {k: r for k, r in full.items() if r.ok and r.tokens_per_s_per_gpu}
+    if not full:
+        return None
+    key = max(full, key=lambda k: full[k].tokens_per_s_per_gpu)
+    return Incumbent(key, float(full[key].tokens_per_s_per_gpu), float(full[key].step_time_spread or 0.0))
+
+
+def stop_rule_for(incumbent: Incumbent | None, min_steps: int) -> dict[str, Any] | None:
+    """What a trial launched now is stopped against (measure.StopRule as a dict), if anything."""
+    if incumbent is None:
+        return None
+    return StopRule(incumbent.tokens_per_s_per_gpu, incumbent.spread, min_steps)._asdict()
 
 
 def apply_budget(result: TrialResult, memory_budget_gb: float | None) -> TrialResult:
@@ -170,18 +192,30 @@ def apply_budget(result: TrialResult, memory_budget_gb: float | None) -> TrialRe
 
 
 # --------------------------------------------------------------------------- Tune parts
-def _trainable(config: dict[str, Any], *, plans: dict[str, dict], storage: str) -> None:
+def measure_plan(plan: dict[str, Any], stop_rule: dict[str, Any] | None, pool: str | None,
+                 storage: str | None = None) -> TrialResult:
+    """One measured trial: in a reused worker group of the sweep's pool (paratune.session) when
+    there is one, else in a worker group of its own."""
+    rule = StopRule(**stop_rule) if stop_rule else None
+    if pool:
+        from paratune.session import pool_measure
+
+        return pool_measure(pool, plan, rule)
+    return run_trial(load_plan_dict(plan), storage_path=storage, stop_rule=rule)
+
+
+def _trainable(config: dict[str, Any], *, plans: dict[str, dict], storage: str, pool: str | None = None) -> None:
     """One Tune trial = one measured Ray Train trial. Never raises for a failing plan."""
     from ray import tune
 
     key = config["point"]
-    result = run_trial(load_plan_dict(plans[key]), storage_path=storage)
+    result = measure_plan(plans[key], config.get("stop_rule"), pool, storage)
     tune.report({OBJECTIVE: result.tokens_per_s_per_gpu or 0.0, "point": key,
                  "trial_result": result.model_dump_json()})
 
 
 def _searcher(space: Space, algorithm: str, seed: int, ledger: Ledger, budget_gb: float | None, trials: int,
-              first: list[str] | None = None):
+              first: list[str] | None = None, early_stop_steps: int | None = None):
     """OptunaSearch (TPE or random) that never proposes a point twice, starts from the ledger and
     then measures `first` (the plans predicted fastest) before sampling."""
     import optuna
@@ -198,12 +232,14 @@ def _searcher(space: Space, algorithm: str, seed: int, ledger: Ledger, budget_gb
         def __init__(self) -> None:
             super().__init__(space=tree.define_by_run(), metric=OBJECTIVE, mode="max", sampler=sampler)
             self.known: dict[str, float] = {}  # point -> objective of finished trials
+            self.results: dict[str, TrialResult] = {}  # point -> finished trial (for the incumbent)
             self.pending: set[str] = set()
             for entry in ledger.search_entries():  # warm start: finished trials go into the study
                 value = objective_value(entry.result, budget_gb)
                 params, dists = tree.optuna_params(entry.key)
                 self._ot_study.add_trial(optuna.trial.create_trial(params=params, distributions=dists, value=value))
                 self.known[entry.key] = value
+                self.results[entry.key] = entry.result
             for key in first or []:
                 if key not in self.known:
                     self._ot_study.enqueue_trial(tree.optuna_params(key)[0])
@@ -215,6 +251,12 @@ def _searcher(space: Space, algorithm: str, seed: int, ledger: Ledger, budget_gb
             """See save()."""
 
         def suggest(self, trial_id: str):
+            config = self._suggest(trial_id)
+            if isinstance(config, dict) and early_stop_steps:
+                config["stop_rule"] = stop_rule_for(incumbent_of(self.results, budget_gb), early_stop_steps)
+            return config
+
+        def _suggest(self, trial_id: str):
             untried = [k for k in every_point if k not in self.known and k not in self.pending]
             if not untried:
                 return Searcher.FINISHED
@@ -250,8 +292,124 @@ def _searcher(space: Space, algorithm: str, seed: int, ledger: Ledger, budget_gb
             if key:
                 self.pending.discard(key)
                 self.known[key] = value
+                self.results[key] = tr
 
     return DedupOptunaSearch()
+
+
+# --------------------------------------------------------------------------- calibrated search
+class RooflineTimeModel:
+    """The roofline (estimate.Calibration) behind the step-time model's interface: what the
+    calibrated search falls back to when the cluster cannot be profiled."""
+
+    PRIOR_BAND = 0.25  # its out-of-sample median error was 18%, worst 35% (bench/results)
+
+    def __init__(self, calibration):
+        self.calibration = calibration
+        self.errors: list[float] = []
+
+    def predict(self, plan: Plan):
+        return self.calibration.predict(plan).time
+
+    def observe(self, plan: Plan, measured_step_s: float) -> dict[str, float]:
+        out = self.calibration.observe(plan, None, measured_step_s)
+        self.errors.append(abs(out["step_time_prediction_error"]))
+        return {"predicted_step_time_s": out["predicted_step_time_s"],
+                "step_time_prediction_error": out["step_time_prediction_error"]}
+
+    def error_band(self) -> float:
+        if len(self.errors) < 3:
+            return self.PRIOR_BAND
+        return max(sorted(self.errors)[int(0.9 * (len(self.errors) - 1))], 0.05)
+
+    def summary(self) -> dict[str, float]:
+        return {"error_band": self.error_band()}
+
+
+class TimePredictions:
+    """The sweep's step-time model over its points, shared by the searcher (what to measure
+    next) and the ledger callback (predicted beside measured in MLflow): each trial is observed
+    once, and its prediction is the one made before it ran (out of sample)."""
+
+    def __init__(self, model, plans: dict[str, dict[str, Any]], source: str):
+        self.model, self.source = model, source
+        self.plans = {key: load_plan_dict(plan) for key, plan in plans.items()}
+        self.observed: dict[str, dict[str, float]] = {}
+
+    def tokens_per_s(self) -> dict[str, float]:
+        return {key: float(self.model.predict(plan).tokens_per_s_per_gpu) for key, plan in self.plans.items()}
+
+    def observe(self, key: str, result: TrialResult) -> dict[str, float]:
+        if key in self.observed or key not in self.plans:
+            return self.observed.get(key, {})
+        out: dict[str, float] = {}
+        if (result.ok or result.stopped_early) and result.step_time_median_s:
+            out = dict(self.model.observe(self.plans[key], result.step_time_median_s))
+        self.observed[key] = out
+        return out
+
+    def errors(self) -> list[float]:
+        """|predicted / measured - 1| of every observed trial, each predicted before it ran."""
+        return [abs(o["step_time_prediction_error"]) for o in self.observed.values() if "step_time_prediction_error" in o]
+
+
+def _calibrated_searcher(predictions: TimePredictions, ledger: Ledger, budget_gb: float | None,
+                         early_stop_steps: int | None, stop_file: Path, rule: StoppingRule | None = None):
+    """A Tune searcher that measures the plan predicted fastest next and finishes by the
+    stopping rule (paratune.search), refitting the model on every trial as it completes."""
+    from ray.tune.search import Searcher
+
+    rule = rule or StoppingRule()
+
+    def label(key: str) -> str:
+        return strategy_label(predictions.plans[key].to_dict()) + _env_label(predictions.plans[key])
+
+    class CalibratedSearch(Searcher):
+        def __init__(self) -> None:
+            super().__init__(metric=OBJECTIVE, mode="max")
+            self.results: dict[str, TrialResult] = {}
+            self.pending: dict[str, str] = {}  # trial id -> point
+            for entry in ledger.search_entries():  # resumed: the model learns from the ledger
+                self.results[entry.key] = entry.result
+                predictions.observe(entry.key, entry.result)
+
+        def save(self, checkpoint_path: str) -> None:
+            """paratune resumes from its ledger, not from Tune's searcher state."""
+
+        def restore(self, checkpoint_path: str) -> None:
+            """See save()."""
+
+        def suggest(self, trial_id: str):
+            incumbent = incumbent_of(self.results, budget_gb)
+            full = sum(1 for r in self.results.values() if r.ok)
+            decision = rule.decide(predictions.tokens_per_s(), set(self.results), set(self.pending.values()),
+                                   incumbent, predictions.model.error_band(), full, label)
+            if decision.stop:
+                if self.pending:
+                    return None  # running trials may still change the incumbent or the model
+                stop_file.write_text(json.dumps({"reason": decision.reason, "after_trials": len(self.results)}))
+                return Searcher.FINISHED
+            self.pending[trial_id] = decision.next_key
+            return {"point": decision.next_key,
+                    "stop_rule": stop_rule_for(incumbent, early_stop_steps) if early_stop_steps else None}
+
+        def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+            key = self.pending.pop(trial_id, None)
+            if result and "trial_result" in result:
+                tr = TrialResult.model_validate_json(result["trial_result"])
+                key = result.get("point", key)
+            elif key is not None:
+                tr = TrialResult.failed(predictions.plans[key].to_dict(), "error", "the Tune trial itself failed")
+            else:
+                return
+            self.results[key] = tr
+            predictions.observe(key, tr)
+
+    return CalibratedSearch()
+
+
+def _env_label(plan: Plan) -> str:
+    return (" " + " ".join(f"{k}={v}" for k, v in sorted(plan.env.items()))) if plan.env else ""
 
 
 # --------------------------------------------------------------------------- the sweep
@@ -268,6 +426,9 @@ class SweepReport:
     time_split: dict[str, float] = field(default_factory=dict)
     pruning: str = ""
     calibration: dict[str, Any] = field(default_factory=dict)  # the cost model's errors and constants
+    stop_reason: str = ""  # why the calibrated search stopped measuring (its stated rule)
+    # The step-time model's out-of-sample errors (each trial predicted before it ran).
+    time_model: dict[str, Any] = field(default_factory=dict)
 
 
 class SweepError(RuntimeError):
@@ -345,39 +506,158 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
     plans = {point_key(p["choices"], p["env"]): space.plan_for(p["choices"], p["env"]).to_dict()
              for p in all_points(space)}
     remaining = min(remaining, len(plans) - len(ledger.keys()))
-
-    if remaining > 0:
-        callback = _LedgerCallback(ledger, tracker, parent, budget_gb, console, total=done + remaining, plans=plans,
-                                   calibration=calibration)
-        trainable = tune.with_resources(
-            tune.with_parameters(_trainable, plans=plans, storage=str(out_dir / "ray")),
-            {"CPU": 0, "memory": 1},  # the trial's workers hold the CPUs; 1 CPU here deadlocks 2-CPU clusters
-        )
-        if algorithm == "grid":
-            rank = {key: i for i, key in enumerate(fastest_first)}
-            todo = sorted((k for k in plans if k not in ledger.keys()), key=lambda k: rank.get(_candidate_key(k), len(rank)))
-            todo = todo[:remaining]
-            tune_config = tune.TuneConfig(num_samples=1, max_concurrent_trials=_concurrency(space))
-            param_space = {"point": tune.grid_search(todo)}
-        else:
-            tune_config = tune.TuneConfig(
-                search_alg=_searcher(space, algorithm, seed, ledger, budget_gb, trials,
-                                     first=[point_key(json.loads(key), (space.env_grid() or [{}])[0]) for key in
-                                            fastest_first[: space.spec.estimate.start_from_predicted]]),
-                num_samples=remaining, max_concurrent_trials=_concurrency(space))
-            param_space = {}
-        tuner = tune.Tuner(trainable, param_space=param_space, tune_config=tune_config,
-                           run_config=tune.RunConfig(name=f"tune-{len(ledger.entries)}", storage_path=str(out_dir / "tune"),
-                                                     callbacks=[callback], verbose=0))
-        tuner.fit()
-
-    report = SweepReport(out_dir, parent, ledger.entries, pruning=space.pruning_report())
-    if calibration is not None and not calibration.errors:  # resumed: calibrate on the ledger
-        for e in ledger.search_entries():
-            _observe(calibration, e.result)
-    _finish(space, report, ledger, tracker, budget_gb, console, calibration)
+    stop_file = out_dir / "stopped.json"
+    pool = _start_pool(console) if settings.reuse_workers else None
+    try:
+        predictions, profile_s = None, 0.0
+        if algorithm == "calibrated":
+            predictions, profile_s = _time_predictions(space, plans, calibration, pool, console)
+        if remaining > 0 and not (algorithm == "calibrated" and stop_file.exists()):
+            _search(space, plans, algorithm, seed, trials, remaining, done, ledger, tracker, parent, budget_gb, console,
+                    calibration, predictions, fastest_first, pool, out_dir, stop_file)
+        report = SweepReport(out_dir, parent, ledger.entries, pruning=space.pruning_report())
+        if stop_file.exists():
+            report.stop_reason = json.loads(stop_file.read_text())["reason"]
+            console.print(f"[bold]search stopped[/bold] after {len(ledger.search_entries())} of {len(plans)} plans: "
+                          f"{escape(report.stop_reason)}")
+            tracker.client.set_tag(parent, "paratune.stop_reason", report.stop_reason[:5000])
+        if calibration is not None and not calibration.errors:  # resumed: calibrate on the ledger
+            for e in ledger.search_entries():
+                _observe(calibration, e.result)
+        if predictions is not None:
+            report.time_model = _time_model_report(predictions)
+        _finish(space, report, ledger, tracker, budget_gb, console, calibration, pool)
+    finally:
+        if pool is not None:
+            _close_pool(pool)
+    report.time_split["profile_s"] = profile_s
     report.time_split["sweep_wall_s"] = time.perf_counter() - t_sweep
     return report
+
+
+def _search(space: Space, plans: dict[str, dict], algorithm: str, seed: int, trials: int, remaining: int, done: int,
+            ledger: Ledger, tracker, parent: str, budget_gb: float | None, console: Console, calibration,
+            predictions: TimePredictions | None, fastest_first: list[str], pool: str | None, out_dir: Path,
+            stop_file: Path) -> None:
+    """The trials, as a Ray Tune run: grid (every point, predicted fastest first), TPE/random
+    (Optuna) or calibrated (the step-time model and the stopping rule)."""
+    from ray import tune
+
+    settings = space.spec.search
+    early_stop_steps = settings.early_stop_min_steps if settings.early_stop else None
+    callback = _LedgerCallback(ledger, tracker, parent, budget_gb, console, total=done + remaining, plans=plans,
+                               calibration=calibration, predictions=predictions)
+    trainable = tune.with_resources(
+        tune.with_parameters(_trainable, plans=plans, storage=str(out_dir / "ray"), pool=pool),
+        {"CPU": 0, "memory": 1},  # the trial's workers hold the CPUs; 1 CPU here deadlocks 2-CPU clusters
+    )
+    param_space: dict[str, Any] = {}
+    if algorithm == "grid":  # the exhaustive reference: every point measured fully, never stopped early
+        rank = {key: i for i, key in enumerate(fastest_first)}
+        todo = sorted((k for k in plans if k not in ledger.keys()), key=lambda k: rank.get(_candidate_key(k), len(rank)))
+        tune_config = tune.TuneConfig(num_samples=1, max_concurrent_trials=_concurrency(space))
+        param_space = {"point": tune.grid_search(todo[:remaining])}
+    elif algorithm == "calibrated" and predictions is not None:
+        tune_config = tune.TuneConfig(
+            search_alg=_calibrated_searcher(predictions, ledger, budget_gb, early_stop_steps, stop_file),
+            num_samples=remaining, max_concurrent_trials=_concurrency(space))
+    else:
+        if algorithm == "calibrated":
+            console.print("[yellow]no step-time model: searching with TPE instead[/yellow]")
+            algorithm = "tpe"
+        tune_config = tune.TuneConfig(
+            search_alg=_searcher(space, algorithm, seed, ledger, budget_gb, trials,
+                                 first=[point_key(json.loads(key), (space.env_grid() or [{}])[0]) for key in
+                                        fastest_first[: space.spec.estimate.start_from_predicted]],
+                                 early_stop_steps=early_stop_steps),
+            num_samples=remaining, max_concurrent_trials=_concurrency(space))
+    tuner = tune.Tuner(trainable, param_space=param_space, tune_config=tune_config,
+                       run_config=tune.RunConfig(name=f"tune-{len(ledger.entries)}", storage_path=str(out_dir / "tune"),
+                                                 callbacks=[callback], verbose=0))
+    tuner.fit()
+
+
+def _time_predictions(space: Space, plans: dict[str, dict], calibration, pool: str | None,
+                      console: Console) -> tuple[TimePredictions | None, float]:
+    """The calibrated step-time model: the cluster's profile for these plans (stored per model,
+    device, cluster and env, so later sweeps reuse it; measured now if not), or the roofline
+    when profiling fails. Returns (predictions, seconds spent profiling)."""
+    t0 = time.perf_counter()
+    try:
+        from paratune.profile import ProfileStore, profile_requests_for, run_profile
+        from paratune.timemodel import StepTimeModel
+
+        store = ProfileStore()
+        device_name = calibration.device.name if calibration is not None else _device_tag()
+        profiles = []
+        for request in profile_requests_for([load_plan_dict(p) for p in plans.values()]):
+            profile = store.get(request, device_name)
+            if profile is None:
+                with console.status(f"profiling the cluster for the step-time model ({_request_label(request)})"):
+                    profile = run_profile(request, runner=_pool_runner(pool, request))
+                store.put(profile)
+                console.print(f"profiled {_request_label(request)} in {time.perf_counter() - t0:.0f} s")
+            else:
+                console.print(f"step-time model: the stored profile for {_request_label(request)}")
+            profiles.append(profile)
+        return TimePredictions(StepTimeModel(profiles), plans, "profile"), time.perf_counter() - t0
+    except Exception as err:  # noqa: BLE001 - the sweep still runs, on the roofline, and says so
+        console.print(f"[yellow]no profile ({type(err).__name__}: {escape(str(err))[:300]}); the calibrated search "
+                      "orders plans by the roofline instead[/yellow]")
+        if calibration is None:
+            return None, time.perf_counter() - t0
+        from paratune.estimate import Calibration
+
+        roofline = RooflineTimeModel(Calibration(calibration.device, calibration.capacity_gib))  # its own refits
+        return TimePredictions(roofline, plans, "roofline"), time.perf_counter() - t0
+
+
+def _request_label(request) -> str:
+    env = " ".join(f"{k}={v}" for k, v in sorted((getattr(request, "env", None) or {}).items()))
+    return f"{getattr(request, 'world_size', '?')} workers" + (f", {env}" if env else "")
+
+
+def _time_model_report(predictions: TimePredictions) -> dict[str, Any]:
+    import statistics
+
+    errors = predictions.errors()
+    out: dict[str, Any] = {"source": predictions.source, "trials": len(errors),
+                           "error_band": float(predictions.model.error_band())}
+    if errors:
+        out.update(median_abs_error=statistics.median(errors), worst_abs_error=max(errors))
+    return out
+
+
+# --------------------------------------------------------------------------- worker-group reuse
+def _start_pool(console: Console) -> str | None:
+    """A pool of reusable worker groups for this sweep (paratune.session), or None (then every
+    trial launches its own) if it cannot start."""
+    try:
+        from paratune.session import start_pool
+
+        return start_pool()
+    except Exception as err:  # noqa: BLE001 - measuring without reuse is slower, not wrong
+        console.print(f"[yellow]worker groups will not be reused ({type(err).__name__}: {escape(str(err))[:200]})[/yellow]")
+        return None
+
+
+def _close_pool(pool: str) -> None:
+    from paratune.session import close_pool
+
+    close_pool(pool)
+
+
+def _pool_runner(pool: str | None, request):
+    """run_profile's runner: the profile runs in one of the pool's worker groups (the one the
+    plans with this env will reuse), or None for a worker group of its own."""
+    if pool is None:
+        return None
+    from paratune.session import pool_run
+
+    def runner(function_path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        return pool_run(pool, function_path, payload, world_size=request.world_size, env=dict(request.env))
+
+    return runner
 
 
 def _predict(space: Space, budget_gb: float | None, console: Console):
@@ -439,9 +719,9 @@ class _LedgerCallback(Callback):
     """Driver side: as each trial finishes, record it in the ledger and MLflow, and say so."""
 
     def __init__(self, ledger: Ledger, tracker, parent: str, budget_gb: float | None, console: Console, total: int,
-                 plans: dict[str, dict], calibration=None):
+                 plans: dict[str, dict], calibration=None, predictions: TimePredictions | None = None):
         self.ledger, self.tracker, self.parent, self.plans = ledger, tracker, parent, plans
-        self.calibration = calibration
+        self.calibration, self.predictions = calibration, predictions
         self.budget_gb, self.console, self.total = budget_gb, console, total
 
     def __getstate__(self) -> dict:
@@ -456,9 +736,21 @@ class _LedgerCallback(Callback):
         result = apply_budget(result, self.budget_gb)
         # The ledger first (the durable record), then MLflow (idempotent; a resume fills gaps).
         self.ledger.append(LedgerEntry(number, key, result, "search"))
-        self.tracker.log_trial(self.parent, number, result, extra_metrics=_observe(self.calibration, result))
-        what = f"{result.tokens_per_s_per_gpu:,.0f} tokens/s/GPU" if result.ok else f"[red]{result.reason}[/red]: {escape(result.message or '')}"
-        self.console.print(f"trial {number}/{self.total} {strategy_label(result.plan)}: {what}")
+        metrics = _observe(self.calibration, result)
+        predicted = self.predictions.observe(key, result) if self.predictions is not None else {}
+        metrics.update(predicted)  # the calibrated model's step time replaces the roofline's
+        self.tracker.log_trial(self.parent, number, result, extra_metrics=metrics)
+        if result.ok:
+            what = f"{result.tokens_per_s_per_gpu:,.0f} tokens/s/GPU"
+        elif result.stopped_early:
+            what = f"[yellow]stopped early[/yellow] ({escape(result.message or '')})"
+        else:
+            what = f"[red]{result.reason}[/red]: {escape(result.message or '')}"
+        if "step_time_prediction_error" in predicted:
+            what += f" (predicted {predicted['predicted_step_time_s']:.3g} s/step, {predicted['step_time_prediction_error']:+.0%})"
+        env = load_plan_dict(result.plan).env if result.plan else {}
+        label = strategy_label(result.plan) + (" " + " ".join(f"{k}={v}" for k, v in sorted(env.items())) if env else "")
+        self.console.print(f"trial {number}/{self.total} {label}: {what}")
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         last = trial.last_result or {}
@@ -473,7 +765,7 @@ class _LedgerCallback(Callback):
 
 
 def _finish(space: Space, report: SweepReport, ledger: Ledger, tracker, budget_gb: float | None, console: Console,
-            calibration=None) -> None:
+            calibration=None, pool: str | None = None) -> None:
     """Re-measure the top plans side by side, decide with the noise, check parity, export."""
     from paratune.export import export_winner
     from paratune.verdict import Standing, complexity, decide
@@ -489,7 +781,7 @@ def _finish(space: Space, report: SweepReport, ledger: Ledger, tracker, budget_g
     if len(top) > 1:
         for round_ in range(rounds_done, settings.remeasure_rounds):
             for s in top:  # interleaved: every plan once per round, so drift hits all alike
-                result = apply_budget(run_trial(load_plan_dict(s.plan)), budget_gb)
+                result = apply_budget(measure_plan(s.plan, None, pool), budget_gb)
                 number = len(ledger.entries) + 1
                 ledger.append(LedgerEntry(number, s.key, result, "remeasure"))
                 tracker.log_trial(report.parent_run_id, number, result, phase="remeasure")

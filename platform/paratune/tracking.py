@@ -54,7 +54,8 @@ def trial_metrics(result: TrialResult) -> dict[str, float]:
     metrics = {name: float(getattr(result, name)) for name in SCALAR_METRICS if getattr(result, name) is not None}
     if result.peak_memory_bytes:
         metrics["peak_memory_gib"] = max(result.peak_memory_bytes) / 2**30
-    metrics["failed"] = 0.0 if result.ok else 1.0
+    metrics["failed"] = 1.0 if result.status == "failed" else 0.0
+    metrics["stopped_early"] = 1.0 if result.stopped_early else 0.0
     if result.losses:
         metrics["final_loss"] = result.losses[-1]
     return metrics
@@ -129,7 +130,11 @@ class SweepTracker:
         for i in range(0, len(metrics), 500):
             self.client.log_batch(run_id, metrics=metrics[i : i + 500])
         self.client.set_tag(run_id, "paratune.logged", "1")  # last: marks the run complete
-        self.client.set_terminated(run_id, status="FINISHED" if result.ok else "FAILED")
+        # A trial stopped early (it could not reach the incumbent) shows as KILLED, not FAILED.
+        status = "FINISHED" if result.ok else "KILLED" if result.stopped_early else "FAILED"
+        self.client.set_terminated(run_id, status=status)
+        if result.stopped_early and result.message:
+            self.client.set_tag(run_id, "paratune.stopped_early", result.message[:5000])
         return run_id
 
     def sync_ledger(self, parent_id: str, entries: list[Any]) -> int:
