@@ -1,9 +1,18 @@
-"""How many trials does each searcher need to get within 5% of the best plan?
+"""How much of a space must a sweep measure to find its best plan? TPE, random, calibrated.
 
-1. Measure every plan of a small space on CPU (a real grid sweep through `run_sweep`).
-2. Replay TPE and random search (the sweep's own CandidateTree and Optuna samplers, never
-   proposing a point twice) against that measured table, for several seeds, and count the
-   trials each needs to reach 95% of the grid's best.
+1. Measure every plan of bench/search_efficiency_space.yaml on CPU (a real grid sweep through
+   `run_sweep`, worker groups reused): the exhaustive table, with each plan's step times.
+2. Profile the cluster for those plans (paratune.profile) and build the step-time model.
+3. Replay each searcher against the table for 10 seeds. A replayed measurement of a plan is a
+   bootstrap resample (seeded) of its measured steps, so every seed sees different noise; the
+   quality of a search after n trials is the *table* value of the plan it would pick (the best
+   it observed), relative to the table's best. Every searcher gets early stopping as the sweep
+   gives it (measure.StopRule against its incumbent), and each trial costs its measured wall
+   time (a stopped trial: its launch and the steps it ran). The calibrated search is the sweep's
+   own: paratune.search.StoppingRule over StepTimeModel predictions, refitted after every trial.
+4. The model's ranking: predicted (profile only, before any trial) vs measured tokens/s: Kendall
+   tau and whether the measured best is in the predicted top 3; and each trial's step time
+   predicted before it ran, in the calibrated order (out of sample).
 
     .venv/bin/python bench/search_efficiency.py [--reuse DIR]   # writes bench/results/search_efficiency.*
 """
@@ -12,96 +21,288 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import optuna
 
 sys.path.insert(0, str(Path(__file__).parent))
 from machine import describe  # noqa: E402
 
+from paratune.measure import StopRule, step_stats, tokens_per_second_per_gpu  # noqa: E402
+from paratune.plan import load_plan_dict  # noqa: E402
+from paratune.report import strategy_label  # noqa: E402
+from paratune.search import Incumbent, StoppingRule  # noqa: E402
 from paratune.space import load_space  # noqa: E402
-from paratune.sweep import CandidateTree, Ledger, objective_value, run_sweep  # noqa: E402
+from paratune.sweep import CandidateTree, Ledger, run_sweep  # noqa: E402
 
 HERE = Path(__file__).parent
 SEEDS = range(10)
-TARGET = 0.95
+TARGET = 0.97  # within 3% of the grid's best
+EARLY_STOP_STEPS = 2
 
 
-def measure_grid(space, out_dir: Path) -> dict[str, float]:
+# --------------------------------------------------------------------------- measuring
+def measure_grid(space, out_dir: Path) -> dict[str, dict[str, Any]]:
+    """Every point of the space measured fully (the grid never stops a trial early)."""
     ledger_path = out_dir / "ledger.jsonl"
     if not ledger_path.exists():
         run_sweep(space, out_dir, algorithm="grid", tracking_uri=f"sqlite:///{out_dir.parent / 'search_eff_mlflow.db'}")
-    return {e.key: objective_value(e.result, None) for e in Ledger(ledger_path).search_entries()}
+    table = {}
+    for e in Ledger(ledger_path).search_entries():
+        r = e.result
+        table[e.key] = {"plan": r.plan, "ok": r.ok, "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu or 0.0,
+                        "step_times_s": r.step_times_s, "wall_s": r.wall_s or 0.0, "launch_s": r.launch_s or 0.0,
+                        "warmup_s": 0.0, "spread": r.step_time_spread or 0.0}
+    return table
 
 
-def trials_to_target(space, table: dict[str, float], algorithm: str, seed: int) -> list[float]:
-    """Best-so-far after each new (never repeated) trial, for one searcher and seed."""
+def build_profiles(plans: list, out_dir: Path) -> tuple[list, float]:
+    """The step-time model's profiles for these plans, measured now (cached in out_dir)."""
+    from paratune.profile import ProfileStore, profile_requests_for, run_profile
+
+    store = ProfileStore(out_dir / "profiles")
+    t0 = time.perf_counter()
+    profiles = []
+    for request in profile_requests_for(plans):
+        profile = store.get(request, "cpu")
+        if profile is None:
+            profile = run_profile(request)
+            store.put(profile)
+        profiles.append(profile)
+    return profiles, time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- replaying
+class Replay:
+    """Measurements replayed from the table: bootstrap-resampled steps, early stopping, cost."""
+
+    def __init__(self, table: dict[str, dict[str, Any]], seed: int):
+        self.table, self.seed = table, seed
+        self.best = max(v["tokens_per_s_per_gpu"] for v in table.values())
+        self.observed: dict[str, dict[str, Any]] = {}  # key -> what the search saw
+        self.spent_s = 0.0
+        self.curve: list[float] = []  # after each trial: table value of the plan the search would pick
+        self.wall: list[float] = []  # ... and the seconds spent so far
+
+    def measure(self, key: str) -> dict[str, Any]:
+        row = self.table[key]
+        plan = load_plan_dict(row["plan"])
+        seen: dict[str, Any] = {"ok": row["ok"], "stopped": False}
+        cost = row["wall_s"]
+        if row["ok"]:
+            rng = random.Random(f"{self.seed}:{key}")
+            steps = [rng.choice(row["step_times_s"]) for _ in row["step_times_s"]]
+            incumbent = self.incumbent()
+            if incumbent is not None:
+                rule = StopRule(incumbent.tokens_per_s_per_gpu, incumbent.spread, EARLY_STOP_STEPS)
+                for n in range(EARLY_STOP_STEPS, len(steps)):
+                    if rule.cannot_reach(plan.tokens_per_step, steps[:n], plan.num_workers):
+                        cost -= sum(row["step_times_s"]) - sum(steps[:n])  # the steps it did not run
+                        steps, seen["stopped"] = steps[:n], True
+                        break
+            stats = step_stats(steps)
+            seen.update(tokens_per_s_per_gpu=tokens_per_second_per_gpu(plan.tokens_per_step, steps, plan.num_workers),
+                        step_time_median_s=stats.median, spread=(stats.p90 - stats.p10) / stats.median)
+        else:
+            seen.update(tokens_per_s_per_gpu=0.0, step_time_median_s=None, spread=0.0)
+        self.observed[key] = seen
+        self.spent_s += cost
+        picked = self.incumbent()
+        self.curve.append(self.table[picked.key]["tokens_per_s_per_gpu"] / self.best if picked else 0.0)
+        self.wall.append(self.spent_s)
+        return seen
+
+    def incumbent(self) -> Incumbent | None:
+        full = {k: v for k, v in self.observed.items() if v["ok"] and not v["stopped"]}
+        if not full:
+            return None
+        key = max(full, key=lambda k: full[k]["tokens_per_s_per_gpu"])
+        return Incumbent(key, full[key]["tokens_per_s_per_gpu"], full[key]["spread"])
+
+    def value(self, key: str) -> float:
+        return self.observed[key]["tokens_per_s_per_gpu"] or 0.0
+
+    def reached_at(self) -> int | None:
+        return next((i + 1 for i, v in enumerate(self.curve) if v >= TARGET), None)
+
+
+def replay_optuna(space, table, algorithm: str, seed: int) -> Replay:
+    """TPE or random search as the sweep runs it (its CandidateTree; a repeat proposal is free)."""
     sampler = (optuna.samplers.TPESampler(seed=seed, n_startup_trials=max(2, min(5, len(table) // 3)))
                if algorithm == "tpe" else optuna.samplers.RandomSampler(seed=seed))
     study = optuna.create_study(direction="maximize", sampler=sampler)
     sample = CandidateTree(space).define_by_run()
-    seen: set[str] = set()
-    curve: list[float] = []
+    replay = Replay(table, seed)
     asks = 0
-    while len(seen) < len(table) and asks < 5000:
+    while len(replay.observed) < len(table) and asks < 5000:
         asks += 1
         trial = study.ask()
         key = sample(trial)["point"]
-        study.tell(trial, table[key])
-        if key not in seen:  # a repeat costs nothing: the sweep answers it from its ledger
-            seen.add(key)
-            curve.append(max(curve[-1] if curve else 0.0, table[key]))
-    return curve
+        if key not in replay.observed:
+            replay.measure(key)
+        study.tell(trial, replay.value(key))
+    return replay
 
 
+def replay_calibrated(table, profiles, seed: int) -> tuple[Replay, str, list[dict[str, float]]]:
+    """The calibrated sweep: fastest predicted first, refit after each trial, the stated stopping
+    rule. Returns the replay, why it stopped, and each trial's out-of-sample prediction."""
+    from paratune.timemodel import StepTimeModel
+
+    model = StepTimeModel(profiles)
+    plans = {k: load_plan_dict(v["plan"]) for k, v in table.items()}
+    rule = StoppingRule()
+    replay = Replay(table, seed)
+    predictions: list[dict[str, float]] = []
+    while True:
+        predicted = {k: model.predict(p).tokens_per_s_per_gpu for k, p in plans.items()}
+        full = sum(1 for v in replay.observed.values() if v["ok"] and not v["stopped"])
+        decision = rule.decide(predicted, set(replay.observed), set(), replay.incumbent(), model.error_band(), full,
+                               lambda k: label(table, k))
+        if decision.stop:
+            return replay, decision.reason, predictions
+        seen = replay.measure(decision.next_key)
+        if seen["step_time_median_s"]:
+            out = model.observe(plans[decision.next_key], seen["step_time_median_s"])
+            predictions.append({"key": decision.next_key, **out})
+
+
+# --------------------------------------------------------------------------- ranking
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-b of two rankings (ties counted as neither concordant nor discordant)."""
+    concordant = discordant = ties_a = ties_b = 0
+    for i in range(len(a)):
+        for j in range(i + 1, len(a)):
+            da, db = a[i] - a[j], b[i] - b[j]
+            if da == 0 and db == 0:
+                continue
+            if da == 0:
+                ties_a += 1
+            elif db == 0:
+                ties_b += 1
+            elif (da > 0) == (db > 0):
+                concordant += 1
+            else:
+                discordant += 1
+    denominator = ((concordant + discordant + ties_a) * (concordant + discordant + ties_b)) ** 0.5
+    return (concordant - discordant) / denominator if denominator else 0.0
+
+
+def label(table, key: str) -> str:
+    plan = table[key]["plan"]
+    env = " ".join(f"{k}={v}" for k, v in sorted((plan.get("env") or {}).items()))
+    return f"{strategy_label(plan)} {env}".strip()
+
+
+# --------------------------------------------------------------------------- report
 def main() -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     parser = argparse.ArgumentParser()
-    parser.add_argument("--reuse", help="a folder with an earlier grid measurement (ledger.jsonl)")
+    parser.add_argument("--reuse", help="a folder with an earlier grid measurement (ledger.jsonl) and profile")
     args = parser.parse_args()
     space = load_space(HERE / "search_efficiency_space.yaml")
-    work = Path(args.reuse) if args.reuse else Path("paratune_runs") / "search_efficiency"
+    work = Path(args.reuse) if args.reuse else Path("paratune_runs") / f"search_efficiency-{time.strftime('%Y%m%d-%H%M%S')}"
+    t0 = time.perf_counter()
     table = measure_grid(space, work)
-    best = max(table.values())
-    results: dict[str, list[int]] = {}
-    curves: dict[str, list[list[float]]] = {}
-    for algorithm in ("tpe", "random"):
-        for seed in SEEDS:
-            curve = trials_to_target(space, table, algorithm, seed)
-            curves.setdefault(algorithm, []).append(curve)
-            results.setdefault(algorithm, []).append(next(i + 1 for i, v in enumerate(curve) if v >= TARGET * best))
+    grid_s = time.perf_counter() - t0
+    plans = [load_plan_dict(v["plan"]) for v in table.values()]
+    profiles, profile_s = build_profiles(plans, work)
+    from paratune.timemodel import StepTimeModel
+
+    best = max(v["tokens_per_s_per_gpu"] for v in table.values())
+    valid = [k for k, v in table.items() if v["ok"]]
+
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for seed in SEEDS:
+        for algorithm in ("tpe", "random"):
+            r = replay_optuna(space, table, algorithm, seed)
+            runs.setdefault(algorithm, []).append(_summary(r, len(table)))
+        r, reason, preds = replay_calibrated(table, profiles, seed)
+        runs.setdefault("calibrated", []).append({**_summary(r, len(table)), "stop_reason": reason,
+                                                  "picked": r.curve[-1] if r.curve else 0.0, "predictions": preds})
+
+    # The ranking before any trial (the profile alone), and out-of-sample step-time errors.
+    model = StepTimeModel(profiles)
+    predicted = {k: model.predict(load_plan_dict(table[k]["plan"])).tokens_per_s_per_gpu for k in valid}
+    measured = {k: table[k]["tokens_per_s_per_gpu"] for k in valid}
+    tau = kendall_tau([predicted[k] for k in valid], [measured[k] for k in valid])
+    top3 = sorted(valid, key=lambda k: -predicted[k])[:3]
+    measured_best = max(valid, key=lambda k: measured[k])
+    # predicted / measured step time - 1 (step time is tokens per step / (tokens/s x workers))
+    profile_errors = [abs(measured[k] / predicted[k] - 1) for k in valid]
+    refit_errors = [abs(p["step_time_prediction_error"]) for p in runs["calibrated"][0]["predictions"]]
+
     machine = describe()
-    budgets = (3, 5, 8, 12)
-    ranked = sorted(table.items(), key=lambda kv: -kv[1])
+    launches = sorted(v["launch_s"] for v in table.values() if v["ok"])
     lines = ["# Search efficiency", "",
-             f"- date: {machine['date']}", f"- machine: {machine['machine']}",
-             f"- space: bench/search_efficiency_space.yaml, {len(table)} plans measured exhaustively (grid) on CPU",
-             f"- grid best: {best:,.0f} tokens/s/GPU; within 5%: {sum(v >= TARGET * best for v in table.values())} plan(s)",
-             f"- replay: {len(SEEDS)} seeds per searcher against the measured table; a repeat proposal is free", "",
-             "| searcher | trials to within 5% of best: median (min-max) | " +
-             " | ".join(f"P(within 5%) after {b}" for b in budgets) + " |",
-             "|---|---|" + "---|" * len(budgets)]
-    for algorithm, needed in results.items():
-        hit = [sum(n <= b for n in needed) / len(needed) for b in budgets]
+             f"- date: {machine['date']}", f"- machine: {machine['machine']}; torch {machine['torch']}",
+             f"- space: bench/search_efficiency_space.yaml, {len(table)} plans ({len(valid)} ran) measured "
+             f"exhaustively (grid, worker groups reused) on 2 CPU workers in {grid_s / 60:.1f} min; profile "
+             f"{profile_s:.0f} s",
+             f"- grid best: {label(table, measured_best)} {best:,.0f} tokens/s/GPU; within 3%: "
+             f"{sum(v['tokens_per_s_per_gpu'] >= TARGET * best for v in table.values())} plan(s)",
+             f"- trial launch (start to first step) in the grid: median {statistics.median(launches):.1f} s, "
+             f"max {launches[-1]:.1f} s (first trial of each worker group included)",
+             f"- replay: {len(SEEDS)} seeds per searcher; a replayed measurement is a seeded bootstrap resample "
+             "of the plan's measured steps; early stopping applied to every searcher; quality = the table value "
+             "of the plan the search would pick", "",
+             "| searcher | trials to within 3% of best: median (min-max) | share of the grid | wall s to within 3% "
+             "(median) | trials stopped early (median) | trials in all (median) |",
+             "|---|---|---:|---:|---:|---:|"]
+    for algorithm, rs in runs.items():
+        needed = [r["reached_at"] or len(table) + 1 for r in rs]
+        walls = [r["wall_at_target"] for r in rs if r["wall_at_target"] is not None]
         lines.append(f"| {algorithm} | {statistics.median(needed):.1f} ({min(needed)}-{max(needed)}) | "
-                     + " | ".join(f"{h:.0%}" for h in hit) + " |")
-    lines += ["", "Measured table (best first):", "", "| plan | tokens/s/GPU |", "|---|---:|"]
-    for key, value in ranked:
-        choices = json.loads(key)["choices"]
-        label = " ".join(f"{k}={v}" for k, v in sorted(choices.items()) if "bucket" not in k)
-        lines.append(f"| {label} | {value:,.0f} |")
+                     f"{statistics.median(needed) / len(valid):.0%} | "
+                     f"{statistics.median(walls) if walls else float('nan'):.0f} | "
+                     f"{statistics.median(r['stopped'] for r in rs):.0f} | {statistics.median(r['trials'] for r in rs):.0f} |")
+    cal = runs["calibrated"]
+    lines += ["", "Calibrated search, by its stated rule (paratune.search.StoppingRule): "
+              f"stopped after a median of {statistics.median(r['trials'] for r in cal):.0f} trials "
+              f"({statistics.median(r['trials'] for r in cal) / len(valid):.0%} of the grid); the plan it picks is "
+              f"within 3% of the grid best in {sum(r['picked'] >= TARGET for r in cal)}/{len(cal)} seeds "
+              f"(worst {min(r['picked'] for r in cal):.1%} of best). Seed 0 stopped because: {cal[0]['stop_reason']}", "",
+              "## The step-time model", "",
+              f"- ranking from the profile alone (before any trial), {len(valid)} plans: Kendall tau "
+              f"**{tau:.2f}**; measured best ({label(table, measured_best)}) in the predicted top 3: "
+              f"**{'yes' if measured_best in top3 else 'no'}** (predicted top 3: "
+              f"{'; '.join(label(table, k) for k in top3)})",
+              f"- step time from the profile alone: median |error| {statistics.median(profile_errors):.1%}, "
+              f"worst {max(profile_errors):.1%}",
+              f"- step time predicted before each trial, refitted on the trials before it (calibrated order, seed 0, "
+              f"{len(refit_errors)} trials): median |error| **{statistics.median(refit_errors):.1%}**, worst "
+              f"**{max(refit_errors):.1%}**" if refit_errors else "- no refit errors (no trial ran)", "",
+              "Measured table (best first), with the profile-only prediction:", "",
+              "| plan | tokens/s/GPU | predicted | error (step time) |", "|---|---:|---:|---:|"]
+    for key in sorted(table, key=lambda k: -table[k]["tokens_per_s_per_gpu"]):
+        if key in predicted:
+            lines.append(f"| {label(table, key)} | {measured[key]:,.0f} | {predicted[key]:,.0f} | "
+                         f"{measured[key] / predicted[key] - 1:+.1%} |")
+        else:
+            lines.append(f"| {label(table, key)} | failed | | |")
     out = HERE / "results"
     out.mkdir(exist_ok=True)
     (out / "search_efficiency.md").write_text("\n".join(lines) + "\n")
     (out / "search_efficiency.json").write_text(json.dumps(
-        {"machine": machine, "table": table, "trials_needed": results, "curves": curves}, indent=1))
-    _plot(curves, best, out / "search_efficiency.png")
+        {"machine": machine, "table": table, "runs": runs, "kendall_tau": tau, "predicted": predicted,
+         "profile_s": profile_s, "grid_s": grid_s}, indent=1, default=str))
+    _plot(runs, out / "search_efficiency.png")
     print("\n".join(lines))
 
 
-def _plot(curves: dict[str, list[list[float]]], best: float, path: Path) -> None:
+def _summary(replay: Replay, size: int) -> dict[str, Any]:
+    at = replay.reached_at()
+    return {"reached_at": at, "wall_at_target": replay.wall[at - 1] if at else None, "curve": replay.curve,
+            "wall": replay.wall, "trials": len(replay.observed),
+            "stopped": sum(1 for v in replay.observed.values() if v["stopped"])}
+
+
+def _plot(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
     try:
         import matplotlib
 
@@ -109,14 +310,14 @@ def _plot(curves: dict[str, list[list[float]]], best: float, path: Path) -> None
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for (algorithm, runs), color in zip(curves.items(), ("tab:blue", "tab:orange")):
-        n = max(len(c) for c in runs)
-        med = [statistics.median(c[min(i, len(c) - 1)] / best for c in runs) for i in range(n)]
-        ax.plot(range(1, n + 1), med, label=f"{algorithm} (median of {len(runs)} seeds)", color=color)
-    ax.axhline(TARGET, ls="--", color="gray", label="95% of grid best")
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for (algorithm, rs), color in zip(runs.items(), ("tab:blue", "tab:orange", "tab:green")):
+        n = max(len(r["curve"]) for r in rs)
+        med = [statistics.median(r["curve"][min(i, len(r["curve"]) - 1)] for r in rs) for i in range(n)]
+        ax.plot(range(1, n + 1), med, label=f"{algorithm} (median of {len(rs)} seeds)", color=color)
+    ax.axhline(TARGET, ls="--", color="gray", label="97% of grid best")
     ax.set_xlabel("trials")
-    ax.set_ylabel("best so far / grid best")
+    ax.set_ylabel("picked plan / grid best (measured)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -16,9 +16,9 @@ FIXED = {"model": "tiny-llama", "seq_len": 32, "global_batch": 8, "num_workers":
          "measure_steps": 2, "profile_comm": False, "lr": 0.01, "trial_timeout_s": 300}
 
 
-def _space(tmp_path, name, space, search, budget=None, estimate=None):
+def _space(tmp_path, name, space, search, budget=None, estimate=None, fixed=None):
     path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({"name": name, "fixed": FIXED, "space": space, "search": search,
+    path.write_text(yaml.safe_dump({"name": name, "fixed": {**FIXED, **(fixed or {})}, "space": space, "search": search,
                                     "objective": {"memory_budget_gb": budget}, "estimate": estimate or {}}))
     return load_space(path)
 
@@ -126,3 +126,54 @@ def test_sweep_over_parallel_degrees_logs_them(ray_local, tmp_path):
     degrees = {(r.data.params["tp"], r.data.params["pp"]) for r in runs}
     assert degrees == {("1", "1"), ("2", "1"), ("1", "2")}
     assert all(r.data.tags["paratune.status"] == "ok" for r in runs), [r.data.tags for r in runs]
+
+
+def test_calibrated_sweep_profiles_measures_the_predicted_fastest_first_and_stops_by_its_rule(ray_local, tmp_path):
+    # Micro-batch 1 means 4 micro-batches per step: on a tiny model several times slower than
+    # micro-batch 4, and the profiled model should say so; the rule then stops before them.
+    from paratune.profile import ProfileStore, profile_requests_for
+    from paratune.timemodel import StepTimeModel
+
+    space = _space(tmp_path, "calibrated", {"strategy": {"ddp": {}}, "micro_batch": [1, 4],
+                                            "activation_checkpointing": ["none", "full"]},
+                   {"algorithm": "calibrated", "trials": 4, "remeasure_rounds": 0}, estimate={"device": "cpu"})
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    report = run_sweep(space, tmp_path / "sweep", tracking_uri=uri)
+    search = [e for e in report.entries if e.phase == "search"]
+    assert "no unmeasured plan can win" in report.stop_reason and len(search) < 4
+    assert all(e.result.plan["micro_batch"] == 4 for e in search)
+
+    # The profile is stored for later sweeps, and the first trial is the plan it predicts fastest.
+    plans = [c.plan for c in space.candidates]
+    profiles = [ProfileStore().get(r, "cpu") for r in profile_requests_for(plans)]
+    assert all(p is not None for p in profiles)
+    model = StepTimeModel(profiles)
+    fastest = max(plans, key=lambda p: model.predict(p).tokens_per_s_per_gpu)
+    assert search[0].result.plan == fastest.to_dict()
+
+    assert report.time_model["source"] == "profile" and report.time_model["trials"] == len(search)
+    assert report.time_model["worst_abs_error"] >= report.time_model["median_abs_error"] >= 0
+    client = MlflowClient(uri)
+    assert "no unmeasured plan can win" in client.get_run(report.parent_run_id).data.tags["paratune.stop_reason"]
+    for run in _children(client, report.parent_run_id, "search"):
+        assert {"predicted_step_time_s", "step_time_prediction_error"} <= set(run.data.metrics)
+
+
+def test_a_sweep_stops_early_the_trial_that_cannot_reach_its_incumbent(ray_local, tmp_path):
+    # Every plan is measured (no stopping rule): micro-batch 4 first (predicted fastest), then
+    # micro-batch 1, whose first 2 of 4 measured steps are far below it: stopped early, recorded
+    # with its partial figures, KILLED (not FAILED) in MLflow, never the winner.
+    space = _space(tmp_path, "early", {"strategy": {"ddp": {}}, "micro_batch": [1, 4]},
+                   {"algorithm": "calibrated", "trials": 2, "stopping_rule": False, "remeasure_rounds": 0},
+                   estimate={"device": "cpu"}, fixed={"measure_steps": 4})
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    report = run_sweep(space, tmp_path / "sweep", tracking_uri=uri)
+    first, second = [e.result for e in report.entries if e.phase == "search"]
+    assert first.ok and first.plan["micro_batch"] == 4 and len(first.step_times_s) == 4
+    assert second.status == "stopped_early" and second.plan["micro_batch"] == 1
+    assert len(second.step_times_s) == 2 and 0 < second.tokens_per_s_per_gpu < first.tokens_per_s_per_gpu
+    assert "after 2 of 4 measured steps" in second.message
+    runs = _children(MlflowClient(uri), report.parent_run_id, "search")
+    assert [r.info.status for r in runs] == ["FINISHED", "KILLED"]
+    assert runs[1].data.metrics["stopped_early"] == 1.0 and runs[1].data.metrics["failed"] == 0.0
+    assert report.verdict.winner.plan["micro_batch"] == 4

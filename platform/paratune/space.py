@@ -62,6 +62,9 @@ class SearchSettings(_Strict):
     seed: int = 0
     # Stop a running trial whose first measured steps show it cannot reach the incumbent
     # (measure.StopRule); it is recorded as stopped_early. Grid sweeps always measure fully.
+    # calibrated: stop measuring once no unmeasured plan can win (paratune.search.StoppingRule);
+    # false spends the whole trial budget (plans predicted fastest first).
+    stopping_rule: bool = True
     early_stop: bool = True
     early_stop_min_steps: int = Field(2, ge=1, le=100)
     # Measure plans with the same world size and env one after another in one worker group

@@ -559,7 +559,8 @@ def _search(space: Space, plans: dict[str, dict], algorithm: str, seed: int, tri
         param_space = {"point": tune.grid_search(todo[:remaining])}
     elif algorithm == "calibrated" and predictions is not None:
         tune_config = tune.TuneConfig(
-            search_alg=_calibrated_searcher(predictions, ledger, budget_gb, early_stop_steps, stop_file),
+            search_alg=_calibrated_searcher(predictions, ledger, budget_gb, early_stop_steps, stop_file,
+                                            StoppingRule() if settings.stopping_rule else StoppingRule(min_trials=10**9)),
             num_samples=remaining, max_concurrent_trials=_concurrency(space))
     else:
         if algorithm == "calibrated":
