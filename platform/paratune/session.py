@@ -1,0 +1,702 @@
+"""Launch once, measure many: plans measured one after another in a reused Ray Train worker group.
+
+Starting a Ray Train worker group costs 10-30 s, a plan's measured steps a few seconds. Plans
+that need the same workers (world size, per-worker resources, GPU use and worker environment
+variables: `GroupKey`) are therefore measured in one long-running TorchTrainer whose train loop
+(`_serve`) serves requests from the driver through a small async actor (`_Mailbox`):
+
+- every request runs in a fresh default process group: the last one (and with it every
+  subgroup, DeviceMesh and NCCL communicator of the previous plan) is destroyed, and a new one is
+  created with the request's backend on a new TCP store rank 0 opens on a free port and publishes
+  through the mailbox (not through the old group, which may be NCCL, or broken);
+- after it, memory is released (gc, the CUDA cache) and the peaks are reset, so the next plan's
+  figures start from the same place as in a fresh process;
+- any exception on any rank raises out of the train loop, and Ray Train ends the group (a dead
+  worker too; a stuck one past the request's timeout has its controller aborted): that request
+  fails with a classified reason, and the next request for the key gets a fresh group.
+
+Environment variables are part of the key because NCCL and gloo read many of them once per
+process: a plan whose env differs never reuses a group.
+
+`SessionPool` keeps groups by key (thread-safe) and makes room for a new one by closing idle
+groups of other keys; `get_pool_actor` wraps a pool in a 0-CPU threaded Ray actor, so the
+sweep's trainables (each in its own process) can share one.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import os
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+from paratune import measure
+from paratune.plan import Plan, load_plan_dict
+from paratune.trial import (
+    TrialResult,
+    TrialTimeout,
+    _placement_groups,
+    _remove_leaked_placement_groups,
+    _timed_trainer_class,
+    check_before_launch,
+    default_storage,
+    ensure_ray,
+    process_group_backend,
+    summarize,
+    train_and_measure,
+    wants_gpu,
+    worker_env,
+    worker_resources,
+)
+from paratune.failures import Reason, classify
+
+MEASURE_FUNCTION = "paratune.session:measure_request"
+DEFAULT_POOL_NAME = "paratune-session-pool"
+# A group's own deadline (the controller is aborted past it). Requests have their own timeouts;
+# this only bounds a group nobody closes.
+DEFAULT_GROUP_LIFETIME_S = 7 * 24 * 3600.0
+_POLL_S = 0.25
+
+
+class RequestFailed(RuntimeError):
+    """A request that did not complete on every rank; its worker group has ended."""
+
+    def __init__(self, reason: Reason, message: str):
+        super().__init__(message)
+        self.reason: Reason = reason
+        self.message = message
+
+    def __reduce__(self):  # keeps reason and message through Ray's pickling
+        return (RequestFailed, (self.reason, self.message))
+
+
+class SessionTrialResult(TrialResult):
+    """A TrialResult measured in a session group, with what proves where it ran."""
+
+    worker_pids: list[int] = []  # per rank
+    group_id: str | None = None
+    group_request: int | None = None  # 1: the group's first request (it paid the group's launch)
+
+
+@dataclass(frozen=True)
+class GroupKey:
+    """What two plans must share to be measured in the same worker group."""
+
+    world_size: int
+    use_gpu: bool
+    resources: tuple[tuple[str, float], ...]  # per worker
+    env: tuple[tuple[str, str], ...]  # worker_env(plan, use_gpu), sorted
+
+    @classmethod
+    def for_plan(cls, plan: Plan, use_gpu: bool, nodes: list[dict[str, Any]] | None = None) -> "GroupKey":
+        res = worker_resources(plan, use_gpu, nodes)
+        return cls(plan.num_workers, use_gpu, tuple(sorted((k, float(v)) for k, v in res.items())),
+                   tuple(sorted(worker_env(plan, use_gpu).items())))
+
+    def demand(self) -> dict[str, float]:
+        """Cluster resources the whole group holds."""
+        return {kind: amount * self.world_size for kind, amount in self.resources}
+
+
+# --------------------------------------------------------------------------- the mailbox
+class _Mailbox:
+    """Requests in, rendezvous addresses across, results out: one async actor per group (0 CPUs).
+
+    Every rank takes request `seq` itself (no collective needed to learn it), rank 0 posts the
+    new store's address, and every rank reports when done; a result is complete only when all
+    ranks have reported, so a request that failed on any rank never looks like a success."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.requests: dict[int, dict[str, Any]] = {}
+        self.stores: dict[int, tuple[str, int]] = {}
+        self.done: dict[int, dict[int, tuple[int, Any]]] = {}
+        self.placement_group: str | None = None
+        self.closed = False
+        self._cond = None
+
+    def _condition(self):
+        import asyncio
+
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    async def _set(self, change: Callable[[], None]) -> None:
+        cond = self._condition()
+        async with cond:
+            change()
+            cond.notify_all()
+
+    async def _until(self, ready: Callable[[], bool]) -> None:
+        cond = self._condition()
+        async with cond:
+            await cond.wait_for(ready)
+
+    async def submit(self, seq: int, request: dict[str, Any]) -> None:
+        await self._set(lambda: self.requests.__setitem__(seq, request))
+
+    async def take(self, seq: int, placement_group: str | None = None) -> dict[str, Any] | None:
+        """Request `seq` once submitted; None once the group is closed."""
+        if placement_group:
+            self.placement_group = placement_group
+        await self._until(lambda: self.closed or seq in self.requests)
+        return None if self.closed and seq not in self.requests else self.requests[seq]
+
+    async def post_store(self, seq: int, host: str, port: int) -> None:
+        await self._set(lambda: self.stores.__setitem__(seq, (host, port)))
+
+    async def store(self, seq: int) -> tuple[str, int]:
+        await self._until(lambda: seq in self.stores)
+        return self.stores[seq]
+
+    async def finish(self, seq: int, rank: int, pid: int, result: Any) -> None:
+        await self._set(lambda: self.done.setdefault(seq, {}).__setitem__(rank, (pid, result)))
+
+    async def result(self, seq: int) -> dict[str, Any]:
+        """Rank 0's result and every rank's pid, once all ranks are done."""
+        await self._until(lambda: len(self.done.get(seq, {})) == self.world_size)
+        done = self.done.pop(seq)
+        self.requests.pop(seq, None)
+        self.stores.pop(seq, None)
+        return {"result": done[0][1], "pids": [done[r][0] for r in range(self.world_size)]}
+
+    async def placement_group_id(self) -> str | None:
+        return self.placement_group
+
+    async def close(self) -> None:
+        await self._set(lambda: setattr(self, "closed", True))
+
+
+# --------------------------------------------------------------------------- worker side
+def _import_function(path: str) -> Callable[..., dict[str, Any]]:
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise ValueError(f"function_path: {path!r} is not 'module:function'")
+    return getattr(importlib.import_module(module), name)
+
+
+def _drop_process_groups() -> None:
+    """Destroy the default group and every subgroup, and what libraries cache about them."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()  # all groups: _world is emptied, group names count from 0 again
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None:  # DeepSpeed's tp/dp groups and mpu are module globals (see parallel/zero.py)
+        groups._release_process_group_references(None)
+    random = sys.modules.get("torch.distributed.tensor._random")
+    if random is not None:  # DTensor's RNG tracker is created (and seed-synced) once per process
+        random._rng_tracker = None
+    api = sys.modules.get("torch.distributed.tensor._api")
+    if api is not None:  # sharding decisions cached per mesh: a fresh process starts empty
+        try:
+            api.DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+        except AttributeError:
+            pass
+
+
+def _init_process_group(mailbox, seq: int, rank: int, world: int, backend: str, timeout_s: float) -> None:
+    """A new default group on a new TCP store: rank 0 opens it on a free port (port 0: no race
+    with another process) and publishes the address through the mailbox. Same call as Ray Train's
+    TorchConfig (`init_process_group(backend, rank, world_size, timeout)`, no device_id: NCCL
+    communicators are created lazily, as in a fresh trial)."""
+    import ray
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        host = ray.util.get_node_ip_address()
+        store = dist.TCPStore(host, 0, world, True, timeout, wait_for_workers=False)
+        port = int(store.port)
+        ray.get(mailbox.post_store.remote(seq, host, port))
+    else:
+        host, port = ray.get(mailbox.store.remote(seq))
+        store = dist.TCPStore(host, port, world, False, timeout)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+    if "nccl" in backend and "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ \
+            and "TORCH_NCCL_BLOCKING_WAIT" not in os.environ:
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"  # what Ray Train's TorchConfig sets
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def _release_memory(device) -> None:
+    """Free what the last request left and reset the peaks, as a fresh process would start."""
+    import torch
+
+    gc.collect()
+    _drop_process_groups()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    try:  # Linux: reset the process's peak RSS (ru_maxrss, read by the RSS fallbacks) to its current RSS
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _serve(config: dict[str, Any]) -> dict[str, Any]:
+    """Ray Train's train_loop_per_worker for a session group: serve requests until closed.
+
+    A request's exception is not caught: it ends the train loop, and Ray Train the group."""
+    import ray
+    import ray.train
+    import ray.train.torch
+
+    ctx = ray.train.get_context()
+    rank, world, local_world = ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_world_size()
+    device = ray.train.torch.get_device()
+    mailbox = config["mailbox"]
+    pg = ray.get_runtime_context().get_placement_group_id() if rank == 0 else None
+    seq = 0
+    while True:
+        request = ray.get(mailbox.take.remote(seq, pg))
+        if request is None:
+            break
+        _drop_process_groups()
+        _init_process_group(mailbox, seq, rank, world, request["backend"], request["comm_timeout_s"])
+        function = _import_function(request["function"])
+        result = function(request["payload"], rank, world, local_world, device)
+        if rank == 0 and not isinstance(result, dict):
+            raise TypeError(f"{request['function']} returned {type(result).__name__}, not a dict")
+        _release_memory(device)
+        ray.get(mailbox.finish.remote(seq, rank, os.getpid(), result if rank == 0 else None))
+        del result
+        seq += 1
+    _release_memory(device)
+    return {"requests": seq}
+
+
+def probe(payload: dict[str, Any], rank: int, world: int, local_world: int, device) -> dict[str, Any]:
+    """A health check of a group: one all-reduce on the request's process group, and what that
+    group is. `sleep_s` holds the group that long first (e.g. to see a request's timeout work)."""
+    import torch
+    import torch.distributed as dist
+
+    time.sleep(float(payload.get("sleep_s", 0)))
+    ones = torch.ones(1, device=device)
+    dist.all_reduce(ones)
+    return {"backend": str(dist.get_backend()), "world": dist.get_world_size(), "all_reduce": float(ones),
+            "master_port": int(os.environ.get("MASTER_PORT", 0))}
+
+
+def measure_request(payload: dict[str, Any], rank: int, world: int, local_world: int, device) -> dict[str, Any]:
+    """The trial's worker side as a session function: train_and_measure on one plan."""
+    plan = load_plan_dict(payload["plan"])
+    rule = measure.StopRule(**payload["stop_rule"]) if payload.get("stop_rule") else None
+    return train_and_measure(plan, rank, world, local_world, device, stop_rule=rule)
+
+
+# --------------------------------------------------------------------------- driver side
+def _session_trainer_class():
+    """The timed TorchTrainer, keeping its controller's handle so a request past its timeout can
+    abort the group from another thread (its fit waits the group's whole lifetime). The body is
+    `_timed_trainer_class`'s, plus `self.controller`."""
+    import ray
+    import ray.train.v2.api.data_parallel_trainer as dpt
+
+    base = _timed_trainer_class()
+
+    class SessionTorchTrainer(base):
+        controller = None
+
+        def _initialize_and_run_controller(self, **controller_init_kwargs):
+            env_vars = dpt.get_env_vars_to_propagate()
+            env_vars.setdefault(dpt.RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
+                                dpt.DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)
+            controller_cls = ray.remote(
+                num_cpus=0,
+                label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},
+                runtime_env={"env_vars": env_vars},
+            )(dpt.TrainController)
+            self.controller = controller_cls.remote(**controller_init_kwargs)
+            done, _ = ray.wait([self.controller.run.remote()], timeout=self.deadline_s)
+            if not done:
+                abort_controller(self.controller)
+                raise TrialTimeout(f"hang: worker group exceeded its lifetime {self.deadline_s:.0f}s; workers aborted")
+            ray.get(done[0])
+            return ray.get(self.controller.get_result.remote())
+
+    return SessionTorchTrainer
+
+
+def abort_controller(controller) -> None:
+    """End a Ray Train run now, whatever its state: abort (shuts the worker group down), then kill."""
+    import ray
+
+    try:
+        ray.get(controller.abort.remote(), timeout=60)
+    except Exception:  # noqa: BLE001 - abort exits the actor; kill it in any case
+        pass
+    ray.kill(controller, no_restart=True)
+
+
+class WorkerSession:
+    """One long-running Ray Train worker group serving requests one at a time.
+
+    Once it has ended (closed, a failed request, a dead worker, a timeout) it serves nothing more."""
+
+    def __init__(self, key: GroupKey, *, storage_path: str | Path | None = None,
+                 lifetime_s: float = DEFAULT_GROUP_LIFETIME_S, start: bool = True):
+        self.key = key
+        self.id = uuid.uuid4().hex[:8]
+        self.storage_path = str(storage_path or default_storage())
+        self.lifetime_s = lifetime_s
+        self.requests_served = 0
+        self.pids: list[int] = []
+        self.last_used = time.monotonic()
+        self.busy = False  # set by the pool
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._ended = threading.Event()
+        self._error: BaseException | None = None
+        self._trainer = None
+        self._mailbox = None
+        self._thread: threading.Thread | None = None
+        self._before: set[str] = set()
+        if start:
+            self.start()
+
+    @property
+    def ended(self) -> bool:
+        return self._ended.is_set()
+
+    def start(self) -> None:
+        """Start the worker group (in the background: requests wait in the mailbox meanwhile)."""
+        import ray
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchConfig
+
+        if self._thread is not None:
+            return
+        self._before = set(_placement_groups())
+        self._mailbox = ray.remote(_Mailbox).options(num_cpus=0).remote(self.key.world_size)
+        env = dict(self.key.env)
+        trainer = _session_trainer_class()(
+            _serve,
+            train_loop_config={"mailbox": self._mailbox},
+            scaling_config=ScalingConfig(num_workers=self.key.world_size, use_gpu=self.key.use_gpu,
+                                         resources_per_worker=dict(self.key.resources)),
+            # Replaced before the first request runs (by the request's backend and timeout): gloo
+            # is the cheapest group to start, on GPUs too.
+            torch_config=TorchConfig(backend="gloo", timeout_s=1800),
+            run_config=RunConfig(
+                name=f"session-{self.id}",
+                storage_path=self.storage_path,
+                failure_config=FailureConfig(max_failures=0, controller_failure_limit=0),
+                worker_runtime_env={"env_vars": env} if env else None,
+            ),
+        )
+        trainer.deadline_s = self.lifetime_s
+        self._trainer = trainer
+        self._thread = threading.Thread(target=self._fit, name=f"paratune-session-{self.id}", daemon=True)
+        self._thread.start()
+
+    def _fit(self) -> None:
+        try:
+            result = self._trainer.fit()
+            self._error = result.error
+        except BaseException as err:  # noqa: BLE001 - whatever ended the group is the request's failure
+            self._error = err
+        finally:
+            self._ended.set()
+
+    def run(self, function_path: str, payload: dict[str, Any], timeout_s: float, *,
+            backend: str | None = None, comm_timeout_s: float | None = None) -> dict[str, Any]:
+        """Run `module:function(payload, rank, world, local_world, device)` on every rank in a
+        fresh process group; rank 0's dict, plus `session` (group_id, pids, request index,
+        submitted_epoch_s, wall_s). Raises RequestFailed (the group has then ended)."""
+        import ray
+
+        with self._lock:
+            if self.ended or self._mailbox is None:
+                raise RequestFailed("error", f"worker group {self.id} has ended")
+            seq, self._seq = self._seq, self._seq + 1
+            request = {"function": function_path, "payload": payload,
+                       "backend": backend or ("nccl" if self.key.use_gpu else "gloo"),
+                       "comm_timeout_s": float(comm_timeout_s or timeout_s)}
+            submitted, t0 = time.time(), time.perf_counter()
+            ray.get(self._mailbox.submit.remote(seq, request))
+            ref = self._mailbox.result.remote(seq)
+            try:
+                reply = self._wait(ref, t0 + timeout_s, timeout_s)
+            finally:
+                self.last_used = time.monotonic()
+            wall = time.perf_counter() - t0
+            self.requests_served += 1
+            self.pids = reply["pids"]
+            out = dict(reply["result"])
+            out["session"] = {"group_id": self.id, "pids": reply["pids"], "request": seq + 1,
+                              "submitted_epoch_s": submitted, "wall_s": wall}
+            return out
+
+    def _wait(self, ref, deadline: float, timeout_s: float) -> dict[str, Any]:
+        import ray
+
+        while True:
+            ready, _ = ray.wait([ref], timeout=_POLL_S)
+            if not ready and self.ended:  # the group ended: a last look, its result may be in
+                ready, _ = ray.wait([ref], timeout=_POLL_S)
+            if ready:
+                try:
+                    return ray.get(ready[0])
+                except Exception as err:  # noqa: BLE001 - the mailbox died: the group is no use
+                    self._end_after_failure()
+                    raise RequestFailed(*classify(err)) from err
+            if self.ended:
+                error = self._error or RuntimeError("worker group ended before the request completed")
+                self._end_after_failure()
+                raise RequestFailed(*classify(error))
+            if time.perf_counter() > deadline:
+                self._abort()
+                error = TrialTimeout(f"hang: request exceeded its timeout of {timeout_s:.0f}s; workers aborted")
+                raise RequestFailed(*classify(error))
+
+    def _abort(self) -> None:
+        controller = getattr(self._trainer, "controller", None)
+        if controller is not None:
+            abort_controller(controller)
+        self._ended.wait(90)
+        self._end_after_failure()
+
+    def _end_after_failure(self) -> None:
+        """The group has ended (or is ending): free its placement group if Ray Train left it."""
+        import ray
+        from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+        self._ended.wait(90)
+        pg_id = None
+        if self._mailbox is not None:
+            try:
+                pg_id = ray.get(self._mailbox.placement_group_id.remote(), timeout=10)
+            except Exception:  # noqa: BLE001
+                pass
+            ray.kill(self._mailbox, no_restart=True)
+            self._mailbox = None
+        if pg_id:  # the workers said which one was theirs: remove exactly it
+            if _placement_groups().get(pg_id) == "CREATED":
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+        else:  # they never got that far (setup failed): the idle groups made since it started
+            _remove_leaked_placement_groups(self._before)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """End the group: its train loop returns, Ray Train shuts the workers down (aborted if
+        they do not finish within `timeout_s`, e.g. a request still running)."""
+        import ray
+
+        if self._thread is None:
+            self._ended.set()
+            return
+        if not self.ended and self._mailbox is not None:
+            try:
+                ray.get(self._mailbox.close.remote(), timeout=10)
+            except Exception:  # noqa: BLE001
+                pass
+            self._ended.wait(timeout_s)
+        if not self.ended:
+            self._abort()
+            return
+        self._thread.join(5)
+        if self._mailbox is not None:
+            ray.kill(self._mailbox, no_restart=True)
+            self._mailbox = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"group_id": self.id, "world_size": self.key.world_size, "use_gpu": self.key.use_gpu,
+                "resources": dict(self.key.resources), "env": dict(self.key.env), "pids": self.pids,
+                "requests_served": self.requests_served, "busy": self.busy, "ended": self.ended}
+
+
+class SessionPool:
+    """Worker groups by GroupKey: an idle group of the right key is reused; a new one is started
+    after closing idle groups of other keys (least recently used first) until it fits.
+
+    It fits when at most `max_groups` groups stay alive, or (max_groups None) when the cluster's
+    resources (GPUs, CPUs, ...) hold every alive group's workers plus the new ones. When busy
+    groups hold what is missing, the caller waits for one to come back. Thread-safe."""
+
+    def __init__(self, max_groups: int | None = None, *, storage_path: str | Path | None = None,
+                 ray_address: str | None = None, lifetime_s: float = DEFAULT_GROUP_LIFETIME_S):
+        self.max_groups = max_groups
+        self.storage_path = storage_path
+        self.ray_address = ray_address
+        self.lifetime_s = lifetime_s
+        self._sessions: list[WorkerSession] = []
+        self._cond = threading.Condition()
+        self._closed = False
+
+    # ----------------------------------------------------------------- requests
+    def measure(self, plan: Plan | dict[str, Any], stop_rule: measure.StopRule | None = None) -> TrialResult:
+        """The trial (as run_trial) in a group of the plan's key. Never raises for a failing plan.
+
+        launch_s: the request's submission to the first step (a fresh group's start included);
+        wall_s: the request's wall time."""
+        checked = check_before_launch(plan, self.ray_address)
+        if isinstance(checked, TrialResult):
+            return checked  # an invalid plan never reaches the workers
+        plan, flops_tok = checked
+        try:
+            ensure_ray(self.ray_address)
+            use_gpu = wants_gpu(plan)
+            session = self._acquire(self._key(plan, use_gpu))
+        except Exception as err:  # noqa: BLE001 - e.g. Ray unreachable: a result, not a raise
+            return TrialResult.failed(plan, *classify(err))
+        payload = {"plan": plan.to_dict(), "stop_rule": stop_rule._asdict() if stop_rule else None}
+        try:
+            out = session.run(MEASURE_FUNCTION, payload, plan.trial_timeout_s,
+                              backend=process_group_backend(plan, use_gpu), comm_timeout_s=plan.comm_timeout_s)
+        except RequestFailed as err:
+            return SessionTrialResult.failed(plan, err.reason, err.message, group_id=session.id,
+                                             group_request=session._seq)
+        except Exception as err:  # noqa: BLE001
+            return SessionTrialResult.failed(plan, *classify(err), group_id=session.id)
+        finally:
+            self._release(session)
+        info = out.pop("session")
+        out["launch_s"] = out.pop("first_step_epoch_s") - info["submitted_epoch_s"]
+        result = summarize(plan, out, flops_tok, info["wall_s"], stop_rule)
+        return SessionTrialResult(**result.model_dump(), worker_pids=info["pids"], group_id=info["group_id"],
+                                  group_request=info["request"])
+
+    def run(self, plan: Plan | dict[str, Any], function_path: str, payload: dict[str, Any],
+            timeout_s: float | None = None) -> dict[str, Any]:
+        """`module:function(payload, rank, world, local_world, device)` on every rank of a group
+        of the plan's key, with its backend and comm timeout (timeout default: the plan's
+        trial_timeout_s). Rank 0's dict plus `session`. Raises RequestFailed (reason, message)."""
+        plan = plan if isinstance(plan, Plan) else load_plan_dict(plan)
+        ensure_ray(self.ray_address)
+        use_gpu = wants_gpu(plan)
+        session = self._acquire(self._key(plan, use_gpu))
+        try:
+            return session.run(function_path, payload, float(timeout_s or plan.trial_timeout_s),
+                               backend=process_group_backend(plan, use_gpu), comm_timeout_s=plan.comm_timeout_s)
+        finally:
+            self._release(session)
+
+    # ----------------------------------------------------------------- groups
+    @staticmethod
+    def _key(plan: Plan, use_gpu: bool) -> GroupKey:
+        import ray
+
+        return GroupKey.for_plan(plan, use_gpu, ray.nodes() if use_gpu else None)
+
+    def _fits(self, key: GroupKey, alive: list[WorkerSession]) -> bool:
+        if self.max_groups is not None:
+            return len(alive) + 1 <= self.max_groups
+        import ray
+
+        total = ray.cluster_resources()
+        held: dict[str, float] = {}
+        for session in alive:
+            for kind, amount in session.key.demand().items():
+                held[kind] = held.get(kind, 0.0) + amount
+        return all(held.get(kind, 0.0) + amount <= total.get(kind, 0.0) + 1e-9
+                   for kind, amount in key.demand().items())
+
+    def _acquire(self, key: GroupKey) -> WorkerSession:
+        """An idle group of `key` (marked busy), or a new one once there is room for it."""
+        while True:
+            with self._cond:
+                if self._closed:
+                    raise RuntimeError("session pool is closed")
+                self._sessions = [s for s in self._sessions if not (s.ended and not s.busy)]
+                for session in self._sessions:
+                    if session.key == key and not session.busy:
+                        session.busy = True
+                        return session
+                idle = sorted((s for s in self._sessions if not s.busy), key=lambda s: s.last_used)
+                alive, victims = list(self._sessions), []
+                while not self._fits(key, alive) and idle:
+                    victims.append(idle.pop(0))
+                    alive.remove(victims[-1])
+                if self._fits(key, alive) or not any(s.busy for s in alive):
+                    for victim in victims:
+                        self._sessions.remove(victim)
+                    session = WorkerSession(key, storage_path=self.storage_path, lifetime_s=self.lifetime_s,
+                                            start=False)
+                    session.busy = True
+                    self._sessions.append(session)
+                    break
+                self._cond.wait(5)  # busy groups hold what is missing: wait for one to come back
+        try:
+            for victim in victims:  # their workers must be gone before the new group asks for room
+                victim.close()
+            session.start()
+        except Exception:
+            self._release(session)
+            session.close()
+            raise
+        return session
+
+    def _release(self, session: WorkerSession) -> None:
+        with self._cond:
+            session.busy = False
+            session.last_used = time.monotonic()
+            if session.ended and session in self._sessions:
+                self._sessions.remove(session)
+            self._cond.notify_all()
+
+    def groups(self) -> list[dict[str, Any]]:
+        with self._cond:
+            return [s.describe() for s in self._sessions]
+
+    def close(self) -> None:
+        """End every group (a running request is aborted after a grace period)."""
+        with self._cond:
+            self._closed = True
+            sessions, self._sessions = self._sessions, []
+            self._cond.notify_all()
+        for session in sessions:
+            session.close()
+
+    def __enter__(self) -> "SessionPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- the pool as an actor
+class PoolActor:
+    """A SessionPool in a threaded Ray actor, shared by the sweep's trainables (each in its own
+    process). It reserves no CPU: the workers of its groups hold the cluster's."""
+
+    def __init__(self, max_groups: int | None = None, storage_path: str | None = None):
+        self.pool = SessionPool(max_groups, storage_path=storage_path)
+
+    def measure(self, plan: dict[str, Any], stop_rule: dict[str, Any] | None = None) -> dict[str, Any]:
+        """SessionTrialResult as a dict (TrialResult.model_validate accepts it)."""
+        rule = measure.StopRule(**stop_rule) if stop_rule else None
+        return self.pool.measure(plan, rule).model_dump()
+
+    def run(self, plan: dict[str, Any], function_path: str, payload: dict[str, Any],
+            timeout_s: float | None = None) -> dict[str, Any]:
+        return self.pool.run(plan, function_path, payload, timeout_s)
+
+    def groups(self) -> list[dict[str, Any]]:
+        return self.pool.groups()
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def get_pool_actor(name: str = DEFAULT_POOL_NAME, *, namespace: str | None = None, detached: bool = False,
+                   max_groups: int | None = None, storage_path: str | None = None, max_concurrency: int = 64):
+    """The named pool actor, created on first use (get_if_exists: every trainable gets the same).
+    Detached: it outlives the driver that made it (call close.remote() and ray.kill it)."""
+    import ray
+
+    return ray.remote(PoolActor).options(
+        name=name, namespace=namespace, get_if_exists=True, lifetime="detached" if detached else None,
+        num_cpus=0, max_concurrency=max_concurrency,
+    ).remote(max_groups, storage_path)
