@@ -1,0 +1,420 @@
+"""Step time per plan, composed from a measured profile and refitted on measured trials.
+
+Why not the roofline (paratune.estimate): with a few global constants it predicts every
+data-parallel strategy at the same micro-batch at the same time, and misses what the device
+really does at a given shape. Here each term comes from a measurement of the real thing on the
+real workers (paratune.profile), composed the way each framework schedules its work:
+
+- compute: (layers on the rank's stage) x the measured block forward+backward at
+  (micro_batch, seq_len/cp, tp, checkpointing), + the embedding on the first stage and the LM
+  head + loss on the last, per micro-batch; x the micro-batches, plus the pipeline's fill and
+  drain ((pp-1) stage-times; /2 interleaved: a bubble of (pp-1)/(m+pp-1));
+- tp: the per-layer all-reduces of micro_batch x seq x hidden activations (2 forward, 2 backward,
+  2 more when checkpointing recomputes the forward; all-gather + reduce-scatter under sequence
+  parallelism), the embedding's and the LM head's (logits gathered; DeepSpeed AutoTP all-reduces
+  them), on the measured tp-group curve, exposed (the next op waits on them);
+- pp: activations forward and their gradients back at each stage boundary (send/recv curve);
+- dp: DDP all-reduces its gradient buckets (the first 1 MiB, then bucket_cap_mb) once per step;
+  FSDP2 all-gathers every unit each micro-batch (twice for blocks that reshard after forward; the
+  root never does) and reduce-scatters its gradients each micro-batch; DeepSpeed ZeRO-1/2
+  reduce(-scatter) gradients in reduce buckets (ZeRO-1 at the boundary, ZeRO-2 every micro-batch)
+  and all-gather the updated partition in allgather buckets; ZeRO-3 gathers every module above
+  its persistence threshold once per micro-batch (its default reuse distance keeps them for
+  backward) and reduce-scatters in reduce buckets. On GPUs the overlap is modelled (DDP: all but
+  the last bucket under backward; FSDP2: prefetch hides all but the first gather); on CPU compute
+  and communication share the cores, so everything counts and the exposed fraction is a refit
+  coefficient;
+- optimizer: the measured clip + AdamW + zero_grad line at the rank's local parameter count;
+- offload: estimate._offload_bytes over the measured host link.
+
+Refit (`observe`): non-negative least squares of measured step time (relative errors) on the
+terms' multipliers, a fixed cost per step and per micro-batch, and a per-framework cost per
+micro-batch (DDP, FSDP2, DeepSpeed, ZeRO-3's hooks, DTensor TP, AutoTP, the pipeline schedule:
+overheads a block profile cannot see), regularised toward the profile's own prediction
+(multipliers 1, overheads 0) so that 1-3 trials cannot wreck it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from paratune.plan import Plan
+from paratune.profile import Profile
+
+MULTIPLIERS = ("compute", "tp_comm", "pp_comm", "dp_comm", "optimizer", "offload")
+FAMILIES = ("ddp", "fsdp", "deepspeed", "zero3", "dtensor_tp", "autotp", "pipeline")
+OVERHEAD_UNIT_S = 0.01  # an overhead coefficient of 1 = 10 ms
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+ZERO3_PERSISTENCE = 100_000  # DeepSpeed stage3_param_persistence_threshold default (elements)
+ZERO3_MAX_REUSE = 1_000_000_000  # stage3_max_reuse_distance default: gathered params kept for backward
+PRIOR_BAND = 0.10  # the stated error band before 3 trials (the profile's own prediction)
+MIN_BAND = 0.02
+# Regularisation toward the prior, as a Gaussian prior against trial noise: with a trial's
+# relative error ~15% (sigma_e: step-time spread on a shared host plus what the terms miss), multipliers within ~0.25 of 1, the shared fixed costs (per step,
+# per micro-batch) within ~1 unit (10 ms) and each framework's within ~5 units (50 ms) of 0
+# (sigma_c): weight = (sigma_e / sigma_c)^2. An odd trial is then mostly put down to its own
+# framework, not to every plan; a few dozen trials outweigh the prior.
+TRIAL_NOISE = 0.15
+MULTIPLIER_WEIGHT = (TRIAL_NOISE / 0.25) ** 2
+SHARED_OVERHEAD_WEIGHT = (TRIAL_NOISE / 1.0) ** 2
+OVERHEAD_WEIGHT = (TRIAL_NOISE / 5.0) ** 2
+
+
+@dataclass
+class StepPrediction:
+    """A plan's predicted step time, its tokens/s/GPU and the calibrated parts (seconds)."""
+
+    step_s: float
+    tokens_per_s_per_gpu: float
+    parts: dict[str, float]
+    profile_env: dict[str, str] = field(default_factory=dict)
+    note: str | None = None  # e.g. "no profile for env ...: used the nearest"
+
+
+# --------------------------------------------------------------------------- model pieces
+@lru_cache(maxsize=32)
+def _module_sizes(config_json: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Parameter counts of the modules that own parameters directly: one block's, the rest's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from paratune.models import config_from_key, decoder_blocks
+
+    config = config_from_key(config_json)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    blocks = decoder_blocks(model)
+    in_block = {id(m) for m in blocks[0].modules()}
+    in_any_block = {id(m) for b in blocks for m in b.modules()}
+    block, rest, seen = [], [], set()
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        n = sum(p.numel() for p in own)
+        if not n:
+            continue
+        if id(module) in in_block:
+            block.append(n)
+        elif id(module) not in in_any_block:
+            rest.append(n)
+    return tuple(block), tuple(rest)
+
+
+def module_sizes(plan: Plan) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    from paratune.models import build_config, config_key
+
+    return _module_sizes(config_key(build_config(plan.model, plan.model_overrides)))
+
+
+def families(plan: Plan) -> list[str]:
+    """The frameworks that run a plan's step (each has a per-micro-batch cost of its own)."""
+    out = []
+    dp = plan.dp_degree * plan.cp
+    if plan.strategy == "zero":
+        out.append("deepspeed")
+        if plan.zero is not None and plan.zero.stage == 3:
+            out.append("zero3")
+        if plan.tp > 1:
+            out.append("autotp")
+        return out
+    model_parallel = plan.tp > 1 or plan.pp > 1 or plan.cp > 1
+    if not model_parallel or dp > 1:  # the nd path has no dp wrapper when dp x cp == 1
+        if plan.strategy == "ddp" and plan.pp == 1:
+            out.append("ddp")
+        else:  # FSDP2 (fully_shard or replicate), also DDP semantics under pipeline schedules
+            out.append("fsdp")
+    if plan.tp > 1:
+        out.append("dtensor_tp")
+    if plan.pp > 1:
+        out.append("pipeline")
+    return out
+
+
+def _buckets(total_bytes: float, bucket_bytes: float, first_bytes: float | None = None) -> list[float]:
+    """Sizes of the buckets a gradient of `total_bytes` is reduced in."""
+    out, left = [], float(total_bytes)
+    if first_bytes and left > 0:
+        out.append(min(left, first_bytes))
+        left -= out[-1]
+    bucket_bytes = max(1.0, float(bucket_bytes))
+    while left > 0:
+        out.append(min(left, bucket_bytes))
+        left -= out[-1]
+    return out
+
+
+def _stage_layers(plan: Plan, layers: int) -> list[tuple[int, bool, bool]]:
+    """Per pipeline rank: (decoder layers it holds, holds the embedding, holds the head)."""
+    from paratune.parallel.pp import stage_layer_ranges
+
+    if plan.pp == 1:
+        return [(layers, True, True)]
+    v = 2 if plan.pp_schedule == "interleaved_1f1b" else 1
+    stages = stage_layer_ranges(layers, plan.pp * v)
+    out = []
+    for rank in range(plan.pp):
+        mine = [rank + k * plan.pp for k in range(v)]
+        out.append((sum(stages[i][1] - stages[i][0] for i in mine), 0 in mine, plan.pp * v - 1 in mine))
+    return out
+
+
+def compose(plan: Plan, profile: Profile) -> dict[str, float]:
+    """The plan's terms in seconds (MULTIPLIERS, each at multiplier 1) and its overhead features
+    (micro-batches, steps, per-framework micro-batches; in OVERHEAD_UNIT_S units)."""
+    from paratune.estimate import BYTES, _fsdp_shard_degree, _local_params, _offload_bytes, _replicas, model_shape
+
+    shape = model_shape(plan)
+    m, t, p, cp = plan.grad_accum, plan.tp, plan.pp, plan.cp
+    mb, seq = plan.micro_batch, plan.seq_len // plan.cp
+    act = 2 if plan.precision == "bf16" else 4  # bytes of an activation element (autocast: bf16)
+    gpu = profile.device_type == "cuda"
+    bt = profile.block(mb, seq, t, plan.activation_checkpointing)
+
+    # ---- compute: the slowest pipeline rank's micro-batch, times the schedule's length
+    per_rank = [n * bt.block_s + (bt.embed_s if emb else 0.0) + (bt.head_s if head else 0.0)
+                for n, emb, head in _stage_layers(plan, shape.layers)]
+    t_mb = max(per_rank)
+    v = 2 if plan.pp_schedule == "interleaved_1f1b" else 1
+    slots = m + (p - 1) / v  # (m + p - 1) stage slots; interleaving halves the fill and drain
+    compute = t_mb * slots
+
+    # ---- tensor parallel: exposed per micro-batch on the stage, like compute
+    tp_comm = 0.0
+    if t > 1:
+        ar = lambda nbytes: profile.comm_seconds("all_reduce", t, nbytes, 1)  # noqa: E731
+        if plan.sequence_parallel:
+            ar = lambda nbytes: (profile.comm_seconds("all_gather", t, nbytes, 1)  # noqa: E731
+                                 + profile.comm_seconds("reduce_scatter", t, nbytes, 1))
+        act_bytes = mb * seq * shape.hidden * act
+        per_layer = (4 + (2 if plan.activation_checkpointing == "full" else 0)) * ar(act_bytes)
+        layers_here = max(n for n, _, _ in _stage_layers(plan, shape.layers))
+        logits = mb * seq * shape.vocab * act
+        if plan.strategy == "zero":  # AutoTP: the head is LinearAllreduce (logits all-reduced), embedding whole
+            ends = profile.comm_seconds("all_reduce", t, logits, 1)
+        else:  # vocab-parallel embedding (all-reduced), colwise head (logits gathered, input grad reduced)
+            ends = 2 * ar(act_bytes) + profile.comm_seconds("all_gather", t, logits, 1)
+        tp_comm = (layers_here * per_layer + ends) * slots
+
+    # ---- pipeline: activations forward, gradients back, at each boundary, per micro-batch
+    pp_comm = 0.0
+    if p > 1:
+        act_bytes = mb * seq * shape.hidden * act / (t if plan.sequence_parallel else 1)
+        pp_comm = 2 * v * m * profile.comm_seconds("send_recv", p, act_bytes, plan.num_workers // p)
+
+    # ---- data parallel
+    local, layer = _local_params(plan, shape)
+    dp = _replicas(plan)
+    stride = t
+    dp_comm = 0.0
+    if dp > 1:
+        AR = lambda nbytes, size=dp: profile.comm_seconds("all_reduce", size, nbytes, stride)  # noqa: E731
+        AG = lambda nbytes, size=dp: profile.comm_seconds("all_gather", size, nbytes, stride)  # noqa: E731
+        RS = lambda nbytes, size=dp: profile.comm_seconds("reduce_scatter", size, nbytes, stride)  # noqa: E731
+        backward_last = t_mb * 2 / 3  # backward is ~2/3 of a micro-batch's compute
+        if plan.strategy == "ddp" or (plan.strategy == "fsdp" and plan.fsdp and plan.fsdp.sharding == "no_shard"):
+            if plan.strategy == "ddp" and p == 1:
+                cap = (plan.ddp.bucket_cap_mb if plan.ddp else 25.0) * 2**20
+                buckets = _buckets(4 * local, cap, DDP_FIRST_BUCKET_BYTES)
+            else:  # FSDP2 replicate: one all-reduce per unit
+                blocks_here = max(n for n, _, _ in _stage_layers(plan, shape.layers))
+                buckets = [4 * layer] * blocks_here + [4 * max(0.0, local - blocks_here * layer)]
+            times = [AR(b) for b in buckets if b > 0]
+            dp_comm = (times[-1] + max(0.0, sum(times[:-1]) - backward_last)) if gpu else sum(times)
+        elif plan.strategy == "fsdp":
+            shard = _fsdp_shard_degree(plan)
+            pb = BYTES[plan.precision]  # FSDP2 gathers in its param dtype (bf16 under mixed precision)
+            blocks_here = max(n for n, _, _ in _stage_layers(plan, shape.layers))
+            root = max(0.0, local - blocks_here * layer)
+            gathers = 2 if plan.fsdp and plan.fsdp.reshards_after_forward else 1
+            ag_block, ag_root = AG(pb * layer, shard), AG(pb * root, shard)
+            rs = blocks_here * RS(4 * layer, shard) + RS(4 * root, shard)
+            per_mb = gathers * blocks_here * ag_block + ag_root + rs
+            if shard < dp:  # hybrid: the shards' gradients all-reduced across replicas once per step
+                extra = AR(4 * local / shard, dp // shard)
+            else:
+                extra = 0.0
+            if gpu:  # prefetch hides all but the first gather; the rest under compute
+                hidden = max(0.0, per_mb - ag_root - t_mb)
+                dp_comm = m * (ag_root + hidden) + extra
+            else:
+                dp_comm = m * per_mb + extra
+        else:
+            z = plan.zero
+            stage = z.stage if z else 2
+            pb = BYTES[plan.precision]
+            red = _buckets(pb * local, pb * (z.reduce_bucket_size if z else 5e8))
+            gat = _buckets(pb * local, pb * (z.allgather_bucket_size if z else 5e8))
+            if stage == 0:
+                dp_comm = sum(AR(b) for b in red)
+            elif stage == 1:
+                dp_comm = sum(RS(b) for b in red) + sum(AG(b) for b in gat)
+            elif stage == 2:
+                dp_comm = m * sum(RS(b) for b in red) + sum(AG(b) for b in gat)
+            else:
+                block_sizes, rest_sizes = module_sizes(plan)
+                blocks_here = max(n for n, _, _ in _stage_layers(plan, shape.layers))
+                gathered = [s / t for s in block_sizes if s > ZERO3_PERSISTENCE] * blocks_here
+                gathered += [s / t for s in rest_sizes if s > ZERO3_PERSISTENCE]
+                passes = 1 if shape.total < ZERO3_MAX_REUSE else 2
+                grads = _buckets(pb * local, pb * (z.reduce_bucket_size if z else 5e8))
+                per_mb = passes * sum(AG(pb * s) for s in gathered) + sum(RS(b) for b in grads)
+                dp_comm = m * per_mb
+            if gpu and z is not None and z.overlap_comm:
+                dp_comm = max(0.0, dp_comm - m * backward_last)
+
+    # ---- optimizer and offload
+    from paratune.profile import optimizer_params
+
+    optimizer = profile.optimizer.seconds(optimizer_params(plan))
+    host = profile.host_link_bytes_per_s or 25e9
+    offload = _offload_bytes(plan, shape) / host
+    terms = {"compute": compute, "tp_comm": tp_comm, "pp_comm": pp_comm, "dp_comm": dp_comm,
+             "optimizer": optimizer, "offload": offload,
+             "overhead:step": 1.0, "overhead:micro_batch": float(m)}
+    for fam in FAMILIES:
+        terms[f"overhead:{fam}"] = float(m) if fam in families(plan) else 0.0
+    return terms
+
+
+FEATURES = MULTIPLIERS + ("overhead:step", "overhead:micro_batch") + tuple(f"overhead:{f}" for f in FAMILIES)
+
+
+def _row(terms: dict[str, float]) -> list[float]:
+    """Feature vector in seconds at coefficient 1 (overheads in OVERHEAD_UNIT_S units)."""
+    return [terms[k] if k in MULTIPLIERS else terms[k] * OVERHEAD_UNIT_S for k in FEATURES]
+
+
+PRIOR = [1.0 if k in MULTIPLIERS else 0.0 for k in FEATURES]
+
+
+def prior_weights(multiplier: float = MULTIPLIER_WEIGHT, shared: float = SHARED_OVERHEAD_WEIGHT,
+                  family: float = OVERHEAD_WEIGHT) -> list[float]:
+    return [multiplier if k in MULTIPLIERS else shared if k in ("overhead:step", "overhead:micro_batch") else family
+            for k in FEATURES]
+
+
+def fit_coefficients(rows: list[list[float]], measured: list[float], prior: list[float] | None = None,
+                     weights: list[float] | None = None) -> list[float]:
+    """Non-negative least squares of relative error (sum ((x·c)/y - 1)^2), plus
+    weight x (c - prior)^2 per coefficient: with no trials the prior, with many the data."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    prior = list(prior or PRIOR)
+    if not rows:
+        return prior
+    X = np.array(rows, dtype=float) / np.array(measured, dtype=float)[:, None]
+    Y = np.ones(len(rows))
+    weights = np.array(weights or prior_weights())
+    used = np.abs(X).sum(axis=0) > 0  # a term no trial has (e.g. offload) stays at its prior
+    reg = np.diag(np.sqrt(weights))
+    A = np.vstack([X, reg])
+    b = np.concatenate([Y, np.sqrt(weights) * np.array(prior)])
+    sol, _ = nnls(A, b, maxiter=50 * A.shape[1])
+    sol = np.where(used, sol, np.array(prior))
+    return [float(x) for x in sol]
+
+
+def _env_key(env: dict[str, str]) -> str:
+    return json.dumps(dict(sorted(env.items())), sort_keys=True)
+
+
+class StepTimeModel:
+    """Step time of plans from profiles (one per env), refitted on every measured trial.
+
+    `error_band()`: before 3 trials, PRIOR_BAND (10%) or the largest pre-refit error seen so far,
+    whichever is larger; from 3 trials, the 80th percentile of the leave-one-out relative errors
+    (each observed trial predicted by a refit on the others), never below 2%."""
+
+    def __init__(self, profiles: list[Profile]):
+        if not profiles:
+            raise ValueError("profiles: got none; allowed: at least one Profile (paratune profile SPACE)")
+        self.profiles = list(profiles)
+        self.coef = list(PRIOR)
+        self.samples: list[tuple[Plan, float, list[float]]] = []  # plan, measured s, feature row
+        self.errors: list[float] = []  # pre-refit relative errors, in order
+
+    # ---- which profile
+    def profile_for(self, plan: Plan) -> tuple[Profile, str | None]:
+        """The profile measured with the plan's env (and world size, precision, model); else the
+        nearest one (fewest differing settings), with a note saying so."""
+        from paratune.profile import config_digest
+
+        want_env = _env_key(plan.env)
+
+        def distance(prof: Profile) -> tuple:
+            env_diff = sum(1 for k in set(plan.env) | set(prof.env) if plan.env.get(k) != prof.env.get(k))
+            return (prof.config_digest != plan_digest, prof.world_size != plan.num_workers,
+                    prof.precision != plan.precision, env_diff, prof.cpus_per_worker != plan.cpus_per_worker)
+
+        plan_digest = config_digest(plan.model, plan.model_overrides)
+        best = min(self.profiles, key=distance)
+        if distance(best) == (False, False, False, 0, False):
+            return best, None
+        what = []
+        if best.config_digest != plan_digest:
+            what.append(f"model {best.model}")
+        if best.world_size != plan.num_workers:
+            what.append(f"world size {best.world_size}")
+        if best.precision != plan.precision:
+            what.append(f"precision {best.precision}")
+        if _env_key(best.env) != want_env or best.cpus_per_worker != plan.cpus_per_worker:
+            what.append(f"env {best.env}")
+        return best, f"no profile for this plan's env {plan.env}: used the nearest ({', '.join(what)})"
+
+    def _features(self, plan: Plan) -> tuple[list[float], dict[str, float], Profile, str | None]:
+        profile, note = self.profile_for(plan)
+        terms = compose(plan, profile)
+        return _row(terms), terms, profile, note
+
+    # ---- the public API
+    def predict(self, plan: Plan) -> StepPrediction:
+        row, _, profile, note = self._features(plan)
+        parts = {k: c * x for k, c, x in zip(FEATURES, self.coef, row) if c * x != 0.0}
+        step = max(1e-9, sum(parts.values()))
+        return StepPrediction(step_s=step, tokens_per_s_per_gpu=plan.tokens_per_step / step / plan.num_workers,
+                              parts=parts, profile_env=dict(profile.env), note=note)
+
+    def observe(self, plan: Plan, measured_step_s: float) -> dict[str, float]:
+        """The prediction made before this trial (and its relative error), then refit on it."""
+        if not measured_step_s or measured_step_s <= 0 or not math.isfinite(measured_step_s):
+            raise ValueError(f"measured_step_s: got {measured_step_s!r}; allowed: a positive number of seconds")
+        before = self.predict(plan)
+        error = before.step_s / measured_step_s - 1
+        row, _, _, _ = self._features(plan)
+        self.samples.append((plan, float(measured_step_s), row))
+        self.errors.append(error)
+        self.coef = fit_coefficients([r for _, _, r in self.samples], [y for _, y, _ in self.samples])
+        return {"predicted_step_time_s": before.step_s, "step_time_prediction_error": error,
+                "predicted_tokens_per_s_per_gpu": before.tokens_per_s_per_gpu,
+                "time_model_fitted_on": float(len(self.samples) - 1)}
+
+    def loo_errors(self, limit: int = 200) -> list[float]:
+        """Leave-one-out relative errors over the last `limit` observed trials."""
+        samples = self.samples[-limit:]
+        out = []
+        for i, (_, measured, row) in enumerate(samples):
+            others = samples[:i] + samples[i + 1:]
+            coef = fit_coefficients([r for _, _, r in others], [y for _, y, _ in others])
+            out.append(sum(c * x for c, x in zip(coef, row)) / measured - 1)
+        return out
+
+    def error_band(self) -> float:
+        if len(self.samples) < 3:
+            return max([PRIOR_BAND] + [abs(e) for e in self.errors])
+        errors = sorted(abs(e) for e in self.loo_errors())
+        k = min(len(errors) - 1, math.ceil(0.8 * len(errors)) - 1)
+        return max(MIN_BAND, errors[k])
+
+    def summary(self) -> dict[str, float]:
+        out: dict[str, float] = {"time_model_trials": float(len(self.samples)),
+                                 "time_model_error_band": self.error_band()}
+        if self.errors:
+            out["step_time_prediction_error_median_abs"] = statistics.median(abs(e) for e in self.errors)
+        for k, c in zip(FEATURES, self.coef):
+            out[f"time_model_coef:{k}"] = c
+        return out

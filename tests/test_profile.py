@@ -1,0 +1,82 @@
+"""The profile: measured on real workers (Ray Train, gloo), its shape, and what it must show.
+
+One real profile on 2 gloo workers through in-process Ray for a tiny model: bigger micro-batches
+must take longer, bigger messages must take longer, and every requested shape and group layout
+must be there. And the `runner` path (another worker group runs collect_profile) on one process."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from paratune.plan import load_plan_dict
+from paratune.profile import (PROFILE_FUNCTION, ProfileStore, collect_profile, covers, profile_requests_for,
+                              run_profile)
+from paratune.timemodel import StepTimeModel
+
+TINY = {"model": "tiny-llama", "seq_len": 64, "global_batch": 16, "num_workers": 2, "env": {"OMP_NUM_THREADS": "1"}}
+
+
+def _plans():
+    return [load_plan_dict({**TINY, "micro_batch": mb, "tp": tp, **kw}) for mb in (1, 8) for tp in (1, 2)
+            for kw in ({"strategy": "ddp"}, {"strategy": "zero", "zero": {"stage": 3}})]
+
+
+def test_profile_on_two_gloo_workers(ray_local, tmp_path):
+    [request] = profile_requests_for(_plans())
+    request = request.model_copy(update={"sizes": [4096, 1 << 20, 8 << 20]})
+    profile = run_profile(request)
+
+    assert profile.device_name == "cpu" and profile.world_size == 2 and profile.env == {"OMP_NUM_THREADS": "1"}
+    assert profile.notes == []  # the workers saw the plan's env
+    assert {b.shape for b in profile.blocks} == set(request.blocks)
+    for tp in (1, 2):
+        small, big = (profile.block(mb, 64, tp, "none") for mb in (1, 8))
+        assert big.block_s > small.block_s and big.head_s > small.head_s, (tp, small, big)
+    assert {(c.op, c.size, c.stride) for c in profile.collectives} == {
+        (op, 2, 1) for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv")}
+    for curve in profile.collectives:
+        points = sorted(curve.points)
+        assert points[-1][1] > points[0][1], curve  # 8 MiB takes longer than 4 KiB
+        assert curve.seconds_per_byte > 0 and curve.seconds(8 << 20) > curve.seconds(4096)
+    assert len(profile.optimizer.points) == len(request.local_params) and profile.optimizer.b > 0
+    assert covers(profile, request)
+
+    store = ProfileStore(tmp_path)
+    store.put(profile)
+    assert store.get(request, "cpu") == profile
+    model = StepTimeModel([profile])
+    for plan in _plans():
+        prediction = model.predict(plan)
+        assert prediction.step_s > 0 and prediction.note is None
+
+
+def _in_process_runner(calls: list):
+    """Another engineer's 'launch once, measure many' runner, on one process here: it imports the
+    function by path and runs it as rank 0 of a one-rank group."""
+    import torch
+
+    def runner(function_path: str, payload: dict) -> dict:
+        calls.append(function_path)
+        module, _, name = function_path.partition(":")
+        return getattr(importlib.import_module(module), name)(payload, 0, 1, 1, torch.device("cpu"))
+
+    return runner
+
+
+def test_run_profile_through_a_runner():
+    plans = [load_plan_dict({**TINY, "num_workers": 1, "env": {}, "micro_batch": mb}) for mb in (1, 8)]
+    [request] = profile_requests_for(plans)
+    calls: list = []
+    profile = run_profile(request, runner=_in_process_runner(calls))
+    assert calls == [PROFILE_FUNCTION]
+    assert profile.collectives == []  # one rank: nothing to communicate
+    assert profile.block(8, 64, 1, "none").block_s > profile.block(1, 64, 1, "none").block_s
+    assert profile.notes == []
+    assert collect_profile is importlib.import_module("paratune.profile").collect_profile
+
+
+def test_bad_request_fields_are_named():
+    with pytest.raises(ValueError, match="reps"):
+        profile_requests_for(_plans(), reps=0)
