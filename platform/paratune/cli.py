@@ -1,4 +1,4 @@
-"""`paratune trial | tune | ui | validate | models`."""
+"""`paratune trial | tune | train | plan | profile | ui | validate | models`."""
 
 from __future__ import annotations
 
@@ -120,8 +120,21 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     from paratune.space import SpaceError, read_yaml_mapping, space_from_dict
 
     t0 = time.perf_counter()
+    profiles = None
+    if args.profile:
+        from paratune.profile import ProfileError, load_profiles
+
+        try:
+            profiles = load_profiles(args.profile)
+        except ProfileError as err:
+            console.print(f"[red]cannot plan[/red]\n{escape(str(err))}")
+            return 2
+        if not profiles:
+            console.print(f"[red]cannot plan[/red]\nprofile: {args.profile} holds no profile")
+            return 2
+    device_name = args.device or ("cpu" if profiles and profiles[0].device_type == "cpu" else "h100-80gb")
     try:
-        device = get_device(args.device, args.devices)
+        device = get_device(device_name, args.devices)
         raw = read_yaml_mapping(Path(args.space), "space", SpaceError)
         fixed = dict(raw.get("fixed") or {})
         gpus = args.gpus_per_node or device.gpus_per_node
@@ -135,6 +148,9 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     capacity = min(device.memory_gib, budget) if budget else None  # the budget is per rank, in GiB
     estimates = estimate_space(space, device, capacity_gib=capacity, margin=args.margin,
                                activation_model="formula" if args.formula else "trace")
+    notes: list[str] = []
+    if profiles:
+        estimates, notes = _times_from_profiles(estimates, space, profiles)
     first = space.candidates[0].plan
     console.print(space.pruning_report())
     print_estimates(estimates, device, console, top=args.top,
@@ -142,12 +158,140 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
                           f"({first.num_workers // (first.gpus_per_node or first.num_workers)} node(s)), "
                           "predicted, fastest first")
     _print_construction(estimates, console, args.top)
+    if profiles:
+        _print_time_parts(estimates, profiles, console, args.top)
+        for note in notes:
+            console.print(f"[yellow]{escape(note)}[/yellow]")
     console.print(f"{len(estimates)} plans estimated in {time.perf_counter() - t0:.1f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            [{"plan": e.plan.to_dict(), "fits": e.fits, "overflow": e.overflow, **e.summary()} for e in estimates],
+            [{"plan": e.plan.to_dict(), "fits": e.fits, "overflow": e.overflow, **e.summary(),
+              **({"predicted_step_parts_s": e.time_parts} if hasattr(e, "time_parts") else {})} for e in estimates],
             indent=1))
     return 0 if any(e.fits for e in estimates) else 1
+
+
+def _times_from_profiles(estimates, space, profiles) -> tuple[list, list[str]]:
+    """Each estimate once per env choice of the space, its step time from the profile of that env
+    (paratune.timemodel) instead of the roofline; fastest first among those that fit."""
+    from dataclasses import replace
+
+    from paratune.estimate import TimeEstimate
+    from paratune.timemodel import StepTimeModel
+
+    model = StepTimeModel(profiles)
+    out, notes = [], set()
+    for e in estimates:
+        for env in space.env_grid():
+            plan = e.plan.with_changes(env={**e.plan.env, **env}, grad_accum=e.plan.grad_accum) if env else e.plan
+            pred = model.predict(plan)
+            if pred.note:
+                notes.add(pred.note)
+            comm = sum(v for k, v in pred.parts.items() if k.endswith("_comm"))
+            out.append(replace(e, plan=plan, time=TimeEstimate(
+                compute_s=pred.parts.get("compute", 0.0), comm_s=comm, exposed_comm_s=comm, bubble=0.0,
+                step_s=pred.step_s, tokens_per_s_per_gpu=pred.tokens_per_s_per_gpu)))
+            out[-1].time_parts = pred.parts  # type: ignore[attr-defined]
+    out.sort(key=lambda e: (not e.fits, -e.time.tokens_per_s_per_gpu if e.fits else e.memory.total))
+    return out, sorted(notes)
+
+
+def _print_time_parts(estimates, profiles, console: Console, top: int) -> None:
+    """`paratune plan --profile`: where each fitting plan's predicted step goes."""
+    from rich.table import Table
+
+    from paratune.report import strategy_label
+
+    table = Table(title="step time from the profile (s): compute, exposed communication, optimizer, overheads")
+    for col in ("#", "plan", "env", "compute", "tp", "pp", "dp", "optimizer", "other", "step s"):
+        table.add_column(col, justify="left" if col in ("plan", "env") else "right")
+    for i, e in enumerate([e for e in estimates if e.fits][:top], 1):
+        parts = getattr(e, "time_parts", {})
+        known = ("compute", "tp_comm", "pp_comm", "dp_comm", "optimizer")
+        other = sum(v for k, v in parts.items() if k not in known)
+        env = " ".join(f"{k}={v}" for k, v in sorted(e.plan.env.items())) or "-"
+        table.add_row(str(i), strategy_label(e.plan.to_dict()), env, *(f"{parts.get(k, 0.0):.3f}" for k in known),
+                      f"{other:.3f}", f"{e.time.step_s:.3f}")
+    console.print(table)
+    p = profiles[0]
+    console.print(f"time: composed from {len(profiles)} profile(s) measured on {p.device_name} "
+                  f"({p.world_size} workers; {p.created_at}), not fitted to any trial yet "
+                  "(a sweep refits it on its measured trials)")
+
+
+def _cmd_profile(args: argparse.Namespace, console: Console) -> int:
+    """Profile what a space's plans need on the running Ray cluster (or an in-process one), store
+    it under PARATUNE_HOME/profiles (reused when it already covers the plans), write --out."""
+    from paratune.profile import ProfileError, ProfileStore, profile_requests_for, run_profile
+    from paratune.space import SpaceError, load_space
+    from paratune.trial import ensure_ray
+
+    try:
+        space = load_space(args.space)
+    except SpaceError as err:
+        console.print(f"[red]invalid space[/red]\n{escape(str(err))}")
+        return 2
+    plans = [space.plan_for(c.choices, env) if env else c.plan for c in space.candidates for env in space.env_grid()]
+    requests = profile_requests_for(plans, reps=args.reps)
+    store = ProfileStore(args.store) if args.store else ProfileStore()
+    ensure_ray()
+    device_name = _cluster_device_name()
+    profiles = []
+    for i, request in enumerate(requests, 1):
+        cached = None if args.force else store.get(request, device_name)
+        label = f"{request.model}, {request.world_size} workers, env {request.env or '{}'}"
+        if cached is not None:
+            console.print(f"profile {i}/{len(requests)} ({label}): reused {store.path(store.key_for_profile(cached))}")
+            profiles.append(cached)
+            continue
+        with console.status(f"profile {i}/{len(requests)}: {label} ({len(request.blocks)} block shapes, "
+                            f"{len(request.groups)} group layouts)"):
+            try:
+                profile = run_profile(request)
+            except ProfileError as err:
+                console.print(f"[red]{escape(str(err))}[/red]")
+                return 1
+        path = store.put(profile)
+        console.print(f"profile {i}/{len(requests)} ({label}): measured in {profile.profile_s:.1f} s on "
+                      f"{profile.device_name}, stored {path}")
+        profiles.append(profile)
+    _print_profiles(profiles, console)
+    if args.out:
+        Path(args.out).write_text(json.dumps([p.model_dump(mode="json") for p in profiles], indent=1))
+        console.print(f"profiles written to {args.out}; predict with: paratune plan {args.space} --profile {args.out}")
+    return 0
+
+
+def _cluster_device_name() -> str:
+    """The name a profile of this cluster is stored under: a GPU's as torch reports it, else cpu."""
+    import ray
+
+    if ray.cluster_resources().get("GPU", 0) >= 1:
+        from paratune.estimate import probe_gpu
+
+        answer = probe_gpu()
+        if answer is not None:
+            return answer[0]
+    return "cpu"
+
+
+def _print_profiles(profiles, console: Console) -> None:
+    from rich.table import Table
+
+    table = Table(title="profiles: block fwd+bwd (ms, smallest..largest shape), collectives, optimizer")
+    for col in ("env", "device", "blocks", "block ms", "head ms", "all_reduce GB/s", "latency us", "optimizer ns/param",
+                "measured s"):
+        table.add_column(col, justify="left" if col in ("env", "device") else "right")
+    for p in profiles:
+        blocks = sorted(p.blocks, key=lambda b: b.block_s)
+        ar = [c for c in p.collectives if c.op == "all_reduce"]
+        bw = ", ".join(f"{c.bandwidth_gbps:.2f}" for c in ar) or "-"
+        lat = ", ".join(f"{c.latency_s * 1e6:.0f}" for c in ar) or "-"
+        table.add_row(json.dumps(p.env), p.device_name, str(len(p.blocks)),
+                      f"{blocks[0].block_s * 1e3:.1f}..{blocks[-1].block_s * 1e3:.1f}",
+                      f"{min(b.head_s for b in blocks) * 1e3:.1f}..{max(b.head_s for b in blocks) * 1e3:.1f}",
+                      bw, lat, f"{p.optimizer.b * 1e9:.2f}", f"{p.profile_s:.1f}")
+    console.print(table)
 
 
 def _print_construction(estimates, console: Console, top: int) -> None:
@@ -250,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the result to this JSON file")
     p = sub.add_parser("plan", help="predict memory, communication and speed of a space's plans (no GPU needed)")
     p.add_argument("space", help="search space YAML")
-    p.add_argument("--device", default="h100-80gb", help="device from the table (see --devices)")
+    p.add_argument("--device", help="device from the table (see --devices; default h100-80gb, or cpu with a CPU "
+                   "--profile)")
     p.add_argument("--devices", help="a JSON/YAML file adding or overriding devices")
     p.add_argument("--nodes", type=int, help="nodes (sets num_workers = nodes x gpus-per-node)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the device's)")
@@ -258,6 +403,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--formula", action="store_true", help="activations from DESIGN.md's formula, not a trace")
     p.add_argument("--top", type=int, default=20, help="rows of fitting plans to print")
     p.add_argument("--json", help="write every estimate to this JSON file")
+    p.add_argument("--profile", help="step times from this stored profile (paratune profile --out FILE), not the roofline")
+    p = sub.add_parser("profile", help="measure what a space's plans need on the cluster (blocks, collectives, "
+                                       "optimizer) for `plan --profile` and the sweep's time model")
+    p.add_argument("space", help="search space YAML")
+    p.add_argument("--out", help="also write the profiles (a JSON list) to this file")
+    p.add_argument("--store", help="profile store folder (default: $PARATUNE_HOME/profiles)")
+    p.add_argument("--reps", type=int, help="timed repetitions per measurement (default 3)")
+    p.add_argument("--force", action="store_true", help="measure again even if a stored profile covers the plans")
     p = sub.add_parser("ui", help="open the MLflow UI on the sweep store (127.0.0.1)")
     p.add_argument("--tracking-uri")
     p.add_argument("--host", default="127.0.0.1")
@@ -267,8 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("models", help="list model presets and their parameter counts")
     args = parser.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 160)
-    handler = {"trial": _cmd_trial, "tune": _cmd_tune, "train": _cmd_train, "plan": _cmd_plan, "ui": _cmd_ui, "validate": _cmd_validate,
-               "models": _cmd_models}[args.command]
+    handler = {"trial": _cmd_trial, "tune": _cmd_tune, "train": _cmd_train, "plan": _cmd_plan, "ui": _cmd_ui,
+               "validate": _cmd_validate, "models": _cmd_models, "profile": _cmd_profile}[args.command]
     return handler(args, console)
 
 
