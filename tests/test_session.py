@@ -1,0 +1,145 @@
+"""Launch once, measure many (paratune.session) on a real in-process Ray cluster: 2 gloo workers.
+
+A plan measured in a reused worker group must measure what it measures in its own fresh group
+(run_trial): same losses, same peak memory, same parameters held, same speed within noise.
+Fresh groups are expensive here (10-60 s each on 2 shared cores), so the module's tests share one
+pool, in the 0-CPU actor the sweep's trainables use (tests run in file order), and start only the
+groups each property needs."""
+
+import time
+
+import pytest
+from conftest import BASE_PLAN, expected_parameter_share
+
+from paratune.measure import StopRule
+from paratune.plan import load_plan_dict
+from paratune.session import RequestFailed, SessionTrialResult, get_pool_actor
+from paratune.trial import run_trial
+
+pytestmark = pytest.mark.integration
+
+ZERO2 = {**BASE_PLAN, "track_memory": True, "strategy": "zero",
+         "zero": {"stage": 2, "reduce_bucket_size": 100000, "allgather_bucket_size": 100000}}
+DDP = {**BASE_PLAN, "track_memory": True, "strategy": "ddp"}
+FSDP = {**BASE_PLAN, "track_memory": True, "strategy": "fsdp", "fsdp": {"sharding": "full"}}
+FAULT = {"PARATUNE_FAULT": "kill:rank=1:step=1:seed=7"}  # in a plan's env: only its seed-7 plans die
+
+
+@pytest.fixture(scope="module")
+def pool(ray_local):
+    """The pool actor, with a driver-side `measure` (a SessionTrialResult) and `groups`."""
+    actor = get_pool_actor("paratune-test-pool")
+
+    class Pool:
+        def measure(self, plan: dict, stop_rule: StopRule | None = None) -> SessionTrialResult:
+            rule = stop_rule._asdict() if stop_rule else None
+            return SessionTrialResult.model_validate(ray_local.get(actor.measure.remote(plan, rule), timeout=600))
+
+        def groups(self) -> list[dict]:
+            return ray_local.get(actor.groups.remote())
+
+    Pool.actor = actor
+    yield Pool()
+    ray_local.get(actor.close.remote())
+    ray_local.kill(actor)
+
+
+def test_the_pool_actor_is_one_per_name_and_an_invalid_plan_never_reaches_the_workers(pool, ray_local):
+    assert get_pool_actor("paratune-test-pool")._actor_id == pool.actor._actor_id  # every trainable: the same
+    before = ray_local.available_resources().get("CPU")
+    assert before == 2  # the actor holds no CPU: the workers get both
+    result = pool.measure({**BASE_PLAN, "micro_batch": 3})
+    assert result.status == "failed" and result.reason == "invalid_config"
+    assert pool.groups() == [] and ray_local.available_resources().get("CPU") == before
+
+
+def assert_same_measurement(fresh, reused) -> None:
+    assert fresh.ok and reused.ok, (fresh.message, reused.message)
+    assert reused.losses == fresh.losses  # deterministic: bit for bit
+    assert reused.peak_memory_bytes == fresh.peak_memory_bytes and min(fresh.peak_memory_bytes) > 0
+    assert "MemTracker" in reused.memory_method and reused.memory_method == fresh.memory_method
+    assert reused.construction_peak_bytes == fresh.construction_peak_bytes
+    assert reused.local_parameter_counts == fresh.local_parameter_counts
+    assert reused.linear_matmul_dtypes == fresh.linear_matmul_dtypes
+    assert reused.optimizer_class == fresh.optimizer_class
+    assert len(reused.step_times_s) == len(fresh.step_times_s)
+    # Speed within noise, by the fastest step (the least disturbed): the 2 cores are shared with
+    # whatever else runs (medians moved 1.8x between identical requests), so only a gross
+    # slowdown left behind by the previous plan can fail this.
+    assert 0.4 < min(fresh.step_times_s) / min(reused.step_times_s) < 2.5
+
+
+def test_a_reused_group_measures_a_plan_as_a_fresh_one_does(pool):
+    fresh_ddp = run_trial(load_plan_dict(DDP))  # its own group, torn down before the pool starts one
+    # One group: ZeRO-2 (DeepSpeed's groups) first in fresh processes, then FSDP2 (a DeviceMesh),
+    # DDP after both, ZeRO-2 after DDP.
+    zero_first = pool.measure(ZERO2)
+    fsdp = pool.measure(FSDP)
+    ddp = pool.measure(DDP)
+    zero_again = pool.measure(ZERO2)
+    runs = [zero_first, fsdp, ddp, zero_again]
+    assert all(r.ok for r in runs), [r.message for r in runs]
+    assert [r.group_request for r in runs] == [1, 2, 3, 4]
+    assert len({r.group_id for r in runs}) == 1 and all(r.worker_pids == zero_first.worker_pids for r in runs)
+    assert len(set(zero_first.worker_pids)) == 2
+    assert_same_measurement(fresh_ddp, ddp)  # run_trial's figures, after ZeRO-2 and FSDP ran in its processes
+    assert_same_measurement(zero_first, zero_again)  # after DDP, as in its group's fresh processes
+    plan = load_plan_dict(FSDP)
+    assert fsdp.local_parameter_counts == [pytest.approx(expected_parameter_share(plan), rel=0.01)] * 2
+    launch = {"run_trial ddp": fresh_ddp.launch_s, "fresh group zero2": zero_first.launch_s,
+              "reused fsdp": fsdp.launch_s, "reused ddp": ddp.launch_s, "reused zero2": zero_again.launch_s}
+    print("\nlaunch_s:", {k: round(v, 2) for k, v in launch.items()})
+    # A reused group's launch is the request's own, no worker start (speed targets: benchmarks).
+    assert max(fsdp.launch_s, ddp.launch_s, zero_again.launch_s) < 10
+    assert ddp.wall_s < fresh_ddp.wall_s
+
+
+def test_the_stop_rule_works_in_a_reused_group(pool):
+    plan = {**DDP, "measure_steps": 5}
+    result = pool.measure(plan, StopRule(incumbent_tokens_per_s_per_gpu=1e12, min_steps=2))
+    assert result.status == "stopped_early" and "after 2 of 5 measured steps" in result.message
+    assert len(result.step_times_s) == 2 and result.peak_memory_bytes == [0, 0]
+    full = pool.measure(plan, StopRule(incumbent_tokens_per_s_per_gpu=1e-3, min_steps=2))
+    assert full.ok and len(full.step_times_s) == 5 and min(full.peak_memory_bytes) > 0
+    assert full.losses[: len(result.losses)] == result.losses
+    assert full.group_id == result.group_id and full.group_request == result.group_request + 1
+
+
+def test_another_env_gets_another_group_and_a_failure_ends_it(pool):
+    idle = pool.measure({**BASE_PLAN, "measure_steps": 1})  # an idle group of the plain env
+    survivor = pool.measure({**BASE_PLAN, "measure_steps": 1, "env": FAULT})
+    assert idle.ok and survivor.ok and survivor.env_seen == FAULT
+    assert survivor.group_request == 1 and survivor.group_id != idle.group_id  # not the idle group
+    assert set(survivor.worker_pids).isdisjoint(idle.worker_pids)
+    assert [g["group_id"] for g in pool.groups()] == [survivor.group_id]  # the idle one made room (2 CPUs)
+    # The seed-7 plan shares the key (same env), so it runs in that group; rank 1 dies at its step 1.
+    killed = pool.measure({**BASE_PLAN, "measure_steps": 1, "env": FAULT, "seed": 7})
+    assert killed.status == "failed" and killed.reason == "worker_died", killed.message
+    assert killed.group_id == survivor.group_id and pool.groups() == []
+    # The next plan of that key gets a fresh group (new processes), which works.
+    after = pool.measure({**BASE_PLAN, "measure_steps": 1, "env": FAULT})
+    assert after.ok and after.group_request == 1 and after.group_id != survivor.group_id
+    assert set(after.worker_pids).isdisjoint(survivor.worker_pids)
+    assert after.losses == survivor.losses
+
+
+def test_a_request_past_its_timeout_ends_its_group_as_a_hang(pool, ray_local):
+    def run(payload: dict, timeout_s: float | None = None) -> dict:
+        return ray_local.get(pool.actor.run.remote({**BASE_PLAN, "env": FAULT}, "paratune.session:probe",
+                                                   payload, timeout_s), timeout=600)
+
+    # Each request runs in a process group of its own: a new store (port), the plan's backend.
+    first, second = run({}), run({})
+    assert first["all_reduce"] == 2.0 and first["backend"] == "gloo" and first["world"] == 2
+    assert first["master_port"] != second["master_port"]
+    assert first["session"]["group_id"] == second["session"]["group_id"]
+    t0 = time.perf_counter()
+    with pytest.raises(RequestFailed) as failed:  # classified, through the actor
+        run({"sleep_s": 300}, timeout_s=5)
+    assert failed.value.reason == "hang" and "timeout of 5s" in failed.value.message
+    assert time.perf_counter() - t0 < 5 + 95  # the timeout, plus abort
+    assert pool.groups() == []
+    deadline = time.time() + 30  # its workers are gone: the cluster's CPUs are free again
+    while ray_local.available_resources().get("CPU", 0) < 2 and time.time() < deadline:
+        time.sleep(1)
+    assert ray_local.available_resources().get("CPU", 0) >= 2
