@@ -358,7 +358,12 @@ def fit_latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, flo
 
     A = np.stack([1 / y, x / y], axis=1)
     sol, _ = nnls(A, np.ones_like(y))
-    return float(sol[0]), float(sol[1])
+    latency, spb = float(sol[0]), float(sol[1])
+    if spb <= 0:  # noisy points (a busy host) can flatten the line: the largest message's own rate
+        big = int(np.argmax(x))
+        latency = min(latency, float(y.min()))
+        spb = max(float(y[big]) - latency, 0.5 * float(y[big])) / float(x[big])
+    return latency, spb
 
 
 def fit_linear(points: list[tuple[float, float]]) -> LinearFit:
@@ -373,7 +378,12 @@ def fit_linear(points: list[tuple[float, float]]) -> LinearFit:
     if len(points) == 1:
         return LinearFit(a=0.0, b=float(y[0] / x[0]), points=[tuple(p) for p in points])
     sol, _ = nnls(np.stack([1 / y, x / y], axis=1), np.ones_like(y))
-    return LinearFit(a=float(sol[0]), b=float(sol[1]), points=[tuple(p) for p in points])
+    a, b = float(sol[0]), float(sol[1])
+    if b <= 0:  # flattened by noise: the largest point's own rate for the growing part
+        big = int(np.argmax(x))
+        a = min(a, float(y.min()))
+        b = max(float(y[big]) - a, 0.5 * float(y[big])) / float(x[big])
+    return LinearFit(a=a, b=b, points=[tuple(p) for p in points])
 
 
 # --------------------------------------------------------------------------- worker side
