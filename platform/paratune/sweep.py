@@ -198,8 +198,6 @@ def measure_plan(plan: dict[str, Any], stop_rule: dict[str, Any] | None, pool: s
     there is one, else in a worker group of its own."""
     rule = StopRule(**stop_rule) if stop_rule else None
     if pool:
-        from paratune.session import pool_measure
-
         return pool_measure(pool, plan, rule)
     return run_trial(load_plan_dict(plan), storage_path=storage, stop_rule=rule)
 
@@ -630,33 +628,66 @@ def _time_model_report(predictions: TimePredictions) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- worker-group reuse
-def _start_pool(console: Console) -> str | None:
-    """A pool of reusable worker groups for this sweep (paratune.session), or None (then every
-    trial launches its own) if it cannot start."""
-    try:
-        from paratune.session import start_pool
+# The driver holds a handle to each pool it starts: Ray garbage-collects a named actor, groups
+# and all, once no handle to it is left, and the trainables' handles come and go with each trial.
+_POOL_HANDLES: dict[str, Any] = {}
 
-        return start_pool()
+
+def _start_pool(console: Console) -> str | None:
+    """The name of this sweep's pool of reusable worker groups (paratune.session: a 0-CPU actor
+    every trainable reaches by name), or None (every trial then launches its own workers)."""
+    try:
+        import uuid
+
+        from paratune.session import get_pool_actor
+
+        name = f"paratune-sweep-pool-{uuid.uuid4().hex[:8]}"
+        _POOL_HANDLES[name] = get_pool_actor(name)
+        return name
     except Exception as err:  # noqa: BLE001 - measuring without reuse is slower, not wrong
         console.print(f"[yellow]worker groups will not be reused ({type(err).__name__}: {escape(str(err))[:200]})[/yellow]")
         return None
 
 
-def _close_pool(pool: str) -> None:
-    from paratune.session import close_pool
+def pool_measure(pool: str, plan: dict[str, Any], rule: StopRule | None) -> TrialResult:
+    """The trial in one of the pool's worker groups. Never raises for a failing plan."""
+    import ray
 
-    close_pool(pool)
+    from paratune.failures import classify
+    from paratune.session import get_pool_actor
+
+    try:
+        out = ray.get(get_pool_actor(pool).measure.remote(plan, rule._asdict() if rule else None))
+    except Exception as err:  # noqa: BLE001 - the pool actor itself died: a failed trial, not a lost sweep
+        return TrialResult.failed(plan, *classify(err))
+    return TrialResult.model_validate(out)
+
+
+def _close_pool(pool: str) -> None:
+    import ray
+
+    from paratune.session import get_pool_actor
+
+    actor = _POOL_HANDLES.pop(pool, None) or get_pool_actor(pool)
+    try:
+        ray.get(actor.close.remote(), timeout=300)
+    finally:
+        ray.kill(actor, no_restart=True)
 
 
 def _pool_runner(pool: str | None, request):
-    """run_profile's runner: the profile runs in one of the pool's worker groups (the one the
-    plans with this env will reuse), or None for a worker group of its own."""
+    """run_profile's runner: the profile runs in the pool's worker group for the request's
+    workers and env (the group the plans with that env then reuse), or None: a group of its own."""
     if pool is None:
         return None
-    from paratune.session import pool_run
+    import ray
+
+    from paratune.profile import _proxy_plan
+    from paratune.session import get_pool_actor
 
     def runner(function_path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        return pool_run(pool, function_path, payload, world_size=request.world_size, env=dict(request.env))
+        plan = _proxy_plan(request).to_dict()
+        return ray.get(get_pool_actor(pool).run.remote(plan, function_path, payload, request.timeout_s))
 
     return runner
 
