@@ -59,6 +59,7 @@ MIN_BAND = 0.02
 # (sigma_c): weight = (sigma_e / sigma_c)^2. An odd trial is then mostly put down to its own
 # framework, not to every plan; a few dozen trials outweigh the prior.
 TRIAL_NOISE = 0.15
+HUBER = 0.15  # relative error past which a trial counts linearly in the refit (robust to outliers)
 MULTIPLIER_WEIGHT = (TRIAL_NOISE / 0.25) ** 2
 SHARED_OVERHEAD_WEIGHT = (TRIAL_NOISE / 1.0) ** 2
 OVERHEAD_WEIGHT = (TRIAL_NOISE / 5.0) ** 2
@@ -298,24 +299,34 @@ def prior_weights(multiplier: float = MULTIPLIER_WEIGHT, shared: float = SHARED_
 
 
 def fit_coefficients(rows: list[list[float]], measured: list[float], prior: list[float] | None = None,
-                     weights: list[float] | None = None) -> list[float]:
+                     weights: list[float] | None = None, huber: float = HUBER) -> list[float]:
     """Non-negative least squares of relative error (sum ((x·c)/y - 1)^2), plus
-    weight x (c - prior)^2 per coefficient: with no trials the prior, with many the data."""
+    weight x (c - prior)^2 per coefficient: with no trials the prior, with many the data.
+
+    Robust (Huber, by iteratively reweighted least squares): a trial more than `huber` off is
+    down-weighted by huber/|error|, so one straggling or disturbed measurement (a busy host, a
+    slow node) pulls the coefficients linearly, not quadratically."""
     import numpy as np
     from scipy.optimize import nnls
 
-    prior = list(prior or PRIOR)
+    prior_arr = np.array(prior or PRIOR, dtype=float)
     if not rows:
-        return prior
+        return [float(x) for x in prior_arr]
     X = np.array(rows, dtype=float) / np.array(measured, dtype=float)[:, None]
-    Y = np.ones(len(rows))
-    weights = np.array(weights or prior_weights())
-    used = np.abs(X).sum(axis=0) > 0  # a term no trial has (e.g. offload) stays at its prior
-    reg = np.diag(np.sqrt(weights))
-    A = np.vstack([X, reg])
-    b = np.concatenate([Y, np.sqrt(weights) * np.array(prior)])
-    sol, _ = nnls(A, b, maxiter=50 * A.shape[1])
-    sol = np.where(used, sol, np.array(prior))
+    reg_w = np.sqrt(np.array(weights or prior_weights()))
+    reg = np.diag(reg_w)
+    sample_w = np.ones(len(rows))
+    sol = prior_arr
+    for _ in range(6):
+        sw = np.sqrt(sample_w)[:, None]
+        A = np.vstack([X * sw, reg])
+        b = np.concatenate([sw[:, 0], reg_w * prior_arr])
+        sol, _ = nnls(A, b, maxiter=50 * A.shape[1])
+        residual = np.abs(X @ sol - 1.0)
+        new_w = np.minimum(1.0, huber / np.maximum(residual, 1e-12))
+        if np.allclose(new_w, sample_w, atol=1e-3):
+            break
+        sample_w = new_w
     return [float(x) for x in sol]
 
 
