@@ -169,13 +169,18 @@ def test_stop_rule_waits_for_its_steps_then_stops_only_outside_both_noise_bands(
     from paratune.measure import StopRule
 
     # 1,000 tokens per step on 2 GPUs: a 1 s step is 500 tokens/s/GPU.
-    rule = StopRule(incumbent_tokens_per_s_per_gpu=1000.0, incumbent_spread=0.10, min_steps=2)
+    # The incumbent's band is half its spread (as the verdict's), here 15%: its floor is 850.
+    rule = StopRule(incumbent_tokens_per_s_per_gpu=1000.0, incumbent_spread=0.30, min_steps=2)
     assert not rule.cannot_reach(1000, [2.0], 2)  # one step is not evidence
-    assert rule.cannot_reach(1000, [1.0, 1.0], 2)  # 500 x 1.05 < 1000 x 0.9
-    # Within the bands: 0.55 s -> 909 tokens/s/GPU, raised by 5% (954) > 900, so it runs on.
-    assert not rule.cannot_reach(1000, [0.55, 0.55], 2)
-    # Its own spread widens its band: a fast step among slow ones keeps it alive.
-    assert not rule.cannot_reach(1000, [0.58, 1.2], 2)
-    assert rule.upper_bound(1000, [0.58, 1.2], 2) == pytest.approx(1000 / (0.58 * 2) * (1 + (1.2 - 0.58) / 0.89))
+    assert rule.cannot_reach(1000, [1.0, 1.0], 2)  # 500 x 1.05 < 850
+    # Within the bands: 0.62 s -> 806 tokens/s/GPU, raised by 5% (847)... just below: stops;
+    # 0.6 s -> 833, raised by 5% (875) > 850: it runs on.
+    assert rule.cannot_reach(1000, [0.62, 0.62], 2)
+    assert not rule.cannot_reach(1000, [0.6, 0.6], 2)
+    # Its own spread widens its band (half its range): a fast step among slow ones keeps it alive.
+    assert not rule.cannot_reach(1000, [0.7, 1.2], 2)
+    assert rule.upper_bound(1000, [0.7, 1.2], 2) == pytest.approx(1000 / (0.7 * 2) * (1 + (1.2 - 0.7) / 0.95 / 2))
+    # The bands never go under the 5% floor: a quiet incumbent's floor is 950.
+    assert StopRule(1000.0, 0.02).incumbent_floor() == pytest.approx(950)
     text = rule.explain(1000, [1.0, 1.0], 2, planned=5)
-    assert "after 2 of 5 measured steps" in text and "900" in text
+    assert "after 2 of 5 measured steps" in text and "850" in text

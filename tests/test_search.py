@@ -24,8 +24,8 @@ def test_stops_only_when_no_unmeasured_plan_can_beat_the_incumbent_by_noise_plus
     # A wider model error band (the model has been wrong by 20%): b might still win.
     go_on = rule.decide(PREDICTED, {"a"}, set(), incumbent, band=0.20, measured_trials=2)
     assert not go_on.stop and go_on.next_key == "b"
-    # A noisier incumbent raises the bar: b at 990 is under 1000 x 1.15 as well.
-    assert rule.decide(PREDICTED, {"a"}, set(), Incumbent("a", 1000.0, 0.15), 0.20, 2).stop
+    # A noisier incumbent raises the bar (its band is half its spread): 900 x 1.2 = 1080 <= 1150.
+    assert rule.decide(PREDICTED, {"a"}, set(), Incumbent("a", 1000.0, 0.30), 0.20, 2).stop
 
 
 def test_never_stops_before_the_model_has_seen_its_minimum_trials_or_without_an_incumbent():

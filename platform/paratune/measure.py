@@ -259,6 +259,12 @@ def mfu(tokens_per_s_per_gpu: float, flops_per_tok: float, peak_flops: float | N
 NOISE_FLOOR = 0.05
 
 
+def noise_band(relative_spread: float) -> float:
+    """A plan's noise band, as the verdict defines it: half its relative step spread, never less
+    than NOISE_FLOOR."""
+    return max(NOISE_FLOOR, relative_spread / 2)
+
+
 class StopRule(NamedTuple):
     """When a running trial is stopped early: after `min_steps` measured steps, if even its fastest
     step, raised by its own noise band, stays below the incumbent lowered by the incumbent's band
@@ -273,11 +279,11 @@ class StopRule(NamedTuple):
         """The most tokens/s/GPU the trial can still reach: its fastest step, plus its noise band."""
         fastest = min(step_times)
         stats = step_stats(step_times)
-        own_band = max(self.noise_floor, (stats.maximum - stats.minimum) / stats.median)
+        own_band = max(self.noise_floor, (stats.maximum - stats.minimum) / stats.median / 2)
         return tokens_per_step / (fastest * world_size) * (1 + own_band)
 
     def incumbent_floor(self) -> float:
-        return self.incumbent_tokens_per_s_per_gpu * (1 - max(self.noise_floor, self.incumbent_spread))
+        return self.incumbent_tokens_per_s_per_gpu * (1 - max(self.noise_floor, self.incumbent_spread / 2))
 
     def cannot_reach(self, tokens_per_step: int, step_times: list[float], world_size: int) -> bool:
         if len(step_times) < self.min_steps:

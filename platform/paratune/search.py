@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratune.measure import NOISE_FLOOR
+from paratune.measure import noise_band
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class Incumbent:
 
     @property
     def noise(self) -> float:
-        return max(NOISE_FLOOR, self.spread)
+        return noise_band(self.spread)
 
 
 @dataclass(frozen=True)
