@@ -107,11 +107,17 @@ def test_the_stop_rule_works_in_a_reused_group(pool):
 
 def test_another_env_gets_another_group_and_a_failure_ends_it(pool):
     idle = pool.measure({**BASE_PLAN, "measure_steps": 1})  # an idle group of the plain env
+    assert [g["group_id"] for g in pool.groups()] == [idle.group_id]
+    # gloo reads GLOO_SOCKET_IFNAME as Ray Train sets up the group's first process group: a group
+    # that cannot start fails its request, and must leave no workers or placement group behind.
+    unborn = pool.measure({**BASE_PLAN, "measure_steps": 1, "env": {"GLOO_SOCKET_IFNAME": "paratune-no-such-if0"}})
+    assert unborn.status == "failed" and "paratune-no-such-if0" in unborn.message
+    assert unborn.group_id != idle.group_id and pool.groups() == []
     survivor = pool.measure({**BASE_PLAN, "measure_steps": 1, "env": FAULT})
     assert idle.ok and survivor.ok and survivor.env_seen == FAULT
     assert survivor.group_request == 1 and survivor.group_id != idle.group_id  # not the idle group
     assert set(survivor.worker_pids).isdisjoint(idle.worker_pids)
-    assert [g["group_id"] for g in pool.groups()] == [survivor.group_id]  # the idle one made room (2 CPUs)
+    assert [g["group_id"] for g in pool.groups()] == [survivor.group_id]
     # The seed-7 plan shares the key (same env), so it runs in that group; rank 1 dies at its step 1.
     killed = pool.measure({**BASE_PLAN, "measure_steps": 1, "env": FAULT, "seed": 7})
     assert killed.status == "failed" and killed.reason == "worker_died", killed.message

@@ -236,6 +236,8 @@ def _release_memory(device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):  # held outside empty_cache's reach
+            torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     try:  # Linux: reset the process's peak RSS (ru_maxrss, read by the RSS fallbacks) to its current RSS
@@ -319,13 +321,20 @@ def _session_trainer_class():
                 label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},
                 runtime_env={"env_vars": env_vars},
             )(dpt.TrainController)
-            self.controller = controller_cls.remote(**controller_init_kwargs)
-            done, _ = ray.wait([self.controller.run.remote()], timeout=self.deadline_s)
-            if not done:
-                abort_controller(self.controller)
-                raise TrialTimeout(f"hang: worker group exceeded its lifetime {self.deadline_s:.0f}s; workers aborted")
-            ray.get(done[0])
-            return ray.get(self.controller.get_result.remote())
+            self.controller = controller = controller_cls.remote(**controller_init_kwargs)
+            try:
+                done, _ = ray.wait([controller.run.remote()], timeout=self.deadline_s)
+                if not done:
+                    abort_controller(controller)
+                    raise TrialTimeout(f"hang: worker group exceeded its lifetime {self.deadline_s:.0f}s; "
+                                       "workers aborted")
+                ray.get(done[0])
+                return ray.get(controller.get_result.remote())
+            finally:
+                # The last handle goes, as in the base class: Ray then ends the controller, and with
+                # it (their owner) the workers and their placement group, which a failed run (e.g.
+                # its process group setup) leaves alive otherwise.
+                self.controller = controller = None
 
     return SessionTorchTrainer
 
@@ -463,7 +472,11 @@ class WorkerSession:
                 raise RequestFailed(*classify(error))
 
     def _abort(self) -> None:
-        controller = getattr(self._trainer, "controller", None)
+        controller, until = None, time.monotonic() + 30
+        while controller is None and not self.ended and time.monotonic() < until:
+            controller = getattr(self._trainer, "controller", None)  # None until fit has made it
+            if controller is None:
+                time.sleep(0.5)
         if controller is not None:
             abort_controller(controller)
         self._ended.wait(90)
@@ -476,13 +489,13 @@ class WorkerSession:
 
         self._ended.wait(90)
         pg_id = None
-        if self._mailbox is not None:
+        mailbox, self._mailbox = self._mailbox, None
+        if mailbox is not None:
             try:
-                pg_id = ray.get(self._mailbox.placement_group_id.remote(), timeout=10)
+                pg_id = ray.get(mailbox.placement_group_id.remote(), timeout=10)
             except Exception:  # noqa: BLE001
                 pass
-            ray.kill(self._mailbox, no_restart=True)
-            self._mailbox = None
+            ray.kill(mailbox, no_restart=True)
         if pg_id:  # the workers said which one was theirs: remove exactly it
             if _placement_groups().get(pg_id) == "CREATED":
                 remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
@@ -497,7 +510,12 @@ class WorkerSession:
         if self._thread is None:
             self._ended.set()
             return
-        if not self.ended and self._mailbox is not None:
+        if self._mailbox is None:  # already ended and cleaned up (a failed request)
+            return
+        if self.ended and self._error is not None:  # it ended on its own (a worker died while idle)
+            self._end_after_failure()
+            return
+        if not self.ended:
             try:
                 ray.get(self._mailbox.close.remote(), timeout=10)
             except Exception:  # noqa: BLE001
@@ -507,9 +525,9 @@ class WorkerSession:
             self._abort()
             return
         self._thread.join(5)
-        if self._mailbox is not None:
-            ray.kill(self._mailbox, no_restart=True)
-            self._mailbox = None
+        mailbox, self._mailbox = self._mailbox, None
+        if mailbox is not None:
+            ray.kill(mailbox, no_restart=True)
 
     def describe(self) -> dict[str, Any]:
         return {"group_id": self.id, "world_size": self.key.world_size, "use_gpu": self.key.use_gpu,
@@ -609,7 +627,10 @@ class SessionPool:
             with self._cond:
                 if self._closed:
                     raise RuntimeError("session pool is closed")
-                self._sessions = [s for s in self._sessions if not (s.ended and not s.busy)]
+                gone = [s for s in self._sessions if s.ended and not s.busy]  # e.g. a worker died while idle
+                self._sessions = [s for s in self._sessions if s not in gone]
+                for session in gone:
+                    threading.Thread(target=session.close, daemon=True).start()  # frees its actor, PG
                 for session in self._sessions:
                     if session.key == key and not session.busy:
                         session.busy = True
@@ -633,8 +654,8 @@ class SessionPool:
                 victim.close()
             session.start()
         except Exception:
-            self._release(session)
             session.close()
+            self._release(session)
             raise
         return session
 
