@@ -149,3 +149,20 @@ def test_a_request_past_its_timeout_ends_its_group_as_a_hang(pool, ray_local):
     while ray_local.available_resources().get("CPU", 0) < 2 and time.time() < deadline:
         time.sleep(1)
     assert ray_local.available_resources().get("CPU", 0) >= 2
+
+
+def test_plans_share_a_group_only_when_they_need_the_same_workers():
+    from paratune.session import GroupKey
+
+    def key(use_gpu: bool = False, nodes=None, **changes) -> GroupKey:
+        return GroupKey.for_plan(load_plan_dict({**BASE_PLAN, **changes}), use_gpu, nodes)
+
+    assert key(strategy="ddp", seed=3) == key(**ZERO2) == key(**FSDP)  # what runs in them may differ
+    assert key(env={"GLOO_SOCKET_IFNAME": "lo"}) != key()  # read once per process
+    assert key(env=FAULT) != key(env={**FAULT, "NCCL_ALGO": "Ring"})
+    assert key(num_workers=4, global_batch=16) != key() and key(cpus_per_worker=2) != key()
+    nodes = [{"Alive": True, "Resources": {"CPU": 16, "GPU": 8}}]
+    gpu = key(True, nodes)
+    assert gpu != key() and dict(gpu.resources) == {"GPU": 1.0, "CPU": 2.0}
+    assert gpu.demand() == {"GPU": 2.0, "CPU": 4.0}
+    assert dict(gpu.env)["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"  # worker_env's GPU defaults count

@@ -396,9 +396,10 @@ class WorkerSession:
             train_loop_config={"mailbox": self._mailbox},
             scaling_config=ScalingConfig(num_workers=self.key.world_size, use_gpu=self.key.use_gpu,
                                          resources_per_worker=dict(self.key.resources)),
-            # Replaced before the first request runs (by the request's backend and timeout): gloo
-            # is the cheapest group to start, on GPUs too.
-            torch_config=TorchConfig(backend="gloo", timeout_s=1800),
+            # Replaced before the first request runs (by the request's backend and timeout). NCCL
+            # on GPUs, as Ray Train's default: its communicators are made lazily, so this costs
+            # nothing, and a cluster where gloo cannot connect still measures NCCL-only plans.
+            torch_config=TorchConfig(backend="nccl" if self.key.use_gpu else "gloo", timeout_s=1800),
             run_config=RunConfig(
                 name=f"session-{self.id}",
                 storage_path=self.storage_path,
@@ -460,7 +461,7 @@ class WorkerSession:
                 try:
                     return ray.get(ready[0])
                 except Exception as err:  # noqa: BLE001 - the mailbox died: the group is no use
-                    self._end_after_failure()
+                    self._abort()
                     raise RequestFailed(*classify(err)) from err
             if self.ended:
                 error = self._error or RuntimeError("worker group ended before the request completed")
@@ -500,6 +501,8 @@ class WorkerSession:
             if _placement_groups().get(pg_id) == "CREATED":
                 remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
         else:  # they never got that far (setup failed): the idle groups made since it started
+            # (as run_trial does; a group another thread starts meanwhile is busy, or so new that
+            # it is seen idle twice only if its workers take seconds to be placed: a known race)
             _remove_leaked_placement_groups(self._before)
 
     def close(self, timeout_s: float = 60.0) -> None:
@@ -544,8 +547,12 @@ class SessionPool:
     groups hold what is missing, the caller waits for one to come back. Thread-safe."""
 
     def __init__(self, max_groups: int | None = None, *, storage_path: str | Path | None = None,
-                 ray_address: str | None = None, lifetime_s: float = DEFAULT_GROUP_LIFETIME_S):
+                 ray_address: str | None = None, lifetime_s: float = DEFAULT_GROUP_LIFETIME_S,
+                 max_requests_per_group: int | None = None):
         self.max_groups = max_groups
+        # A group is replaced after this many requests (None: never), should a long run show
+        # something creeping in its processes (e.g. memory a library never gives back).
+        self.max_requests_per_group = max_requests_per_group
         self.storage_path = storage_path
         self.ray_address = ray_address
         self.lifetime_s = lifetime_s
@@ -627,28 +634,30 @@ class SessionPool:
             with self._cond:
                 if self._closed:
                     raise RuntimeError("session pool is closed")
-                gone = [s for s in self._sessions if s.ended and not s.busy]  # e.g. a worker died while idle
-                self._sessions = [s for s in self._sessions if s not in gone]
-                for session in gone:
-                    threading.Thread(target=session.close, daemon=True).start()  # frees its actor, PG
-                for session in self._sessions:
-                    if session.key == key and not session.busy:
+                # Ended while idle (a worker died), or served its share: closed before anything
+                # starts, so the resources they free are free when the new group asks for them.
+                done = [s for s in self._sessions if not s.busy and (s.ended or self._retired(s))]
+                if not done:
+                    for session in self._sessions:
+                        if session.key == key and not session.busy:
+                            session.busy = True
+                            return session
+                    idle = sorted((s for s in self._sessions if not s.busy), key=lambda s: s.last_used)
+                    alive, victims = list(self._sessions), []
+                    while not self._fits(key, alive) and idle:
+                        victims.append(idle.pop(0))
+                        alive.remove(victims[-1])
+                    if self._fits(key, alive) or not any(s.busy for s in alive):
+                        session = WorkerSession(key, storage_path=self.storage_path, lifetime_s=self.lifetime_s,
+                                                start=False)
                         session.busy = True
-                        return session
-                idle = sorted((s for s in self._sessions if not s.busy), key=lambda s: s.last_used)
-                alive, victims = list(self._sessions), []
-                while not self._fits(key, alive) and idle:
-                    victims.append(idle.pop(0))
-                    alive.remove(victims[-1])
-                if self._fits(key, alive) or not any(s.busy for s in alive):
-                    for victim in victims:
-                        self._sessions.remove(victim)
-                    session = WorkerSession(key, storage_path=self.storage_path, lifetime_s=self.lifetime_s,
-                                            start=False)
-                    session.busy = True
-                    self._sessions.append(session)
-                    break
-                self._cond.wait(5)  # busy groups hold what is missing: wait for one to come back
+                        self._sessions = alive + [session]
+                        break
+                    self._cond.wait(5)  # busy groups hold what is missing: wait for one to come back
+                    continue
+                self._sessions = [s for s in self._sessions if s not in done]
+            for session in done:
+                session.close()
         try:
             for victim in victims:  # their workers must be gone before the new group asks for room
                 victim.close()
@@ -658,6 +667,9 @@ class SessionPool:
             self._release(session)
             raise
         return session
+
+    def _retired(self, session: WorkerSession) -> bool:
+        return self.max_requests_per_group is not None and session.requests_served >= self.max_requests_per_group
 
     def _release(self, session: WorkerSession) -> None:
         with self._cond:
@@ -692,8 +704,9 @@ class PoolActor:
     """A SessionPool in a threaded Ray actor, shared by the sweep's trainables (each in its own
     process). It reserves no CPU: the workers of its groups hold the cluster's."""
 
-    def __init__(self, max_groups: int | None = None, storage_path: str | None = None):
-        self.pool = SessionPool(max_groups, storage_path=storage_path)
+    def __init__(self, max_groups: int | None = None, storage_path: str | None = None,
+                 max_requests_per_group: int | None = None):
+        self.pool = SessionPool(max_groups, storage_path=storage_path, max_requests_per_group=max_requests_per_group)
 
     def measure(self, plan: dict[str, Any], stop_rule: dict[str, Any] | None = None) -> dict[str, Any]:
         """SessionTrialResult as a dict (TrialResult.model_validate accepts it)."""
@@ -712,12 +725,16 @@ class PoolActor:
 
 
 def get_pool_actor(name: str = DEFAULT_POOL_NAME, *, namespace: str | None = None, detached: bool = False,
-                   max_groups: int | None = None, storage_path: str | None = None, max_concurrency: int = 64):
-    """The named pool actor, created on first use (get_if_exists: every trainable gets the same).
-    Detached: it outlives the driver that made it (call close.remote() and ray.kill it)."""
+                   max_groups: int | None = None, storage_path: str | None = None,
+                   max_requests_per_group: int | None = None, max_concurrency: int = 64):
+    """The named pool actor, created on first use (get_if_exists: every trainable gets the same;
+    the options count only for the call that creates it). Detached: it outlives the driver that
+    made it (call close.remote() and ray.kill it). Its methods: measure(plan_dict, stop_rule_dict
+    or None) -> SessionTrialResult dict; run(plan_dict, function_path, payload, timeout_s=None) ->
+    dict (raises RequestFailed); groups() -> list[dict]; close()."""
     import ray
 
     return ray.remote(PoolActor).options(
         name=name, namespace=namespace, get_if_exists=True, lifetime="detached" if detached else None,
         num_cpus=0, max_concurrency=max_concurrency,
-    ).remote(max_groups, storage_path)
+    ).remote(max_groups, storage_path, max_requests_per_group)
