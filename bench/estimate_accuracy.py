@@ -202,7 +202,7 @@ def time_predictions(rows: list[dict], profiles) -> list[dict]:
 
 
 def write(machine: dict, rows: list[dict], profiles_json: list[dict], grid_saved: dict | None,
-          console: Console) -> None:
+          console: Console, conditions: str | None = None) -> None:
     from estimate_report import TARGET, _plot  # noqa: E402  (the memory side, unchanged)
 
     from paratune.estimate import estimate_memory
@@ -238,6 +238,7 @@ def write(machine: dict, rows: list[dict], profiles_json: list[dict], grid_saved
     lines = ["# Estimate accuracy: predicted vs measured (CPU, 2 gloo workers)", "",
              f"Machine: {machine['machine']}; torch {machine.get('torch')}; trials {machine.get('date')}; "
              f"profiles {p0.created_at}.", "",
+             *([f"Conditions: {conditions}", ""] if conditions else []),
              "Step time is predicted by `paratune.timemodel` from a profile measured on the same 2 Ray Train "
              "workers (`paratune profile`: one decoder layer, the embedding and the LM head + loss at each "
              "(micro-batch, seq, tp, checkpointing), collective curves on the real gloo group, the AdamW step "
@@ -297,7 +298,8 @@ def write(machine: dict, rows: list[dict], profiles_json: list[dict], grid_saved
         lines += ["", "Trials that did not finish: " + "; ".join(
             f"{r['size']} {strategy_label(r['plan'])}: {r['reason']}" for r in failed)]
     (RESULTS / "estimate_accuracy.md").write_text("\n".join(lines) + "\n")
-    saved = {"machine": machine, "rows": rows, "predictions": table_rows, "profiles": profiles_json}
+    saved = {"machine": machine, "rows": rows, "predictions": table_rows, "profiles": profiles_json,
+             "conditions": conditions}
     if grid is not None:
         saved["grid"] = {**grid_saved, "summary": grid[1], "rows": grid[0]}
     (RESULTS / "estimate_accuracy.json").write_text(json.dumps(saved, indent=1, default=str))
@@ -318,6 +320,7 @@ def main() -> None:
     parser.add_argument("--reprofile", action="store_true", help="measure the profiles again (with --reuse)")
     parser.add_argument("--ledger", help="a sweep ledger of the search-efficiency grid (part 2)")
     parser.add_argument("--grid-profiles", help="profiles for the grid (paratune profile --out); default: measure")
+    parser.add_argument("--conditions", help="what the host was doing while this was measured (kept in the report)")
     args = parser.parse_args()
     console = Console(width=160)
     RESULTS.mkdir(exist_ok=True)
@@ -342,7 +345,7 @@ def main() -> None:
         grid_saved = {"source": args.ledger, "measured": measured, "profiles": grid_profiles}
     elif saved.get("grid"):  # the committed grid, re-predicted from its stored measurements and profiles
         grid_saved = {k: saved["grid"][k] for k in ("source", "measured", "profiles")}
-    write(machine, rows, profiles_json, grid_saved, console)
+    write(machine, rows, profiles_json, grid_saved, console, args.conditions or saved.get("conditions"))
 
 
 if __name__ == "__main__":

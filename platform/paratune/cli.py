@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("space", help="search space YAML")
     p.add_argument("--out", help="also write the profiles (a JSON list) to this file")
     p.add_argument("--store", help="profile store folder (default: $PARATUNE_HOME/profiles)")
-    p.add_argument("--reps", type=int, help="timed repetitions per measurement (default 3)")
+    p.add_argument("--reps", type=int, help="timed repetitions per measurement (default 4)")
     p.add_argument("--force", action="store_true", help="measure again even if a stored profile covers the plans")
     p = sub.add_parser("ui", help="open the MLflow UI on the sweep store (127.0.0.1)")
     p.add_argument("--tracking-uri")

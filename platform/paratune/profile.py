@@ -10,7 +10,8 @@ have their own GPU):
 - one decoder layer of the real transformers model at the tensor-parallel-local shape (heads/tp,
   kv heads/tp, intermediate/tp, the same hidden size and head dim), forward + backward, for every
   (micro_batch, seq_len, tp, checkpointing) the plans use, in the plan precision (bf16 autocast as
-  the trials use), warm-up excluded, device synchronised before each clock read, median of a few;
+  the trials use), warm-up excluded, device synchronised before each clock read, the minimum (or
+  the median) of a few repetitions;
 - the embedding and the LM head (vocab/tp) with the loss, at the same shapes;
 - collective curves on the real process group (all_reduce, all_gather_into_tensor,
   reduce_scatter_tensor, send/recv) at a few sizes for each group size and rank layout the plans
@@ -110,8 +111,11 @@ class ProfileRequest(_Strict):
     gpus_per_node: int | None = Field(None, ge=1)
     cpus_per_worker: float | None = Field(None, gt=0)
     device_type: Literal["auto", "cpu", "cuda"] = "auto"
-    reps: int = Field(3, ge=1, le=50)  # timed repetitions per measurement (median)
+    reps: int = Field(4, ge=1, le=50)  # timed repetitions per measurement
     warmup: int = Field(1, ge=0, le=20)
+    # What the repetitions give: `min` (default) is the work's own time, robust to a shared host's
+    # bursts (others' processes only ever add time); `median` keeps typical interference in.
+    statistic: Literal["min", "median"] = "min"
     sizes: list[int] | None = None  # collective message sizes in bytes (None: by device type)
     timeout_s: float = Field(900.0, gt=0)
 
@@ -394,8 +398,8 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_time(fn: Callable[[], None], device, warmup: int, reps: int) -> float:
-    """Median seconds of `fn` over `reps` runs after `warmup` untimed ones, synchronised."""
+def _median_time(fn: Callable[[], None], device, warmup: int, reps: int, statistic: str = "median") -> float:
+    """Median (or min) seconds of `fn` over `reps` runs after `warmup` untimed ones, synchronised."""
     for _ in range(warmup):
         fn()
     times = []
@@ -405,7 +409,7 @@ def _median_time(fn: Callable[[], None], device, warmup: int, reps: int) -> floa
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times) if statistic == "min" else statistics.median(times)
 
 
 def _local_config(request: ProfileRequest, tp: int, layers: int):
@@ -479,7 +483,7 @@ def _profile_block_shapes(request: ProfileRequest, device, barrier: Callable[[],
         times = {}
         for name, fn in (("block_s", run_block), ("embed_s", run_embed), ("head_s", run_head)):
             barrier()  # every rank computes at once, sharing the host as in a trial
-            times[name] = _median_time(fn, device, request.warmup, request.reps)
+            times[name] = _median_time(fn, device, request.warmup, request.reps, request.statistic)
         out.append({"shape": shape.model_dump(), **times})
     return out
 
@@ -538,7 +542,7 @@ def _profile_collectives(request: ProfileRequest, rank: int, world: int, device,
                             dist.send(t, partner)
                 reps = request.reps if nbytes <= 4 * 2**20 else max(2, request.reps - 1)
                 dist.barrier()
-                seconds = _median_time(fn, device, 1, reps)
+                seconds = _median_time(fn, device, 1, reps, request.statistic)
                 if op == "send_recv":
                     seconds /= 2
                 rows.append({"op": op, "size": n, "stride": spec.stride, "bytes": elems * 4, "seconds": seconds})
@@ -573,7 +577,7 @@ def _profile_optimizer(request: ProfileRequest, device, barrier: Callable[[], No
             opt.zero_grad(set_to_none=True)
 
         barrier()
-        points.append((float(n), _median_time(step, device, max(1, request.warmup), request.reps)))
+        points.append((float(n), _median_time(step, device, max(1, request.warmup), request.reps, request.statistic)))
         del params, grads, opt
     return points
 
