@@ -46,6 +46,10 @@ def test_profile_on_two_gloo_workers(ray_local, tmp_path):
     store = ProfileStore(tmp_path)
     store.put(profile)
     assert store.get(request, "cpu") == profile
+    # A sweep asks by its device-table name (h100-80gb), not torch's: stored under that, found by it.
+    assert store.get(request, "h100-80gb") is None
+    store.put(profile, "h100-80gb")
+    assert store.get(request, "h100-80gb") == profile
     model = StepTimeModel([profile])
     for plan in _plans():
         prediction = model.predict(plan)

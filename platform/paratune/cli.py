@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("tune", help="sweep a search space with Ray Tune + Optuna; MLflow; export the winner")
     p.add_argument("space", help="search space YAML (search_spaces/)")
     p.add_argument("--trials", type=int, help="trial budget (default: the space's search.trials)")
-    p.add_argument("--search", choices=["tpe", "random", "grid"], help="search algorithm (default: the space's)")
+    p.add_argument("--search", choices=["calibrated", "tpe", "random", "grid"], help="search algorithm (default: the space's)")
     p.add_argument("--seed", type=int, help="searcher seed (default: the space's)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted sweep in --out")
     p.add_argument("--out", help="sweep folder (default: $PARATUNE_HOME or ./paratune_runs, /<space name>)")

@@ -664,7 +664,7 @@ def _profile_worker_loop(config: dict[str, Any]) -> dict[str, Any]:
                            ctx.get_local_world_size(), ray.train.torch.get_device())
 
 
-def _proxy_plan(request: ProfileRequest) -> Plan:
+def workers_plan(request: ProfileRequest) -> Plan:
     """A plan with the request's workers, env, host CPUs and device, for trial.py's helpers
     (worker env, resources, backend): the profile runs where and as the trials run."""
     return Plan(model=request.model, model_overrides=request.model_overrides, num_workers=request.world_size,
@@ -685,7 +685,7 @@ def _run_with_ray(request: ProfileRequest, ray_address: str | None, storage_path
                                 worker_resources)
 
     ensure_ray(ray_address)
-    plan = _proxy_plan(request)
+    plan = workers_plan(request)
     use_gpu = wants_gpu(plan)
     env = worker_env(plan, use_gpu)
     before = set(_placement_groups())
@@ -766,9 +766,14 @@ class ProfileStore:
             return None
         return profile
 
-    def put(self, profile: Profile) -> Path:
+    def put(self, profile: Profile, device_name: str | None = None) -> Path:
+        """Store a profile; `device_name`: the name a later `get` will ask by (a sweep asks by its
+        device-table name, e.g. h100-80gb; the profile records torch's device name)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        path = self.path(self.key_for_profile(profile))
+        key = self.key_for_profile(profile) if device_name is None else self.key(
+            profile.config_digest, profile.precision, device_name, profile.world_size, profile.gpus_per_node,
+            profile.env_key())
+        path = self.path(key)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(profile.model_dump_json(indent=1))
         tmp.replace(path)

@@ -594,7 +594,7 @@ def _time_predictions(space: Space, plans: dict[str, dict], calibration, pool: s
             if profile is None:
                 with console.status(f"profiling the cluster for the step-time model ({_request_label(request)})"):
                     profile = run_profile(request, runner=_pool_runner(pool, request))
-                store.put(profile)
+                store.put(profile, device_name)
                 console.print(f"profiled {_request_label(request)} in {time.perf_counter() - t0:.0f} s")
             else:
                 console.print(f"step-time model: the stored profile for {_request_label(request)}")
@@ -682,11 +682,11 @@ def _pool_runner(pool: str | None, request):
         return None
     import ray
 
-    from paratune.profile import _proxy_plan
+    from paratune.profile import workers_plan
     from paratune.session import get_pool_actor
 
     def runner(function_path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        plan = _proxy_plan(request).to_dict()
+        plan = workers_plan(request).to_dict()
         return ray.get(get_pool_actor(pool).run.remote(plan, function_path, payload, request.timeout_s))
 
     return runner
