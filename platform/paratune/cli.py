@@ -156,7 +156,9 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     print_estimates(estimates, device, console, top=args.top,
                     title=f"{space.spec.name}: {first.model}, {first.num_workers} x {device.name} "
                           f"({first.num_workers // (first.gpus_per_node or first.num_workers)} node(s)), "
-                          "predicted, fastest first")
+                          "predicted, fastest first",
+                    **({"time_source": f"composed from the stored profile {args.profile} (paratune.timemodel)"}
+                       if profiles else {}))
     _print_construction(estimates, console, args.top)
     if profiles:
         _print_time_parts(estimates, profiles, console, args.top)

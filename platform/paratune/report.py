@@ -153,7 +153,8 @@ def print_sweep(report, console: Console | None = None) -> None:
         console.print("[red]no winner: no plan finished and passed the loss-parity check[/red]")
 
 
-def print_estimates(estimates, device, console: Console, top: int = 20, title: str = "") -> None:
+def print_estimates(estimates, device, console: Console, top: int = 20, title: str = "",
+                    time_source: str = "roofline with default constants (a sweep refits them on its measured trials)") -> None:
     """`paratune plan`: the plans predicted to fit, fastest first, then why the others do not."""
     from collections import Counter
 
@@ -186,5 +187,4 @@ def print_estimates(estimates, device, console: Console, top: int = 20, title: s
             shown.add(label)
             console.print(f"  - {label} ({by_strategy[label]} plan(s)), e.g. {strategy_label(e.plan.to_dict())}: "
                           f"{escape(e.overflow or '')}")
-    console.print(f"memory: {estimates[0].memory.method if estimates else '-'}; time: roofline with default "
-                  "constants (a sweep refits them on its measured trials)")
+    console.print(f"memory: {estimates[0].memory.method if estimates else '-'}; time: {time_source}")
