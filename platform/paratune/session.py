@@ -728,8 +728,10 @@ def get_pool_actor(name: str = DEFAULT_POOL_NAME, *, namespace: str | None = Non
                    max_groups: int | None = None, storage_path: str | None = None,
                    max_requests_per_group: int | None = None, max_concurrency: int = 64):
     """The named pool actor, created on first use (get_if_exists: every trainable gets the same;
-    the options count only for the call that creates it). Detached: it outlives the driver that
-    made it (call close.remote() and ray.kill it). Its methods: measure(plan_dict, stop_rule_dict
+    the options count only for the call that creates it). Create it in the sweep's driver before
+    the trials start: a non-detached actor dies with the process that created it, so one made by
+    a trainable would go (and its groups with it) when that trial ends. Detached: it outlives
+    every process (call close.remote(), then ray.kill it). Its methods: measure(plan_dict, stop_rule_dict
     or None) -> SessionTrialResult dict; run(plan_dict, function_path, payload, timeout_s=None) ->
     dict (raises RequestFailed); groups() -> list[dict]; close()."""
     import ray
