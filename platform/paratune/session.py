@@ -81,8 +81,6 @@ class SessionTrialResult(TrialResult):
     """A TrialResult measured in a session group, with what proves where it ran."""
 
     worker_pids: list[int] = []  # per rank
-    group_id: str | None = None
-    group_request: int | None = None  # 1: the group's first request (it paid the group's launch)
 
 
 @dataclass(frozen=True)

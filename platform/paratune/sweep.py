@@ -551,8 +551,10 @@ def _search(space: Space, plans: dict[str, dict], algorithm: str, seed: int, tri
     )
     param_space: dict[str, Any] = {}
     if algorithm == "grid":  # the exhaustive reference: every point measured fully, never stopped early
+        # Env-major (plans of one env share a reused worker group), then predicted fastest first.
         rank = {key: i for i, key in enumerate(fastest_first)}
-        todo = sorted((k for k in plans if k not in ledger.keys()), key=lambda k: rank.get(_candidate_key(k), len(rank)))
+        todo = sorted((k for k in plans if k not in ledger.keys()),
+                      key=lambda k: (json.dumps(json.loads(k)["env"], sort_keys=True), rank.get(_candidate_key(k), len(rank))))
         tune_config = tune.TuneConfig(num_samples=1, max_concurrent_trials=_concurrency(space))
         param_space = {"point": tune.grid_search(todo[:remaining])}
     elif algorithm == "calibrated" and predictions is not None:

@@ -64,6 +64,10 @@ class TrialResult(BaseModel):
     launch_s: float | None = None  # trial start to first step
     wall_s: float | None = None
     env_seen: dict[str, str | None] = Field(default_factory=dict)  # plan env as workers saw it
+    # Measured in a reused worker group (paratune.session): which, and the how-manieth request
+    # (1: this trial paid the group's launch). None: a worker group of its own.
+    group_id: str | None = None
+    group_request: int | None = None
 
     @property
     def ok(self) -> bool:
