@@ -588,8 +588,8 @@ class SessionPool:
         info = out.pop("session")
         out["launch_s"] = out.pop("first_step_epoch_s") - info["submitted_epoch_s"]
         result = summarize(plan, out, flops_tok, info["wall_s"], stop_rule)
-        return SessionTrialResult(**result.model_dump(), worker_pids=info["pids"], group_id=info["group_id"],
-                                  group_request=info["request"])
+        return SessionTrialResult(**{**result.model_dump(), "group_id": info["group_id"], "group_request": info["request"]},
+                                  worker_pids=info["pids"])
 
     def run(self, plan: Plan | dict[str, Any], function_path: str, payload: dict[str, Any],
             timeout_s: float | None = None) -> dict[str, Any]:
