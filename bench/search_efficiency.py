@@ -163,7 +163,8 @@ def replay_optuna(space, table, algorithm: str, seed: int) -> Replay:
     sample = CandidateTree(space).define_by_run()
     replay = Replay(table, seed)
     asks = 0
-    while len(replay.observed) < len(table) and asks < 5000:
+    # Until within 3% of the best (what the table reports), or every plan seen.
+    while len(replay.observed) < len(table) and asks < 2000 and replay.reached_at() is None:
         asks += 1
         trial = study.ask()
         key = sample(trial)["point"]
@@ -217,6 +218,26 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
     return (concordant - discordant) / denominator if denominator else 0.0
 
 
+def refit_accuracy(table, valid: list[str], profiles) -> tuple[list[float], float, list[float]]:
+    """Out-of-sample step-time errors of the refitted model on the grid: leave-one-out (and the
+    Kendall tau of those predictions), and sequential in predicted-fastest order."""
+    from paratune.timemodel import StepTimeModel
+
+    plans = {k: load_plan_dict(table[k]["plan"]) for k in valid}
+    measured = {k: statistics.median(table[k]["step_times_s"]) for k in valid}
+    full = StepTimeModel(profiles)
+    for k in valid:
+        full.observe(plans[k], measured[k])
+    loo = full.loo_errors()
+    tau = kendall_tau([1 / (measured[k] * (1 + e)) for k, e in zip(valid, loo)], [1 / measured[k] for k in valid])
+    model, left, sequential = StepTimeModel(profiles), set(valid), []
+    while left:
+        key = max(left, key=lambda k: model.predict(plans[k]).tokens_per_s_per_gpu)
+        sequential.append(abs(model.observe(plans[key], measured[key])["step_time_prediction_error"]))
+        left.remove(key)
+    return [abs(e) for e in loo], tau, sequential
+
+
 def label(table, key: str) -> str:
     plan = table[key]["plan"]
     env = " ".join(f"{k}={v}" for k, v in sorted((plan.get("env") or {}).items()))
@@ -233,9 +254,10 @@ def main() -> None:
     work = Path(args.reuse) if args.reuse else Path("paratune_runs") / f"search_efficiency-{time.strftime('%Y%m%d-%H%M%S')}"
     t0 = time.perf_counter()
     table = measure_grid(space, work)
-    grid_s = time.perf_counter() - t0
+    grid_s = sum(v["wall_s"] for v in table.values())  # the trials' own wall time (a rerun reuses them)
     plans = [load_plan_dict(v["plan"]) for v in table.values()]
-    profiles, profile_s = build_profiles(plans, work)
+    profiles, _ = build_profiles(plans, work)
+    profile_s = sum(p.profile_s for p in profiles)
     from paratune.timemodel import StepTimeModel
 
     best = max(v["tokens_per_s_per_gpu"] for v in table.values())
@@ -260,14 +282,15 @@ def main() -> None:
     # predicted / measured step time - 1 (step time is tokens per step / (tokens/s x workers))
     profile_errors = [abs(measured[k] / predicted[k] - 1) for k in valid]
     refit_errors = [abs(p["step_time_prediction_error"]) for p in runs["calibrated"][0]["predictions"]]
+    loo, loo_tau, sequential = refit_accuracy(table, valid, profiles)
 
     machine = describe()
     launches = sorted(v["launch_s"] for v in table.values() if v["ok"])
     lines = ["# Search efficiency", "",
              f"- date: {machine['date']}", f"- machine: {machine['machine']}; torch {machine['torch']}",
              f"- space: bench/search_efficiency_space.yaml, {len(table)} plans ({len(valid)} ran) measured "
-             f"exhaustively (grid, worker groups reused) on 2 CPU workers in {grid_s / 60:.1f} min; profile "
-             f"{profile_s:.0f} s",
+             f"exhaustively (grid, worker groups reused) on 2 CPU workers: {grid_s / 60:.1f} min of trial wall time; "
+             f"profile {profile_s:.0f} s on the workers ({len(profiles)} envs)",
              f"- grid best: {label(table, measured_best)} {best:,.0f} tokens/s/GPU; within 3%: "
              f"{sum(v['tokens_per_s_per_gpu'] >= TARGET * best for v in table.values())} plan(s)",
              f"- trial launch (start to first step) in the grid: median {statistics.median(launches):.1f} s, "
@@ -300,7 +323,12 @@ def main() -> None:
               f"worst {max(profile_errors):.1%}",
               f"- step time predicted before each trial, refitted on the trials before it (calibrated order, seed 0, "
               f"{len(refit_errors)} trials): median |error| **{statistics.median(refit_errors):.1%}**, worst "
-              f"**{max(refit_errors):.1%}**" if refit_errors else "- no refit errors (no trial ran)", "",
+              f"**{max(refit_errors):.1%}**" if refit_errors else "- no refit errors (no trial ran)",
+              f"- the same, over the whole grid (every plan in predicted-fastest order, each predicted before it "
+              f"was observed): median |error| {statistics.median(sequential):.1%}, worst {max(sequential):.1%}",
+              f"- leave-one-out over the grid (refit on the other {len(valid) - 1} plans, predict the one left out): "
+              f"median |error| **{statistics.median(loo):.1%}**, worst **{max(loo):.1%}**; Kendall tau of those "
+              f"predictions **{loo_tau:.2f}**", "",
               "Measured table (best first), with the profile-only prediction:", "",
               "| plan | tokens/s/GPU | predicted | error (step time) |", "|---|---:|---:|---:|"]
     for key in sorted(table, key=lambda k: -table[k]["tokens_per_s_per_gpu"]):

@@ -287,3 +287,18 @@ def test_store_keys_separate_what_changes_speed(tmp_path):
     wider = request.model_copy(update={"blocks": [BlockShape(micro_batch=16, seq_len=128)]})
     assert store.get(wider, "cpu") is None  # not measured at that shape: not reused
     assert store.get(wider, "cpu", require_cover=False) is not None
+
+
+def test_each_env_gets_its_own_compute_multiplier():
+    # The env-2 profile overstates compute by 2x (as a profile taken with oversubscribed threads
+    # can); the truth is the env-1 profile's compute in both envs. Trials in both envs teach
+    # each its own multiplier, so both come out right, where one shared multiplier cannot.
+    one, two = make_profile(env={"OMP_NUM_THREADS": "1"}), make_profile(env={"OMP_NUM_THREADS": "2"}, block_per_token=4e-6)
+    model = StepTimeModel([one, two])
+    assert len(model.features) == len(FEATURES) + 2
+    plans = [plan(micro_batch=mb, env={"OMP_NUM_THREADS": env}) for mb in (1, 2, 4) for env in ("1", "2")]
+    for p in plans * 2:
+        model.observe(p, _truth(p.with_changes(env={"OMP_NUM_THREADS": "1"}), one))
+    for p in plans:
+        truth = _truth(p.with_changes(env={"OMP_NUM_THREADS": "1"}), one)
+        assert model.predict(p).step_s == pytest.approx(truth, rel=0.08), p.env

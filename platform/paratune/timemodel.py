@@ -345,7 +345,16 @@ class StepTimeModel:
         if not profiles:
             raise ValueError("profiles: got none; allowed: at least one Profile (paratune profile SPACE)")
         self.profiles = list(profiles)
-        self.coef = list(PRIOR)
+        # With several envs, each gets a compute multiplier of its own on top of the shared one:
+        # a profile taken under one env can be biased unlike another's (CPU: threads per worker
+        # oversubscribing the cores in the profile but less so in a trial), and one shared
+        # multiplier would split the difference, wrong for both.
+        self.env_keys = sorted({_env_key(p.env) for p in self.profiles}) if len(
+            {_env_key(p.env) for p in self.profiles}) > 1 else []
+        self.features = list(FEATURES) + [f"compute@{k}" for k in self.env_keys]
+        self.prior = list(PRIOR) + [0.0] * len(self.env_keys)
+        self.weights = prior_weights() + [MULTIPLIER_WEIGHT] * len(self.env_keys)
+        self.coef = list(self.prior)
         self.samples: list[tuple[Plan, float, list[float]]] = []  # plan, measured s, feature row
         self.errors: list[float] = []  # pre-refit relative errors, in order
 
@@ -380,12 +389,14 @@ class StepTimeModel:
     def _features(self, plan: Plan) -> tuple[list[float], dict[str, float], Profile, str | None]:
         profile, note = self.profile_for(plan)
         terms = compose(plan, profile)
-        return _row(terms), terms, profile, note
+        env = _env_key(profile.env)
+        row = _row(terms) + [terms["compute"] if k == env else 0.0 for k in self.env_keys]
+        return row, terms, profile, note
 
     # ---- the public API
     def predict(self, plan: Plan) -> StepPrediction:
         row, _, profile, note = self._features(plan)
-        parts = {k: c * x for k, c, x in zip(FEATURES, self.coef, row) if c * x != 0.0}
+        parts = {k: c * x for k, c, x in zip(self.features, self.coef, row) if c * x != 0.0}
         step = max(1e-9, sum(parts.values()))
         return StepPrediction(step_s=step, tokens_per_s_per_gpu=plan.tokens_per_step / step / plan.num_workers,
                               parts=parts, profile_env=dict(profile.env), note=note)
@@ -399,7 +410,8 @@ class StepTimeModel:
         row, _, _, _ = self._features(plan)
         self.samples.append((plan, float(measured_step_s), row))
         self.errors.append(error)
-        self.coef = fit_coefficients([r for _, _, r in self.samples], [y for _, y, _ in self.samples])
+        self.coef = fit_coefficients([r for _, _, r in self.samples], [y for _, y, _ in self.samples],
+                                     self.prior, self.weights)
         return {"predicted_step_time_s": before.step_s, "step_time_prediction_error": error,
                 "predicted_tokens_per_s_per_gpu": before.tokens_per_s_per_gpu,
                 "time_model_fitted_on": float(len(self.samples) - 1)}
@@ -410,7 +422,7 @@ class StepTimeModel:
         out = []
         for i, (_, measured, row) in enumerate(samples):
             others = samples[:i] + samples[i + 1:]
-            coef = fit_coefficients([r for _, _, r in others], [y for _, y, _ in others])
+            coef = fit_coefficients([r for _, _, r in others], [y for _, y, _ in others], self.prior, self.weights)
             out.append(sum(c * x for c, x in zip(coef, row)) / measured - 1)
         return out
 
@@ -426,6 +438,6 @@ class StepTimeModel:
                                  "time_model_error_band": self.error_band()}
         if self.errors:
             out["step_time_prediction_error_median_abs"] = statistics.median(abs(e) for e in self.errors)
-        for k, c in zip(FEATURES, self.coef):
+        for k, c in zip(self.features, self.coef):
             out[f"time_model_coef:{k}"] = c
         return out
