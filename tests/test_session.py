@@ -121,6 +121,7 @@ def test_another_env_gets_another_group_and_a_failure_ends_it(pool):
     # The seed-7 plan shares the key (same env), so it runs in that group; rank 1 dies at its step 1.
     killed = pool.measure({**BASE_PLAN, "measure_steps": 1, "env": FAULT, "seed": 7})
     assert killed.status == "failed" and killed.reason == "worker_died", killed.message
+    assert killed.wall_s is not None and killed.wall_s > 0  # a failure keeps its wall time (the sweep reports it)
     assert killed.group_id == survivor.group_id and pool.groups() == []
     # The next plan of that key gets a fresh group (new processes), which works.
     after = pool.measure({**BASE_PLAN, "measure_steps": 1, "env": FAULT})

@@ -45,6 +45,7 @@ from paratune.trial import (
     _placement_groups,
     _remove_leaked_placement_groups,
     _timed_trainer_class,
+    abort_controller,
     check_before_launch,
     default_storage,
     ensure_ray,
@@ -299,53 +300,12 @@ def measure_request(payload: dict[str, Any], rank: int, world: int, local_world:
 
 # --------------------------------------------------------------------------- driver side
 def _session_trainer_class():
-    """The timed TorchTrainer, keeping its controller's handle so a request past its timeout can
-    abort the group from another thread (its fit waits the group's whole lifetime). The body is
-    `_timed_trainer_class`'s, plus `self.controller`."""
-    import ray
-    import ray.train.v2.api.data_parallel_trainer as dpt
-
-    base = _timed_trainer_class()
-
-    class SessionTorchTrainer(base):
-        controller = None
-
-        def _initialize_and_run_controller(self, **controller_init_kwargs):
-            env_vars = dpt.get_env_vars_to_propagate()
-            env_vars.setdefault(dpt.RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
-                                dpt.DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)
-            controller_cls = ray.remote(
-                num_cpus=0,
-                label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},
-                runtime_env={"env_vars": env_vars},
-            )(dpt.TrainController)
-            self.controller = controller = controller_cls.remote(**controller_init_kwargs)
-            try:
-                done, _ = ray.wait([controller.run.remote()], timeout=self.deadline_s)
-                if not done:
-                    abort_controller(controller)
-                    raise TrialTimeout(f"hang: worker group exceeded its lifetime {self.deadline_s:.0f}s; "
-                                       "workers aborted")
-                ray.get(done[0])
-                return ray.get(controller.get_result.remote())
-            finally:
-                # The last handle goes, as in the base class: Ray then ends the controller, and with
-                # it (their owner) the workers and their placement group, which a failed run (e.g.
-                # its process group setup) leaves alive otherwise.
-                self.controller = controller = None
+    """The timed TorchTrainer (it keeps its controller's handle while the run lasts, so a request
+    past its timeout can abort the group from another thread); its deadline is the group's life."""
+    class SessionTorchTrainer(_timed_trainer_class()):
+        deadline_message = "hang: worker group exceeded its lifetime {deadline_s:.0f}s; workers aborted"
 
     return SessionTorchTrainer
-
-
-def abort_controller(controller) -> None:
-    """End a Ray Train run now, whatever its state: abort (shuts the worker group down), then kill."""
-    import ray
-
-    try:
-        ray.get(controller.abort.remote(), timeout=60)
-    except Exception:  # noqa: BLE001 - abort exits the actor; kill it in any case
-        pass
-    ray.kill(controller, no_restart=True)
 
 
 class WorkerSession:
@@ -568,21 +528,23 @@ class SessionPool:
         if isinstance(checked, TrialResult):
             return checked  # an invalid plan never reaches the workers
         plan, flops_tok = checked
+        t0 = time.perf_counter()
         try:
             ensure_ray(self.ray_address)
             use_gpu = wants_gpu(plan)
             session = self._acquire(self._key(plan, use_gpu))
         except Exception as err:  # noqa: BLE001 - e.g. Ray unreachable: a result, not a raise
-            return TrialResult.failed(plan, *classify(err))
+            return TrialResult.failed(plan, *classify(err), wall_s=time.perf_counter() - t0)
         payload = {"plan": plan.to_dict(), "stop_rule": stop_rule._asdict() if stop_rule else None}
         try:
             out = session.run(MEASURE_FUNCTION, payload, plan.trial_timeout_s,
                               backend=process_group_backend(plan, use_gpu), comm_timeout_s=plan.comm_timeout_s)
         except RequestFailed as err:
             return SessionTrialResult.failed(plan, err.reason, err.message, group_id=session.id,
-                                             group_request=session._seq)
+                                             group_request=session._seq, wall_s=time.perf_counter() - t0)
         except Exception as err:  # noqa: BLE001
-            return SessionTrialResult.failed(plan, *classify(err), group_id=session.id)
+            return SessionTrialResult.failed(plan, *classify(err), group_id=session.id,
+                                             wall_s=time.perf_counter() - t0)
         finally:
             self._release(session)
         info = out.pop("session")

@@ -468,12 +468,26 @@ class TrialTimeout(RuntimeError):
     """The trial ran past plan.trial_timeout_s: a hang (a collective or a worker stuck)."""
 
 
+def abort_controller(controller) -> None:
+    """End a Ray Train run now, whatever its state: abort (shuts the worker group down), then kill."""
+    import ray
+
+    try:
+        ray.get(controller.abort.remote(), timeout=60)
+    except Exception:  # noqa: BLE001 - abort exits the actor; kill it in any case
+        pass
+    ray.kill(controller, no_restart=True)
+
+
 def _timed_trainer_class():
     """TorchTrainer whose fit() gives up after a deadline, aborting the controller and workers.
 
     Ray Train's own timeouts cover process-group setup and collectives (TorchConfig.timeout_s)
     but not a worker stuck elsewhere; a sweep must never wait forever on one trial. This mirrors
     Ray 2.60's `_initialize_and_run_controller`, waiting on the controller with a deadline.
+    While the run lasts `controller` is its handle (a session aborts it from another thread);
+    then the handle goes, so Ray ends the controller and with it the workers and placement group
+    a failed run (e.g. its process group setup) would otherwise keep alive.
     """
     import ray
     import ray.train.v2.api.data_parallel_trainer as dpt
@@ -481,6 +495,8 @@ def _timed_trainer_class():
 
     class TimedTorchTrainer(TorchTrainer):
         deadline_s: float = 1800.0
+        deadline_message: str = "hang: trial exceeded trial_timeout_s={deadline_s:.0f}s; workers aborted"
+        controller = None
 
         def _initialize_and_run_controller(self, **controller_init_kwargs):
             env_vars = dpt.get_env_vars_to_propagate()
@@ -491,17 +507,16 @@ def _timed_trainer_class():
                 label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},
                 runtime_env={"env_vars": env_vars},
             )(dpt.TrainController)
-            controller = controller_cls.remote(**controller_init_kwargs)
-            done, _ = ray.wait([controller.run.remote()], timeout=self.deadline_s)
-            if not done:
-                try:
-                    ray.get(controller.abort.remote(), timeout=60)  # shuts the worker group down
-                except Exception:  # noqa: BLE001 - kill it whatever state it is in
-                    pass
-                ray.kill(controller, no_restart=True)
-                raise TrialTimeout(f"hang: trial exceeded trial_timeout_s={self.deadline_s:.0f}s; workers aborted")
-            ray.get(done[0])
-            return ray.get(controller.get_result.remote())
+            self.controller = controller = controller_cls.remote(**controller_init_kwargs)
+            try:
+                done, _ = ray.wait([controller.run.remote()], timeout=self.deadline_s)
+                if not done:
+                    abort_controller(controller)
+                    raise TrialTimeout(self.deadline_message.format(deadline_s=self.deadline_s))
+                ray.get(done[0])
+                return ray.get(controller.get_result.remote())
+            finally:
+                self.controller = controller = None
 
     return TimedTorchTrainer
 
