@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from machine import describe  # noqa: E402
 
 from paratune.plan import load_plan_dict  # noqa: E402
-from paratune.report import strategy_label  # noqa: E402
+from paratune.report import env_label, strategy_label  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 BUCKETS = {"reduce_bucket_size": 2_000_000, "allgather_bucket_size": 2_000_000}
@@ -164,7 +164,7 @@ def grid_rows(grid: list[dict], profiles) -> tuple[list[dict], dict]:
     for i, (plan, seconds) in enumerate(measured):
         pred = alone.predict(plan)
         rows.append({"plan": plan.to_dict(), "label": strategy_label(plan.to_dict()),
-                     "env": " ".join(f"{k}={v}" for k, v in sorted(plan.env.items())),
+                     "env": env_label(plan.env),
                      "tokens_per_step": plan.tokens_per_step, "measured_step_s": seconds,
                      "spread": grid[i]["spread"],
                      "alone_step_s": pred.step_s, "alone_parts": pred.parts,

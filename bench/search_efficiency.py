@@ -35,7 +35,7 @@ from machine import describe  # noqa: E402
 
 from paratune.measure import StopRule, step_stats, tokens_per_second_per_gpu  # noqa: E402
 from paratune.plan import load_plan_dict  # noqa: E402
-from paratune.report import strategy_label  # noqa: E402
+from paratune.report import env_label, strategy_label  # noqa: E402
 from paratune.search import Incumbent, StoppingRule  # noqa: E402
 from paratune.space import load_space  # noqa: E402
 from paratune.sweep import CandidateTree, Ledger, run_sweep  # noqa: E402
@@ -240,8 +240,7 @@ def refit_accuracy(table, valid: list[str], profiles) -> tuple[list[float], floa
 
 def label(table, key: str) -> str:
     plan = table[key]["plan"]
-    env = " ".join(f"{k}={v}" for k, v in sorted((plan.get("env") or {}).items()))
-    return f"{strategy_label(plan)} {env}".strip()
+    return f"{strategy_label(plan)} {env_label(plan.get('env'))}".strip()
 
 
 # --------------------------------------------------------------------------- report

@@ -202,7 +202,7 @@ def _print_time_parts(estimates, profiles, console: Console, top: int) -> None:
     """`paratune plan --profile`: where each fitting plan's predicted step goes."""
     from rich.table import Table
 
-    from paratune.report import strategy_label
+    from paratune.report import env_label, strategy_label
 
     table = Table(title="step time from the profile (s): compute, exposed communication, optimizer, overheads")
     for col in ("#", "plan", "env", "compute", "tp", "pp", "dp", "optimizer", "other", "step s"):
@@ -211,7 +211,7 @@ def _print_time_parts(estimates, profiles, console: Console, top: int) -> None:
         parts = getattr(e, "time_parts", {})
         known = ("compute", "tp_comm", "pp_comm", "dp_comm", "optimizer")
         other = sum(v for k, v in parts.items() if k not in known)
-        env = " ".join(f"{k}={v}" for k, v in sorted(e.plan.env.items())) or "-"
+        env = env_label(e.plan.env) or "-"
         table.add_row(str(i), strategy_label(e.plan.to_dict()), env, *(f"{parts.get(k, 0.0):.3f}" for k in known),
                       f"{other:.3f}", f"{e.time.step_s:.3f}")
     console.print(table)

@@ -9,6 +9,11 @@ from rich.table import Table
 from paratune.trial import TrialResult
 
 
+def env_label(env: dict[str, str] | None) -> str:
+    """A plan's env as it reads in tables and logs: 'K=V K=V', sorted; '' for none."""
+    return " ".join(f"{k}={v}" for k, v in sorted((env or {}).items()))
+
+
 def strategy_label(plan: dict) -> str:
     """A short name for what the plan does: 'ddp', 'fsdp:full', 'zero-3+offload', ..."""
     strategy = plan.get("strategy", "?")

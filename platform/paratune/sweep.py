@@ -24,7 +24,7 @@ from rich.markup import escape
 
 from paratune.measure import StopRule
 from paratune.plan import Plan, load_plan_dict
-from paratune.report import strategy_label
+from paratune.report import env_label, strategy_label
 from paratune.search import Incumbent, StoppingRule
 from paratune.space import Space
 from paratune.trial import TrialResult, ensure_ray, run_trial
@@ -407,7 +407,7 @@ def _calibrated_searcher(predictions: TimePredictions, ledger: Ledger, budget_gb
 
 
 def _env_label(plan: Plan) -> str:
-    return (" " + " ".join(f"{k}={v}" for k, v in sorted(plan.env.items()))) if plan.env else ""
+    return f" {env_label(plan.env)}" if plan.env else ""
 
 
 # --------------------------------------------------------------------------- the sweep
@@ -614,8 +614,8 @@ def _time_predictions(space: Space, plans: dict[str, dict], calibration, pool: s
 
 
 def _request_label(request) -> str:
-    env = " ".join(f"{k}={v}" for k, v in sorted((getattr(request, "env", None) or {}).items()))
-    return f"{getattr(request, 'world_size', '?')} workers" + (f", {env}" if env else "")
+    env = env_label(request.env)
+    return f"{request.world_size} workers" + (f", {env}" if env else "")
 
 
 def _time_model_report(predictions: TimePredictions) -> dict[str, Any]:
@@ -782,8 +782,8 @@ class _LedgerCallback(Callback):
             what = f"[red]{result.reason}[/red]: {escape(result.message or '')}"
         if "step_time_prediction_error" in predicted:
             what += f" (predicted {predicted['predicted_step_time_s']:.3g} s/step, {predicted['step_time_prediction_error']:+.0%})"
-        env = load_plan_dict(result.plan).env if result.plan else {}
-        label = strategy_label(result.plan) + (" " + " ".join(f"{k}={v}" for k, v in sorted(env.items())) if env else "")
+        env = env_label(result.plan.get("env"))
+        label = strategy_label(result.plan) + (f" {env}" if env else "")
         self.console.print(f"trial {number}/{self.total} {label}: {what}")
 
     def on_trial_complete(self, iteration, trials, trial, **info):
