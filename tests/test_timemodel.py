@@ -302,3 +302,20 @@ def test_each_env_gets_its_own_compute_multiplier():
     for p in plans:
         truth = _truth(p.with_changes(env={"OMP_NUM_THREADS": "1"}), one)
         assert model.predict(p).step_s == pytest.approx(truth, rel=0.08), p.env
+
+
+def test_on_gpus_data_parallel_communication_hides_under_compute_and_on_cpu_it_does_not():
+    # The same measured curves and blocks: on CUDA (comm kernels on their own stream) DDP's
+    # buckets but the last and FSDP2's prefetched gathers hide under compute; on CPU gloo and
+    # compute share the cores, so all of it counts (the refit then learns how much is exposed).
+    cpu = make_profile(seconds_per_byte=2e-10)
+    gpu = cpu.model_copy(update={"device_type": "cuda", "device_name": "NVIDIA H100 80GB HBM3"})
+    for p in (plan(strategy="ddp", micro_batch=4), plan(strategy="fsdp", fsdp={"sharding": "full"}, micro_batch=4)):
+        on_cpu, on_gpu = compose(p, cpu), compose(p, gpu)
+        assert on_gpu["compute"] == pytest.approx(on_cpu["compute"])
+        assert 0 < on_gpu["dp_comm"] < on_cpu["dp_comm"], p.strategy
+    # Communication far slower than backward cannot hide: what exceeds it stays exposed.
+    slow_cpu = make_profile(seconds_per_byte=1e-6)
+    slow_gpu = slow_cpu.model_copy(update={"device_type": "cuda"})
+    ddp = plan(strategy="ddp", micro_batch=4)
+    assert compose(ddp, slow_gpu)["dp_comm"] >= compose(ddp, slow_cpu)["dp_comm"] - compose(ddp, slow_cpu)["compute"]
