@@ -15,7 +15,7 @@ from paratune.plan import PlanError
     ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer", "worker_died"),
     ("ValueError: something else", "error"),
     ("WorkerGroupStartupTimeoutError: The worker group startup timed out after 60.0 seconds waiting for 2 "
-     "workers. Potential causes include: (1) temporary insufficient cluster resources", "error"),
+     "workers. Potential causes include: (1) temporary insufficient cluster resources", "insufficient_resources"),
 ])
 def test_classify_text(text, reason):
     assert classify_text(text) == reason

@@ -31,6 +31,12 @@ def test_each_strategy_family_measures_and_matches_reference(ray_local, family):
     if plan.profile_comm:
         assert 0 < result.comm_share <= 1
     assert result.env_seen == {k: v for k, v in plan.env.items()}
+    # Where every rank ran, as Ray Train placed it (one node here; multi-node: test_cluster_jobs).
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    assert [(p["rank"], p["node_id"], p["local_rank"], p["local_world_size"]) for p in result.placement] == \
+        [(0, node, 0, 2), (1, node, 1, 2)]
 
 
 def test_env_reaches_workers_before_process_group_start(ray_local):
@@ -66,6 +72,12 @@ def test_invalid_plan_is_rejected_before_any_worker_starts(ray_local):
     # Context parallelism on a cluster without GPUs: torch cannot ring CPU attention; refused with why.
     result = run_trial({**BASE_PLAN, "cp": 2, "micro_batch": 4})
     assert result.reason == "invalid_config" and "aten._scaled_dot_product_flash_attention_for_cpu" in result.message
+    assert ray.available_resources().get("CPU") == before
+    # More workers than the cluster holds: at once (not after Ray Train's 60 s start timeout),
+    # named: what it needs, what the cluster has.
+    result = run_trial({**BASE_PLAN, "num_workers": 4})
+    assert result.reason == "insufficient_resources" and result.wall_s < 5, result.message
+    assert "needs 4 workers x {CPU 1}" in result.message and "CPU 2 -> 2 worker(s)" in result.message
     assert ray.available_resources().get("CPU") == before
 
 

@@ -1,6 +1,9 @@
 """Failures are data: classify an exception into a reason the sweep can learn from.
 
-Reasons: oom | comm_timeout | hang | worker_died | invalid_config | error. Ray wraps what the
+Reasons: oom | comm_timeout | hang | worker_died | invalid_config | error, and three that are
+the cluster's doing, not the plan's: node_lost (a node hosting the trial died), insufficient_resources
+(the cluster cannot hold the trial, or gave it no room in time), invalid_placement (ranks were
+placed where the plan cannot keep its node-local groups: paratune.placement). Ray wraps what the
 workers raised (WorkerGroupError.worker_failures, ControllerError.controller_failure, RayTaskError
 causes, WorkerHealthCheckFailedError.health_check_failure), so the classifier looks through every
 layer before deciding.
@@ -21,8 +24,16 @@ import re
 import threading
 from typing import Literal
 
-Reason = Literal["oom", "comm_timeout", "hang", "worker_died", "invalid_config", "error"]
-REASONS: tuple[str, ...] = ("oom", "comm_timeout", "hang", "worker_died", "invalid_config", "error")
+Reason = Literal["oom", "comm_timeout", "hang", "worker_died", "invalid_config", "error", "node_lost",
+                 "insufficient_resources", "invalid_placement"]
+REASONS: tuple[str, ...] = ("oom", "comm_timeout", "hang", "worker_died", "invalid_config", "error", "node_lost",
+                            "insufficient_resources", "invalid_placement")
+# Outcomes that say nothing about the plan: a sweep records them but never scores them (the
+# searcher does not learn the plan is bad) and `--resume` measures the plan again.
+CLUSTER_REASONS: frozenset[str] = frozenset({"node_lost", "insufficient_resources", "invalid_placement"})
+
+# Ray's words when an actor's node died (GCS: "The actor died because its node has died. Node Id: ...").
+_NODE_DIED = re.compile(r"because its node has died|NodeDiedError|node (?:was )?marked dead", re.I)
 
 _OOM = re.compile(
     r"out of memory|OutOfMemoryError|can't allocate memory|Cannot allocate memory|"
@@ -49,6 +60,8 @@ _WATCHDOG_TEARDOWN = re.compile(
 # survivors' timeouts; whether that worker itself died of a timeout, only its own log can say).
 _PATTERNS: list[tuple[str, re.Pattern[str]]] = [
     ("oom", _OOM),
+    ("invalid_placement", re.compile(r"invalid_placement|PlacementError")),
+    ("node_lost", _NODE_DIED),
     ("invalid_config", re.compile(r"PlanError|ModelError|DataError|invalid_config", re.I)),
     ("worker_died", re.compile(
         r"ActorDiedError|actor died|actor is dead|WorkerHealthCheckFailedError|WorkerCrash|"
@@ -56,7 +69,8 @@ _PATTERNS: list[tuple[str, re.Pattern[str]]] = [
         r"SYSTEM_ERROR|exit code|SIGKILL|SIGSEGV|Connection reset by peer|Connection closed by peer|"
         r"ActorUnavailableError|node died|NodeDiedError", re.I)),
     # Not a communication problem: the cluster had no room for the workers in time.
-    ("error", re.compile(r"WorkerGroupStartupTimeoutError|insufficient cluster resources", re.I)),
+    ("insufficient_resources", re.compile(r"WorkerGroupStartupTimeoutError|insufficient cluster resources|"
+                                          r"insufficient_resources", re.I)),
     # A setup bug NCCL refuses (e.g. two ranks on one GPU), not a communication failure.
     ("error", re.compile(r"ncclInvalidUsage|ncclInvalidArgument", re.I)),
     # A collective that timed out (the watchdog's DistBackendError, the communicator it aborted:

@@ -129,6 +129,9 @@ class Plan(_Strict):
     # context_parallel); the data-parallel degree is num_workers / (tp x pp x cp). GPUs only.
     cp: int = Field(1, ge=1, le=1024)
     gpus_per_node: int | None = Field(None, ge=1)  # the cluster's node size: tp must stay inside it
+    # A trial on whole nodes, never sharing one with another trial (paratune.placement); None: on
+    # when gpus_per_node is set. Where it runs, not what it trains: not part of the plan's meaning.
+    exclusive_nodes: bool | None = None
 
     strategy: Strategy = "ddp"
     ddp: DDPOptions | None = None

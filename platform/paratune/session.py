@@ -37,7 +37,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-from paratune import measure
+from paratune import measure, placement
 from paratune.plan import Plan, load_plan_dict
 from paratune.trial import (
     TrialResult,
@@ -49,6 +49,7 @@ from paratune.trial import (
     check_before_launch,
     default_storage,
     ensure_ray,
+    node_lost_or,
     process_group_backend,
     summarize,
     train_and_measure,
@@ -92,12 +93,19 @@ class GroupKey:
     use_gpu: bool
     resources: tuple[tuple[str, float], ...]  # per worker
     env: tuple[tuple[str, str], ...]  # worker_env(plan, use_gpu), sorted
+    slots_per_node: int | None = None  # the plan's gpus_per_node
+    exclusive: bool = False  # on whole nodes of its own (paratune.placement)
 
     @classmethod
     def for_plan(cls, plan: Plan, use_gpu: bool, nodes: list[dict[str, Any]] | None = None) -> "GroupKey":
         res = worker_resources(plan, use_gpu, nodes)
         return cls(plan.num_workers, use_gpu, tuple(sorted((k, float(v)) for k, v in res.items())),
-                   tuple(sorted(worker_env(plan, use_gpu).items())))
+                   tuple(sorted(worker_env(plan, use_gpu).items())), plan.gpus_per_node,
+                   placement.exclusive_nodes(plan))
+
+    @property
+    def placement_demand(self) -> placement.Demand:
+        return placement.Demand(self.world_size, dict(self.resources), self.slots_per_node, self.exclusive)
 
     def demand(self) -> dict[str, float]:
         """Cluster resources the whole group holds."""
@@ -314,8 +322,9 @@ class WorkerSession:
     Once it has ended (closed, a failed request, a dead worker, a timeout) it serves nothing more."""
 
     def __init__(self, key: GroupKey, *, storage_path: str | Path | None = None,
-                 lifetime_s: float = DEFAULT_GROUP_LIFETIME_S, start: bool = True):
+                 lifetime_s: float = DEFAULT_GROUP_LIFETIME_S, start: bool = True, nodes: list[str] | None = None):
         self.key = key
+        self.nodes = nodes or []  # whole nodes it holds (exclusive keys), its workers pinned there
         self.id = uuid.uuid4().hex[:8]
         self.storage_path = str(storage_path or default_storage())
         self.lifetime_s = lifetime_s
@@ -352,8 +361,9 @@ class WorkerSession:
         trainer = _session_trainer_class()(
             _serve,
             train_loop_config={"mailbox": self._mailbox},
-            scaling_config=ScalingConfig(num_workers=self.key.world_size, use_gpu=self.key.use_gpu,
-                                         resources_per_worker=dict(self.key.resources)),
+            scaling_config=ScalingConfig(
+                num_workers=self.key.world_size, use_gpu=self.key.use_gpu, resources_per_worker=dict(self.key.resources),
+                label_selector=placement.pinned_selectors(self.key.placement_demand, self.nodes) if self.nodes else None),
             # Replaced before the first request runs (by the request's backend and timeout). NCCL
             # on GPUs, as Ray Train's default: its communicators are made lazily, so this costs
             # nothing, and a cluster where gloo cannot connect still measures NCCL-only plans.
@@ -366,6 +376,7 @@ class WorkerSession:
             ),
         )
         trainer.deadline_s = self.lifetime_s
+        trainer.start_timeout_s = placement.worker_start_timeout_s()
         self._trainer = trainer
         self._thread = threading.Thread(target=self._fit, name=f"paratune-session-{self.id}", daemon=True)
         self._thread.start()
@@ -491,7 +502,7 @@ class WorkerSession:
             ray.kill(mailbox, no_restart=True)
 
     def describe(self) -> dict[str, Any]:
-        return {"group_id": self.id, "world_size": self.key.world_size, "use_gpu": self.key.use_gpu,
+        return {"group_id": self.id, "world_size": self.key.world_size, "use_gpu": self.key.use_gpu, "nodes": self.nodes,
                 "resources": dict(self.key.resources), "env": dict(self.key.env), "pids": self.pids,
                 "requests_served": self.requests_served, "busy": self.busy, "ended": self.ended}
 
@@ -532,26 +543,33 @@ class SessionPool:
         try:
             ensure_ray(self.ray_address)
             use_gpu = wants_gpu(plan)
-            session = self._acquire(self._key(plan, use_gpu))
+            key = self._key(plan, use_gpu)
+            missing, waited = placement.ensure_room(key.placement_demand)
+            if missing is not None:  # nothing started: the cluster cannot hold it (named: needs / has)
+                return TrialResult.failed(plan, "insufficient_resources", missing, wall_s=waited,
+                                          waited_for_nodes_s=waited)
+            session = self._acquire(key)
         except Exception as err:  # noqa: BLE001 - e.g. Ray unreachable: a result, not a raise
             return TrialResult.failed(plan, *classify(err), wall_s=time.perf_counter() - t0)
         payload = {"plan": plan.to_dict(), "stop_rule": stop_rule._asdict() if stop_rule else None}
+        nodes_at_start = {n.node_id for n in placement.alive_nodes()}
         try:
             out = session.run(MEASURE_FUNCTION, payload, plan.trial_timeout_s,
                               backend=process_group_backend(plan, use_gpu), comm_timeout_s=plan.comm_timeout_s)
         except RequestFailed as err:
-            return SessionTrialResult.failed(plan, err.reason, err.message, group_id=session.id,
-                                             group_request=session._seq, wall_s=time.perf_counter() - t0)
+            return SessionTrialResult.failed(plan, *node_lost_or(err.reason, err.message, nodes_at_start),
+                                             group_id=session.id, group_request=session._seq,
+                                             wall_s=time.perf_counter() - t0, waited_for_nodes_s=waited or None)
         except Exception as err:  # noqa: BLE001
-            return SessionTrialResult.failed(plan, *classify(err), group_id=session.id,
-                                             wall_s=time.perf_counter() - t0)
+            return SessionTrialResult.failed(plan, *node_lost_or(*classify(err), nodes_at_start), group_id=session.id,
+                                             wall_s=time.perf_counter() - t0, waited_for_nodes_s=waited or None)
         finally:
             self._release(session)
         info = out.pop("session")
         out["launch_s"] = out.pop("first_step_epoch_s") - info["submitted_epoch_s"]
         result = summarize(plan, out, flops_tok, info["wall_s"], stop_rule)
-        return SessionTrialResult(**{**result.model_dump(), "group_id": info["group_id"], "group_request": info["request"]},
-                                  worker_pids=info["pids"])
+        return SessionTrialResult(**{**result.model_dump(), "group_id": info["group_id"], "group_request": info["request"],
+                                     "waited_for_nodes_s": waited or None}, worker_pids=info["pids"])
 
     def run(self, plan: Plan | dict[str, Any], function_path: str, payload: dict[str, Any],
             timeout_s: float | None = None) -> dict[str, Any]:
@@ -578,6 +596,8 @@ class SessionPool:
     def _fits(self, key: GroupKey, alive: list[WorkerSession]) -> bool:
         if self.max_groups is not None:
             return len(alive) + 1 <= self.max_groups
+        if key.exclusive:  # whole nodes nobody else's group holds
+            return self._free_nodes(key, alive) is not None
         import ray
 
         total = ray.cluster_resources()
@@ -587,6 +607,16 @@ class SessionPool:
                 held[kind] = held.get(kind, 0.0) + amount
         return all(held.get(kind, 0.0) + amount <= total.get(kind, 0.0) + 1e-9
                    for kind, amount in key.demand().items())
+
+    @staticmethod
+    def _free_nodes(key: GroupKey, alive: list[WorkerSession]) -> list[str] | None:
+        """Whole nodes for a group of an exclusive key that no alive group holds (the pool is the
+        sweep's only source of worker groups, so it is the record of who holds which node); None
+        while a shared group is alive (its workers could be on any node) or too few are free."""
+        if any(not s.key.exclusive for s in alive):
+            return None
+        held = {node for s in alive for node in s.nodes}
+        return placement.choose_nodes(key.placement_demand, placement.alive_nodes(), held)
 
     def _acquire(self, key: GroupKey) -> WorkerSession:
         """An idle group of `key` (marked busy), or a new one once there is room for it."""
@@ -608,8 +638,9 @@ class SessionPool:
                         victims.append(idle.pop(0))
                         alive.remove(victims[-1])
                     if self._fits(key, alive) or not any(s.busy for s in alive):
+                        nodes = self._free_nodes(key, alive) if key.exclusive and self.max_groups is None else None
                         session = WorkerSession(key, storage_path=self.storage_path, lifetime_s=self.lifetime_s,
-                                                start=False)
+                                                start=False, nodes=nodes)
                         session.busy = True
                         self._sessions = alive + [session]
                         break

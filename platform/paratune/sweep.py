@@ -4,7 +4,9 @@ Each Tune trial is a function trainable (reserving no CPU itself) that runs one 
 trial (its own Ray Train job). Every finished trial is appended to a ledger on disk before
 anything else happens, so an interrupted sweep resumes (`--resume`) without losing or
 re-running a finished trial; the ledger also warm-starts the searcher. A failed trial scores
-0 tokens/s so the searcher learns from it, and a configuration is never proposed twice.
+0 tokens/s so the searcher learns from it, and a configuration is never proposed twice. A trial
+the cluster failed (node_lost, insufficient_resources, invalid_placement) is recorded but never
+scored, and `--resume` measures its plan again.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from ray.tune import Callback
 from rich.console import Console
 from rich.markup import escape
 
+from paratune import placement
+from paratune.failures import CLUSTER_REASONS
 from paratune.measure import StopRule
 from paratune.plan import Plan, load_plan_dict
 from paratune.report import env_label, strategy_label
@@ -152,7 +156,14 @@ class Ledger:
         return [e for e in self.entries if e.phase == "search"]
 
     def keys(self) -> set[str]:
-        return {e.key for e in self.search_entries()}
+        """Points measured (failed included) and not to be run again: a trial the cluster failed
+        (failures.CLUSTER_REASONS) says nothing about its plan, so a resumed sweep re-runs it."""
+        return {e.key for e in self.search_entries() if not unscored(e.result)}
+
+
+def unscored(result: TrialResult) -> bool:
+    """A trial the cluster failed, not its plan: recorded, never scored."""
+    return result.status == "failed" and result.reason in CLUSTER_REASONS
 
 
 def objective_value(result: TrialResult, memory_budget_gb: float | None) -> float:
@@ -193,21 +204,44 @@ def apply_budget(result: TrialResult, memory_budget_gb: float | None) -> TrialRe
 
 # --------------------------------------------------------------------------- Tune parts
 def measure_plan(plan: dict[str, Any], stop_rule: dict[str, Any] | None, pool: str | None,
-                 storage: str | None = None) -> TrialResult:
-    """One measured trial: in a reused worker group of the sweep's pool (paratune.session) when
-    there is one, else in a worker group of its own."""
+                 storage: str | None = None, leases: str | None = None) -> TrialResult:
+    """One measured trial: in a reused worker group of the sweep's pool (paratune.session, which
+    places whole nodes itself) when there is one, else in a worker group of its own, on whole
+    nodes leased from the sweep's `leases` actor when the plan wants them (paratune.placement)."""
     rule = StopRule(**stop_rule) if stop_rule else None
     if pool:
         return pool_measure(pool, plan, rule)
-    return run_trial(load_plan_dict(plan), storage_path=storage, stop_rule=rule)
+    checked = load_plan_dict(plan)
+    if leases is None or not placement.exclusive_nodes(checked):
+        return run_trial(checked, storage_path=storage, stop_rule=rule)
+    import uuid
+
+    from paratune.trial import wants_gpu, worker_resources
+
+    import ray
+
+    use_gpu = wants_gpu(checked)
+    demand = placement.demand_for(checked, worker_resources(checked, use_gpu, ray.nodes() if use_gpu else None))
+    if placement.shortfall(demand, placement.alive_nodes()) is not None:
+        return run_trial(checked, storage_path=storage, stop_rule=rule)  # says insufficient_resources
+    owner = uuid.uuid4().hex[:8]
+    nodes = placement.acquire_nodes(leases, owner, demand, bound_s=checked.trial_timeout_s)
+    if nodes is None:
+        return TrialResult.failed(checked, "insufficient_resources", f"no {demand.nodes_needed} whole node(s) "
+                                  f"came free within trial_timeout_s={checked.trial_timeout_s:g}: {demand.describe()}")
+    try:
+        return run_trial(checked, storage_path=storage, stop_rule=rule, nodes=nodes)
+    finally:
+        placement.release_nodes(leases, owner)
 
 
-def _trainable(config: dict[str, Any], *, plans: dict[str, dict], storage: str, pool: str | None = None) -> None:
+def _trainable(config: dict[str, Any], *, plans: dict[str, dict], storage: str, pool: str | None = None,
+               leases: str | None = None) -> None:
     """One Tune trial = one measured Ray Train trial. Never raises for a failing plan."""
     from ray import tune
 
     key = config["point"]
-    result = measure_plan(plans[key], config.get("stop_rule"), pool, storage)
+    result = measure_plan(plans[key], config.get("stop_rule"), pool, storage, leases)
     tune.report({OBJECTIVE: result.tokens_per_s_per_gpu or 0.0, "point": key,
                  "trial_result": result.model_dump_json()})
 
@@ -233,6 +267,8 @@ def _searcher(space: Space, algorithm: str, seed: int, ledger: Ledger, budget_gb
             self.results: dict[str, TrialResult] = {}  # point -> finished trial (for the incumbent)
             self.pending: set[str] = set()
             for entry in ledger.search_entries():  # warm start: finished trials go into the study
+                if unscored(entry.result):
+                    continue  # the cluster failed it: not a value of the plan (resume re-runs it)
                 value = objective_value(entry.result, budget_gb)
                 params, dists = tree.optuna_params(entry.key)
                 self._ot_study.add_trial(optuna.trial.create_trial(params=params, distributions=dists, value=value))
@@ -286,6 +322,12 @@ def _searcher(space: Space, algorithm: str, seed: int, ledger: Ledger, budget_gb
                 tr = TrialResult.model_validate_json(result["trial_result"])
                 value = objective_value(tr, budget_gb)
                 key = result.get("point")
+                if unscored(tr) and trial_id in self._ot_trials:  # the cluster failed it: a failed
+                    # Optuna trial (TPE ignores it), not a plan worth 0; never proposed again here
+                    self._ot_study.tell(self._ot_trials.pop(trial_id), state=optuna.trial.TrialState.FAIL)
+                    self.pending.discard(key)
+                    self.known[key] = value
+                    return
             super().on_trial_complete(trial_id, {OBJECTIVE: value})
             if key:
                 self.pending.discard(key)
@@ -368,6 +410,8 @@ def _calibrated_searcher(predictions: TimePredictions, ledger: Ledger, budget_gb
             self.results: dict[str, TrialResult] = {}
             self.pending: dict[str, str] = {}  # trial id -> point
             for entry in ledger.search_entries():  # resumed: the model learns from the ledger
+                if unscored(entry.result):
+                    continue  # the cluster failed it: measured again
                 self.results[entry.key] = entry.result
                 predictions.observe(entry.key, entry.result)
 
@@ -400,8 +444,9 @@ def _calibrated_searcher(predictions: TimePredictions, ledger: Ledger, budget_gb
                 tr = TrialResult.failed(predictions.plans[key].to_dict(), "error", "the Tune trial itself failed")
             else:
                 return
-            self.results[key] = tr
-            predictions.observe(key, tr)
+            self.results[key] = tr  # unscored too: the search never proposes it twice in one run
+            if not unscored(tr):
+                predictions.observe(key, tr)
 
     return CalibratedSearch()
 
@@ -439,14 +484,17 @@ def _space_digest(space: Space) -> str:
 
 
 def _concurrency(space: Space) -> int:
-    """Trials at once = what the cluster holds / what one trial needs (GPUs, else CPUs)."""
+    """Trials at once: on whole nodes (paratune.placement, default when gpus_per_node is set),
+    the nodes that can host one trial's share / the nodes a trial needs, so concurrent trials
+    never share a node; else the workers the cluster holds / a trial's workers."""
     import ray
 
-    resources = ray.cluster_resources()
-    workers = space.candidates[0].plan.num_workers
-    if resources.get("GPU", 0) >= 1 and space.candidates[0].plan.device != "cpu":
-        return max(1, int(resources["GPU"] // workers))
-    return max(1, int(resources.get("CPU", 1) // workers))
+    from paratune.trial import wants_gpu, worker_resources
+
+    plan = max((c.plan for c in space.candidates), key=lambda p: p.num_workers)
+    use_gpu = wants_gpu(plan)
+    demand = placement.demand_for(plan, worker_resources(plan, use_gpu, ray.nodes() if use_gpu else None))
+    return placement.trials_at_once(demand, placement.alive_nodes())
 
 
 def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorithm: str | None = None,
@@ -477,6 +525,7 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
     ledger = Ledger(out_dir / "ledger.jsonl")
     tracker = SweepTracker(tracking_uri or state.get("tracking_uri"))
     ensure_ray(ray_address)
+    space = _prune_unplaceable(space, console)  # before MLflow: a sweep that cannot start leaves no run
 
     t_sweep = time.perf_counter()
     if not state:
@@ -506,13 +555,14 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
     remaining = min(remaining, len(plans) - len(ledger.keys()))
     stop_file = out_dir / "stopped.json"
     pool = _start_pool(console) if settings.reuse_workers else None
+    leases = None if pool else _start_leases()
     try:
         predictions, profile_s = None, 0.0
         if algorithm == "calibrated":
             predictions, profile_s = _time_predictions(space, plans, calibration, pool, console)
         if remaining > 0 and not (algorithm == "calibrated" and stop_file.exists()):
             _search(space, plans, algorithm, seed, trials, remaining, done, ledger, tracker, parent, budget_gb, console,
-                    calibration, predictions, fastest_first, pool, out_dir, stop_file)
+                    calibration, predictions, fastest_first, pool, out_dir, stop_file, leases)
         report = SweepReport(out_dir, parent, ledger.entries, pruning=space.pruning_report())
         if stop_file.exists():
             report.stop_reason = json.loads(stop_file.read_text())["reason"]
@@ -528,6 +578,8 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
     finally:
         if pool is not None:
             _close_pool(pool)
+        if leases is not None:
+            _close_leases(leases)
     report.time_split["profile_s"] = profile_s
     report.time_split["sweep_wall_s"] = time.perf_counter() - t_sweep
     return report
@@ -536,7 +588,7 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
 def _search(space: Space, plans: dict[str, dict], algorithm: str, seed: int, trials: int, remaining: int, done: int,
             ledger: Ledger, tracker, parent: str, budget_gb: float | None, console: Console, calibration,
             predictions: TimePredictions | None, fastest_first: list[str], pool: str | None, out_dir: Path,
-            stop_file: Path) -> None:
+            stop_file: Path, leases: str | None = None) -> None:
     """The trials, as a Ray Tune run: grid (every point, predicted fastest first), TPE/random
     (Optuna) or calibrated (the step-time model and the stopping rule)."""
     from ray import tune
@@ -546,7 +598,7 @@ def _search(space: Space, plans: dict[str, dict], algorithm: str, seed: int, tri
     callback = _LedgerCallback(ledger, tracker, parent, budget_gb, console, total=done + remaining, plans=plans,
                                calibration=calibration, predictions=predictions)
     trainable = tune.with_resources(
-        tune.with_parameters(_trainable, plans=plans, storage=str(out_dir / "ray"), pool=pool),
+        tune.with_parameters(_trainable, plans=plans, storage=str(out_dir / "ray"), pool=pool, leases=leases),
         {"CPU": 0, "memory": 1},  # the trial's workers hold the CPUs; 1 CPU here deadlocks 2-CPU clusters
     )
     param_space: dict[str, Any] = {}
@@ -649,6 +701,63 @@ def _start_pool(console: Console) -> str | None:
     except Exception as err:  # noqa: BLE001 - measuring without reuse is slower, not wrong
         console.print(f"[yellow]worker groups will not be reused ({type(err).__name__}: {escape(str(err))[:200]})[/yellow]")
         return None
+
+
+def _start_leases() -> str:
+    """The sweep's record of whole nodes held by its trials (paratune.placement.NodeLeases), when
+    trials launch their own worker groups; the driver holds the handle (see _POOL_HANDLES)."""
+    import uuid
+
+    name = f"paratune-sweep-leases-{uuid.uuid4().hex[:8]}"
+    _POOL_HANDLES[name] = placement.get_leases_actor(name)
+    return name
+
+
+def _close_leases(name: str) -> None:
+    import ray
+
+    actor = _POOL_HANDLES.pop(name, None)
+    if actor is not None:
+        ray.kill(actor, no_restart=True)
+
+
+def _prune_unplaceable(space: Space, console: Console) -> Space:
+    """Plans this cluster can never hold are removed before anything starts, by rule, with what
+    they need and what the cluster has (an autoscaler can add nodes: then nothing is removed,
+    and each trial waits for its nodes, bounded). A `device: cuda` space on a cluster with no GPU
+    yet waits for one the same way, or is an error: it never falls back to the CPU."""
+    import dataclasses
+
+    import ray
+
+    from paratune.trial import wants_gpu, worker_resources
+
+    first = space.candidates[0].plan
+    if first.device == "cuda" and ray.cluster_resources().get("GPU", 0) < 1:
+        gpu_demand = placement.Demand(1, {"GPU": 1}, None, False)
+        missing = placement.wait_for_room(gpu_demand, placement.wait_for_nodes_bound_s(), console.print) \
+            if placement.autoscaler_configured() else placement.shortfall(gpu_demand, placement.alive_nodes())
+        if missing is not None:
+            raise SweepError(f"device: 'cuda' in the space, but {missing.removeprefix('insufficient_resources: ')}; "
+                             "start GPU nodes (or set PARATUNE_AUTOSCALER=1 to wait for an autoscaler), or use device: "
+                             "auto|cpu")
+    if placement.autoscaler_configured():
+        return space
+    nodes = placement.alive_nodes()
+    removed, examples, kept = space.removed.copy(), dict(space.examples), []
+    for c in space.candidates:
+        use_gpu = wants_gpu(c.plan)
+        demand = placement.demand_for(c.plan, worker_resources(c.plan, use_gpu, ray.nodes() if use_gpu else None))
+        missing = placement.shortfall(demand, nodes)
+        if missing is None:
+            kept.append(c)
+            continue
+        rule = f"insufficient_resources: needs {demand.describe()}"
+        removed[rule] += 1
+        examples.setdefault(rule, missing)
+    if not kept:
+        raise SweepError(f"the cluster cannot hold any plan of the space: {next(iter(examples.values()))}")
+    return dataclasses.replace(space, candidates=kept, removed=removed, examples=examples)
 
 
 def pool_measure(pool: str, plan: dict[str, Any], rule: StopRule | None) -> TrialResult:

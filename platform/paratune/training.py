@@ -63,16 +63,19 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     from paratune.models import build_config
     from paratune.parallel import build_runner
     from paratune.parallel.dims import ParallelDims
+    from paratune.placement import place_and_check
 
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
     plan = load_plan_dict(config["plan"])
     steps, every = int(config["steps"]), int(config["checkpoint_every"])
     device = ray.train.torch.get_device()
+    # The same placement check as a trial (a tp group across nodes fails here, named, not later).
+    _, local_world = place_and_check(plan, rank, ctx.get_world_size(), ctx.get_local_world_size())
     dims = ParallelDims.from_plan(plan, device.type)
     dp_rank = dims.dp_rank(rank)
     model_config = build_config(plan.model, plan.model_overrides)
-    runner = build_runner(model_config, plan, device, ctx.get_local_world_size())
+    runner = build_runner(model_config, plan, device, local_world)
     data = TokenBatches(plan.data, model_config.vocab_size, plan.seq_len, plan.global_batch, plan.seed)
 
     start, losses, resumed_at = 0, [], []

@@ -11,6 +11,7 @@ then one profiled step (communication share) and one memory-tracked step.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -64,6 +65,9 @@ class TrialResult(BaseModel):
     launch_s: float | None = None  # trial start to first step
     wall_s: float | None = None
     env_seen: dict[str, str | None] = Field(default_factory=dict)  # plan env as workers saw it
+    # Where every rank ran: rank, node_id, node_ip, local_rank, local_world_size (paratune.placement).
+    placement: list[dict[str, Any]] = Field(default_factory=list)
+    waited_for_nodes_s: float | None = None  # the autoscaler's time to bring nodes up (not launch)
     # Measured in a reused worker group (paratune.session): which, and the how-manieth request
     # (1: this trial paid the group's launch). None: a worker group of its own.
     group_id: str | None = None
@@ -215,6 +219,11 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     from paratune.parallel.dims import ParallelDims
     from paratune.precision import LinearMatmulDtypes
 
+    from paratune.placement import place_and_check
+
+    # Before anything is built: every rank's place, checked against the plan's node-local groups
+    # (PlacementError: invalid_placement), and one local world size for all ranks.
+    layout, local_world = place_and_check(plan, rank, world, local_world)
     dims = ParallelDims.from_plan(plan, device.type)
     dp_rank = dims.dp_rank(rank)
     env_seen = {key: os.environ.get(key) for key in plan.env}
@@ -270,6 +279,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "stopped_early": stopped,
         "planned_measure_steps": plan.measure_steps,
+        "placement": [dataclasses.asdict(p) for p in layout],
     }
     extra_step = plan.total_steps
     if plan.profile_comm and world > 1 and not stopped:
@@ -497,9 +507,14 @@ def _timed_trainer_class():
         deadline_s: float = 1800.0
         deadline_message: str = "hang: trial exceeded trial_timeout_s={deadline_s:.0f}s; workers aborted"
         controller = None
+        start_timeout_s: float | None = None  # Ray Train's worker-group start timeout (None: its 60 s)
 
         def _initialize_and_run_controller(self, **controller_init_kwargs):
             env_vars = dpt.get_env_vars_to_propagate()
+            if self.start_timeout_s is not None:
+                from ray.train.v2._internal.constants import WORKER_GROUP_START_TIMEOUT_S_ENV_VAR
+
+                env_vars[WORKER_GROUP_START_TIMEOUT_S_ENV_VAR] = str(self.start_timeout_s)
             env_vars.setdefault(dpt.RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
                                 dpt.DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)
             controller_cls = ray.remote(
@@ -566,13 +581,17 @@ def check_before_launch(plan: Plan | dict[str, Any], ray_address: str | None = N
 
 
 def run_trial(plan: Plan | dict[str, Any], *, storage_path: str | Path | None = None,
-              ray_address: str | None = None, stop_rule: measure.StopRule | None = None) -> TrialResult:
+              ray_address: str | None = None, stop_rule: measure.StopRule | None = None,
+              nodes: list[str] | None = None) -> TrialResult:
     """Run one plan on Ray Train (its own worker group) and measure it. Never raises for a failing
-    plan. With a stop rule, a trial that cannot reach the incumbent ends as stopped_early."""
+    plan. With a stop rule, a trial that cannot reach the incumbent ends as stopped_early. With
+    `nodes` (whole nodes a sweep leased to it: paratune.placement) its workers run there only."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
     import ray
+
+    from paratune import placement
 
     checked = check_before_launch(plan, ray_address)
     if isinstance(checked, TrialResult):
@@ -580,14 +599,20 @@ def run_trial(plan: Plan | dict[str, Any], *, storage_path: str | Path | None = 
     plan, flops_tok = checked
     ensure_ray(ray_address)
     use_gpu = wants_gpu(plan)
+    per_worker = worker_resources(plan, use_gpu, ray.nodes() if use_gpu else None)
+    demand = placement.demand_for(plan, per_worker)
+    missing, waited = placement.ensure_room(demand)
+    if missing is not None:  # nothing started: the cluster cannot hold it (named: needs / has)
+        return TrialResult.failed(plan, "insufficient_resources", missing, wall_s=waited, waited_for_nodes_s=waited)
     before = set(_placement_groups())
+    nodes_at_start = {n.node_id for n in placement.alive_nodes()}
     trainer_cls = _timed_trainer_class()
     env = worker_env(plan, use_gpu)
     trainer = trainer_cls(
         worker_loop,
         train_loop_config={"plan": plan.to_dict(), "stop_rule": stop_rule._asdict() if stop_rule else None},
-        scaling_config=ScalingConfig(num_workers=plan.num_workers, use_gpu=use_gpu,
-                                     resources_per_worker=worker_resources(plan, use_gpu, ray.nodes() if use_gpu else None)),
+        scaling_config=ScalingConfig(num_workers=plan.num_workers, use_gpu=use_gpu, resources_per_worker=per_worker,
+                                     label_selector=placement.pinned_selectors(demand, nodes) if nodes else None),
         torch_config=TorchConfig(backend=process_group_backend(plan, use_gpu), timeout_s=int(plan.comm_timeout_s)),
         run_config=RunConfig(
             name=f"trial-{uuid.uuid4().hex[:8]}",
@@ -599,6 +624,7 @@ def run_trial(plan: Plan | dict[str, Any], *, storage_path: str | Path | None = 
         ),
     )
     trainer.deadline_s = plan.trial_timeout_s
+    trainer.start_timeout_s = placement.worker_start_timeout_s()
     t0, fit_started = time.perf_counter(), time.time()
     try:
         result = trainer.fit()
@@ -610,9 +636,28 @@ def run_trial(plan: Plan | dict[str, Any], *, storage_path: str | Path | None = 
     if error is not None or out is None:
         _remove_leaked_placement_groups(before)
         reason, message = classify(error) if error is not None else ("error", "no result from rank 0")
-        return TrialResult.failed(plan, reason, message, wall_s=wall)
+        reason, message = node_lost_or(reason, message, nodes_at_start)
+        return TrialResult.failed(plan, reason, message, wall_s=wall, waited_for_nodes_s=waited or None)
     out["launch_s"] = out.pop("first_step_epoch_s") - fit_started
-    return summarize(plan, out, flops_tok, wall, stop_rule)
+    result = summarize(plan, out, flops_tok, wall, stop_rule)
+    result.waited_for_nodes_s = waited or None
+    return result
+
+
+def node_lost_or(reason: Reason, message: str, nodes_at_start: set[str]) -> tuple[Reason, str]:
+    """A trial whose workers died (or whose peers timed out waiting for them) while a node of the
+    cluster died is node_lost, naming the node: the node, not the plan, failed."""
+    if reason not in ("worker_died", "comm_timeout", "hang", "error"):
+        return reason, message
+    from paratune.placement import alive_nodes
+
+    try:
+        gone = sorted(nodes_at_start - {n.node_id for n in alive_nodes()})
+    except Exception:  # noqa: BLE001 - Ray unreachable: keep what the error said
+        return reason, message
+    if not gone:
+        return reason, message
+    return "node_lost", f"node(s) {', '.join(g[:8] for g in gone)} died during the trial; {message}"[:500]
 
 
 def summarize(plan: Plan, out: dict[str, Any], flops_tok: float, wall_s: float | None = None,
@@ -639,5 +684,5 @@ def summarize(plan: Plan, out: dict[str, Any], flops_tok: float, wall_s: float |
         construction_method=out.get("construction_method"), construction_s=out.get("construction_s"),
         linear_matmul_dtypes=out.get("linear_matmul_dtypes", {}), optimizer_class=out.get("optimizer_class"),
         losses=out["losses"], step_times_s=step_times, launch_s=out.get("launch_s"), wall_s=wall_s,
-        env_seen=out.get("env_seen", {}),
+        env_seen=out.get("env_seen", {}), placement=out.get("placement", []),
     )
