@@ -146,3 +146,19 @@ def test_waiting_for_an_autoscaler_is_visible_and_bounded():
 def test_node_death_and_placement_texts_are_classified(text, reason):
     assert classify_text(text) == reason
     assert ({"node_lost", "insufficient_resources", "invalid_placement"} <= CLUSTER_REASONS)
+
+
+def test_a_trial_the_cluster_failed_is_kept_but_measured_again_on_resume(tmp_path):
+    from paratune.sweep import Ledger, LedgerEntry, objective_value, unscored
+    from paratune.trial import TrialResult
+
+    plan_dict = plan(strategy="ddp").to_dict()
+    lost = TrialResult.failed(plan_dict, "node_lost", "node(s) aaaaaaaa died during the trial")
+    oom = TrialResult.failed(plan_dict, "oom", "out of memory")
+    ledger = Ledger(tmp_path / "ledger.jsonl")
+    ledger.append(LedgerEntry(1, "lost", lost))
+    ledger.append(LedgerEntry(2, "oom", oom))
+    again = Ledger(tmp_path / "ledger.jsonl")
+    assert [e.key for e in again.search_entries()] == ["lost", "oom"]  # nothing lost
+    assert again.keys() == {"oom"}  # the plan's own failure is final; the node's is measured again
+    assert unscored(lost) and not unscored(oom) and objective_value(oom, None) == 0.0

@@ -178,3 +178,24 @@ def test_a_sweep_stops_early_the_trial_that_cannot_reach_its_incumbent(ray_local
     assert [r.info.status for r in runs] == ["FINISHED", "KILLED"]
     assert runs[1].data.metrics["stopped_early"] == 1.0 and runs[1].data.metrics["failed"] == 0.0
     assert report.verdict.winner.plan["micro_batch"] == 8
+
+
+def test_plans_the_cluster_cannot_hold_are_pruned_and_a_cuda_space_without_gpus_is_an_error(ray_local, tmp_path):
+    """Before any worker starts and before MLflow hears of the sweep: a space whose plans need more
+    workers than the 2-CPU cluster holds fails naming what they need and what the cluster has
+    (never Ray Train's 60 s start timeout); device: cuda with no GPU never falls back to the CPU."""
+    import ray
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    big = _space(tmp_path, "big", {"strategy": {"ddp": {}}, "micro_batch": [1, 2]}, {"algorithm": "grid", "trials": 1},
+                 fixed={"num_workers": 4})
+    with pytest.raises(SweepError, match=r"cannot hold any plan of the space: insufficient_resources: the plan needs "
+                                         r"4 workers x \{CPU 1\}; the cluster has 1 node\(s\): .*CPU 2 -> 2 worker\(s\)"):
+        run_sweep(big, tmp_path / "big", tracking_uri=uri)
+    cuda = _space(tmp_path, "cuda", {"strategy": {"ddp": {}}, "micro_batch": [2]}, {"algorithm": "grid", "trials": 1},
+                  fixed={"device": "cuda"})
+    assert ray.cluster_resources().get("GPU", 0) == 0
+    with pytest.raises(SweepError, match=r"device: 'cuda' in the space, but the plan needs 1 workers x \{GPU 1\}.*GPU 0"):
+        run_sweep(cuda, tmp_path / "cuda", tracking_uri=uri)
+    assert not (tmp_path / "mlflow.db").exists() or not MlflowClient(uri).search_runs(
+        [e.experiment_id for e in MlflowClient(uri).search_experiments()])

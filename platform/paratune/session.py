@@ -539,7 +539,7 @@ class SessionPool:
         if isinstance(checked, TrialResult):
             return checked  # an invalid plan never reaches the workers
         plan, flops_tok = checked
-        t0 = time.perf_counter()
+        t0, started_at = time.perf_counter(), time.time()
         try:
             ensure_ray(self.ray_address)
             use_gpu = wants_gpu(plan)
@@ -558,18 +558,20 @@ class SessionPool:
                               backend=process_group_backend(plan, use_gpu), comm_timeout_s=plan.comm_timeout_s)
         except RequestFailed as err:
             return SessionTrialResult.failed(plan, *node_lost_or(err.reason, err.message, nodes_at_start),
-                                             group_id=session.id, group_request=session._seq,
+                                             group_id=session.id, group_request=session._seq, started_at=started_at,
                                              wall_s=time.perf_counter() - t0, waited_for_nodes_s=waited or None)
         except Exception as err:  # noqa: BLE001
             return SessionTrialResult.failed(plan, *node_lost_or(*classify(err), nodes_at_start), group_id=session.id,
-                                             wall_s=time.perf_counter() - t0, waited_for_nodes_s=waited or None)
+                                             wall_s=time.perf_counter() - t0, waited_for_nodes_s=waited or None,
+                                             started_at=started_at)
         finally:
             self._release(session)
         info = out.pop("session")
         out["launch_s"] = out.pop("first_step_epoch_s") - info["submitted_epoch_s"]
         result = summarize(plan, out, flops_tok, info["wall_s"], stop_rule)
         return SessionTrialResult(**{**result.model_dump(), "group_id": info["group_id"], "group_request": info["request"],
-                                     "waited_for_nodes_s": waited or None}, worker_pids=info["pids"])
+                                     "waited_for_nodes_s": waited or None, "started_at": started_at},
+                                  worker_pids=info["pids"])
 
     def run(self, plan: Plan | dict[str, Any], function_path: str, payload: dict[str, Any],
             timeout_s: float | None = None) -> dict[str, Any]:

@@ -64,6 +64,7 @@ class TrialResult(BaseModel):
     step_times_s: list[float] = Field(default_factory=list)  # measured steps (slowest rank)
     launch_s: float | None = None  # trial start to first step
     wall_s: float | None = None
+    started_at: float | None = None  # epoch seconds the trial's launch began (ends at + wall_s)
     env_seen: dict[str, str | None] = Field(default_factory=dict)  # plan env as workers saw it
     # Where every rank ran: rank, node_id, node_ip, local_rank, local_world_size (paratune.placement).
     placement: list[dict[str, Any]] = Field(default_factory=list)
@@ -605,7 +606,10 @@ def run_trial(plan: Plan | dict[str, Any], *, storage_path: str | Path | None = 
     if missing is not None:  # nothing started: the cluster cannot hold it (named: needs / has)
         return TrialResult.failed(plan, "insufficient_resources", missing, wall_s=waited, waited_for_nodes_s=waited)
     before = set(_placement_groups())
-    nodes_at_start = {n.node_id for n in placement.alive_nodes()}
+    alive = placement.alive_nodes()
+    nodes_at_start = {n.node_id for n in alive}
+    if nodes is None and demand.exclusive and len(alive) > 1:  # on its own (no sweep's leases): whole nodes
+        nodes = placement.choose_nodes(demand, alive, set())
     trainer_cls = _timed_trainer_class()
     env = worker_env(plan, use_gpu)
     trainer = trainer_cls(
@@ -637,10 +641,12 @@ def run_trial(plan: Plan | dict[str, Any], *, storage_path: str | Path | None = 
         _remove_leaked_placement_groups(before)
         reason, message = classify(error) if error is not None else ("error", "no result from rank 0")
         reason, message = node_lost_or(reason, message, nodes_at_start)
-        return TrialResult.failed(plan, reason, message, wall_s=wall, waited_for_nodes_s=waited or None)
+        return TrialResult.failed(plan, reason, message, wall_s=wall, waited_for_nodes_s=waited or None,
+                                  started_at=fit_started)
     out["launch_s"] = out.pop("first_step_epoch_s") - fit_started
     result = summarize(plan, out, flops_tok, wall, stop_rule)
     result.waited_for_nodes_s = waited or None
+    result.started_at = fit_started
     return result
 
 
