@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,9 @@ class SweepTracker:
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         existing = self.client.get_experiment_by_name(experiment)
         self.experiment_id = existing.experiment_id if existing else self.client.create_experiment(experiment)
+        # log_trial is check-then-create, and drops children not yet marked complete: two calls at
+        # once would log a trial twice, or drop the run the other is still logging.
+        self._lock = threading.RLock()
 
     def start_parent(self, name: str, space_file: Path | None, params: dict[str, Any], tags: dict[str, str]) -> str:
         run = self.client.create_run(self.experiment_id, run_name=f"sweep {name}",
@@ -104,7 +108,12 @@ class SweepTracker:
         """A child run: the flattened plan as params, measurements as metrics, loss/time series.
 
         Idempotent per (phase, number): logging a trial that is already there returns that run,
-        so a resumed sweep never holds the same trial twice."""
+        so a resumed sweep never holds the same trial twice. Calls from several threads take turns."""
+        with self._lock:
+            return self._log_trial(parent_id, number, result, phase, extra_params, extra_metrics)
+
+    def _log_trial(self, parent_id: str, number: int, result: TrialResult, phase: str,
+                   extra_params: dict[str, Any] | None, extra_metrics: dict[str, float] | None) -> str:
         from mlflow.entities import Metric
 
         from paratune.plan import flatten_dict
@@ -115,6 +124,11 @@ class SweepTracker:
         tags = {"mlflow.parentRunId": parent_id, "paratune.kind": "trial", "paratune.phase": phase,
                 "paratune.trial_number": str(number),
                 "paratune.status": result.status, "paratune.strategy": strategy_label(result.plan)}
+        if result.placement:  # where every rank ran (paratune.placement), e.g. "node 10.0.0.5 (ab12cd34): ranks 0-7"
+            from paratune.placement import RankPlace, describe
+
+            tags["paratune.placement"] = describe([RankPlace(**p) for p in result.placement])[:5000]
+            tags["paratune.nodes"] = str(len({p["node_id"] for p in result.placement}))
         if result.reason:
             tags["paratune.failure_reason"] = result.reason
             tags["paratune.failure_message"] = redact(result.message or "")[:5000]
@@ -141,11 +155,12 @@ class SweepTracker:
         """Make MLflow hold exactly the ledger's trials (a resumed sweep calls this first): log those
         missing (the driver died between the ledger and MLflow), drop partial runs. Returns how
         many were logged."""
-        done = self._logged_children(parent_id)
-        missing = [e for e in entries if (e.phase, e.number) not in done]
-        for e in missing:
-            self.log_trial(parent_id, e.number, e.result, phase=e.phase)
-        return len(missing)
+        with self._lock:
+            done = self._logged_children(parent_id)
+            missing = [e for e in entries if (e.phase, e.number) not in done]
+            for e in missing:
+                self.log_trial(parent_id, e.number, e.result, phase=e.phase)
+            return len(missing)
 
     def finish_parent(self, parent_id: str, best: dict[str, float], winner: dict[str, Any] | None,
                       winner_dir: Path | None, status: str = "FINISHED") -> None:
