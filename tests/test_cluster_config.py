@@ -589,9 +589,16 @@ def test_kuberay_rayjob_follows_what_kuberay_relies_on():
     # listen on loopback (KubeRay's default when unset is 0.0.0.0); the Service stays internal.
     assert head["rayStartParams"].get("dashboard-host", "0.0.0.0") not in ("127.0.0.1", "localhost", "::1")
     assert head.get("serviceType", "ClusterIP") == "ClusterIP" and not head.get("enableIngress")
-    # Worker groups that may grow need the autoscaler.
+    # Worker groups that may grow need the autoscaler, and the sweep must know it is there
+    # (paratune.placement.autoscaler_configured: it then waits for nodes instead of dropping plans).
     if any(g["maxReplicas"] > g["minReplicas"] for g in cluster["workerGroupSpecs"]):
         assert cluster["enableInTreeAutoscaling"] is True
+        from paratune.placement import autoscaler_configured
+
+        env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("PARATUNE_AUTOSCALER", env["PARATUNE_AUTOSCALER"])
+            assert autoscaler_configured()
     # Every pod mounts the claim that the manifest itself creates, shared (RWX), and writable by
     # the image's group (uid 1000, gid 100 "users": kuberay/Dockerfile chowns to ray:users).
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"] and claim["spec"]["resources"]["requests"]["storage"]
