@@ -1,7 +1,9 @@
-"""A real Ray cluster on 127.0.0.1 (`ray start --head`, token auth on), driven the way users drive
-one: `ray job submit --runtime-env jobs/runtime_env.yaml -- python jobs/...`, with an MLflow
-tracking server (`paratune ui`) beside it. Faults are real: SIGKILLed workers and drivers, a
-worker that hangs in the middle of a step."""
+"""A real multi-node Ray cluster on 127.0.0.1, driven the way users drive one: `ray job submit
+--runtime-env jobs/runtime_env.yaml -- python jobs/...`, with an MLflow tracking server (`paratune
+ui`) beside it. Token auth on. Three `ray start` raylets: a head with no CPUs (it runs the job
+drivers, as ray_cluster.yaml's CPU head does) and worker nodes of 3 and 2 CPUs, sizes that make
+uneven packing happen (4 workers: 3 + 1). Faults are real: SIGKILLed workers and drivers, a
+worker that hangs in the middle of a step, a node whose raylet is killed."""
 
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ class Cluster:
     tracking_uri: str  # the MLflow server
     env: dict[str, str]  # what a user's shell has: RAY_AUTH_MODE=token and the token's path
     tmp: Path
+    gcs: str = ""  # 127.0.0.1:PORT, what `ray start --address` joins
+    nodes: dict[str, subprocess.Popen] | None = None  # worker node name -> its `ray start --block`
 
     def ray(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         return subprocess.run([str(BIN / "ray"), *args], cwd=REPO, env=self.env, capture_output=True, text=True,
@@ -112,6 +116,41 @@ def _stop(proc: subprocess.Popen) -> None:
         pass
 
 
+# Worker nodes: name -> CPUs. The head has none: job drivers only, never a trial's worker.
+WORKER_NODES = {"node3": 3, "node2": 2}
+# GCS notices a dead raylet within ~3 s (default: 5 missed checks of 3 s), so node loss is quick.
+FAST_HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "2",
+                      "RAY_health_check_timeout_ms": "1000", "RAY_health_check_initial_delay_ms": "1000"}
+
+
+def start_worker_node(c: Cluster, name: str, cpus: int) -> subprocess.Popen:
+    """One more raylet on this host joining the head (its own ports, sockets and CPUs)."""
+    ports = [f"--{p}={_free_port()}" for p in ("node-manager-port", "object-manager-port", "metrics-export-port",
+                                                "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                "runtime-env-agent-port")]
+    return subprocess.Popen(
+        [str(BIN / "ray"), "start", f"--address={c.gcs}", "--block", "--node-ip-address=127.0.0.1",
+         f"--num-cpus={cpus}", "--num-gpus=0", f"--resources={{\"paratune_{name}\": 1}}", *ports,
+         f"--temp-dir={c.tmp / name}"],  # its own session dir: raylets on one host must not share sockets
+        env=c.env, stdout=(c.tmp / f"{name}.log").open("a"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def alive_nodes(c: Cluster) -> list[dict]:
+    out = c.ray("list", "nodes", "--address", c.address, "--filter", "state=ALIVE", "--format", "json")
+    return json.loads(out.stdout or "[]")
+
+
+def wait_for_nodes(c: Cluster, count: int, timeout: float = 90) -> list[dict]:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        nodes = alive_nodes(c)
+        if len(nodes) == count:
+            return nodes
+        time.sleep(1)
+    logs = {p.name: p.read_text()[-1500:] for p in c.tmp.glob("node*.log")}
+    raise TimeoutError(f"{count} alive nodes expected, saw {len(alive_nodes(c))}; node logs: {logs}")
+
+
 @pytest.fixture(scope="module")
 def cluster():
     tmp = Path(tempfile.mkdtemp(prefix="ptc", dir="/tmp"))  # short: Ray's socket paths live under it
@@ -120,21 +159,28 @@ def cluster():
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token",
            "RAY_AUTH_TOKEN_PATH": str(token), "HF_TOKEN": SECRET}
     env.pop("RAY_ADDRESS", None)
-    dash, mlflow_port = _free_port(), _free_port()
+    dash, mlflow_port, gcs_port = _free_port(), _free_port(), _free_port()
     head = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={_free_port()}",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=2", "--num-gpus=0",
+        [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=0", "--num-gpus=0",
          f"--temp-dir={tmp / 'ray'}", "--include-dashboard=true"],
-        env=env, stdout=(tmp / "head.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        env={**env, **FAST_HEALTH_CHECKS}, stdout=(tmp / "head.log").open("w"), stderr=subprocess.STDOUT,
+        start_new_session=True)
     server = subprocess.Popen(
         [str(BIN / "paratune"), "ui", "--tracking-uri", f"sqlite:///{tmp / 'mlflow.db'}", "--host", "127.0.0.1",
          "--port", str(mlflow_port)],
         cwd=tmp, env=env, stdout=(tmp / "mlflow.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    c = Cluster(f"http://127.0.0.1:{dash}", f"http://127.0.0.1:{mlflow_port}", env, tmp, f"127.0.0.1:{gcs_port}", {})
     try:
         _wait_http(f"http://127.0.0.1:{dash}/api/version")
+        for name, cpus in WORKER_NODES.items():
+            c.nodes[name] = start_worker_node(c, name, cpus)
+        wait_for_nodes(c, 1 + len(WORKER_NODES))
         _wait_http(f"http://127.0.0.1:{mlflow_port}/health")
-        yield Cluster(f"http://127.0.0.1:{dash}", f"http://127.0.0.1:{mlflow_port}", env, tmp)
+        yield c
     finally:
+        for proc in c.nodes.values():
+            _stop(proc)
         _stop(head)
         _stop(server)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -243,3 +289,115 @@ def test_training_job_checkpoints_and_resumes_after_a_worker_is_killed(cluster):
     assert sorted(m.step for m in history) == list(range(6))  # each step once, across the restart
     assert [m.value for m in sorted(history, key=lambda m: m.step)] == pytest.approx(result["losses"])
     _no_secret_in(client, [run])
+
+
+# --------------------------------------------------------------------------- placement on several nodes
+def _node_names(c: Cluster) -> dict[str, str]:
+    """node id -> the test's name for it (its custom resource paratune_<name>), 'head' for the head."""
+    names = {}
+    for node in alive_nodes(c):
+        res = node.get("resources_total", {})
+        names[node["node_id"]] = next((k.removeprefix("paratune_") for k in res if k.startswith("paratune_")), "head")
+    return names
+
+
+
+
+def test_a_tp_group_packed_across_nodes_is_invalid_placement_and_whole_nodes_keep_it_inside(cluster):
+    """4 workers with tp 2 on a cluster whose free CPUs are 3 + 1: Ray Train packs ranks 0-2 on one
+    node and rank 3 on the other, so the tp group of ranks 2-3 would straddle nodes. Every rank
+    checks the layout before the first step: invalid_placement, with the layout, never a hang.
+    The same plan on whole nodes (gpus_per_node 2) runs 2 + 2 and records where each rank ran."""
+    plan = {**FIXED, "num_workers": 4, "tp": 2, "strategy": "ddp", "micro_batch": 2, "trial_timeout_s": 240}
+    out = cluster.tmp / "placement.json"
+    job, _ = cluster.submit("tests/placement_job.py", json.dumps(plan), str(out))
+    assert cluster.status(job) == "SUCCEEDED", cluster.logs(job)[-4000:]
+    packed, whole = json.loads(out.read_text())
+    names = _node_names(cluster)
+    assert packed["status"] == "failed" and packed["reason"] == "invalid_placement", (packed["message"], cluster.logs(job)[-3000:])
+    assert "tp group of ranks 2-3 spans 2 nodes" in packed["message"] and "ranks 0-2" in packed["message"]
+    assert whole["status"] == "ok", whole["message"]
+    by_rank = {p["rank"]: (names[p["node_id"]], p["local_rank"], p["local_world_size"]) for p in whole["placement"]}
+    assert by_rank[0][0] == by_rank[1][0] != by_rank[2][0] == by_rank[3][0]  # tp groups inside a node
+    assert {by_rank[r][0] for r in by_rank} == {"node3", "node2"} and all(v[2] == 2 for v in by_rank.values())
+    assert not _alive_train_workers(cluster)
+
+
+def test_concurrent_trials_take_whole_nodes_and_record_where_they_ran(cluster):
+    """A sweep of two 2-worker plans with gpus_per_node 2 on nodes of 3 and 2 CPUs: both at once,
+    one per node (never sharing one, though node3 could hold 3 workers), each rank's node
+    recorded in the ledger and in MLflow."""
+    space_path = cluster.tmp / "whole.yaml"
+    space_path.write_text(yaml.safe_dump({
+        "name": "whole-nodes", "fixed": {**FIXED, "gpus_per_node": 2, "trial_timeout_s": 240},
+        "space": {"strategy": {"ddp": {}}, "micro_batch": [1, 2]},
+        "search": {"algorithm": "grid", "trials": 2, "top_k": 1, "remeasure_rounds": 0, "reuse_workers": False}}))
+    out = cluster.tmp / "sweep-whole"
+    job, _ = cluster.submit("jobs/sweep.py", str(space_path), "--out", str(out), "--tracking-uri", cluster.tracking_uri)
+    assert cluster.status(job) == "SUCCEEDED", cluster.logs(job)[-4000:]
+    names = _node_names(cluster)
+    trials = [e.result for e in Ledger(out / "ledger.jsonl").search_entries()]
+    assert len(trials) == 2 and all(t.ok for t in trials), [t.message for t in trials]
+    node_of = []
+    for t in trials:
+        nodes = {names[p["node_id"]] for p in t.placement}
+        assert len(t.placement) == 2 and len(nodes) == 1 and nodes <= {"node3", "node2"}  # whole node, never the head
+        node_of.append((t.started_at, t.started_at + t.wall_s, nodes.pop()))
+    overlapping = [(a, b) for i, a in enumerate(node_of) for b in node_of[i + 1:] if a[0] < b[1] and b[0] < a[1]]
+    assert overlapping, node_of  # trials did run side by side...
+    assert all(a[2] != b[2] for a, b in overlapping)  # ...and never on the same node
+    client = MlflowClient(cluster.tracking_uri)
+    parent_id = json.loads((out / "sweep.json").read_text())["parent_run_id"]
+    children = client.search_runs([client.get_run(parent_id).info.experiment_id],
+                                  f"tags.mlflow.parentRunId = '{parent_id}'")
+    tags = sorted((r.data.tags["paratune.trial_number"], r.data.tags.get("paratune.placement", "")) for r in children)
+    assert tags == [(str(n), f"node {t.placement[0]['node_ip']} ({t.placement[0]['node_id'][:8]}): ranks 0-1")
+                    for n, t in enumerate(trials, 1)], tags
+
+
+def test_a_node_killed_mid_trial_is_node_lost_and_the_sweep_goes_on(cluster):
+    """The raylet of the node running a trial is SIGKILLed (with its workers): that trial ends
+    node_lost naming the node, the sweep finishes on the node left, nothing leaks (train workers,
+    placement groups, the sweep's actors), and the finished result is kept. Runs last: the node
+    is started again afterwards."""
+    space_path = cluster.tmp / "nodeloss.yaml"
+    space_path.write_text(yaml.safe_dump({
+        "name": "node-loss", "fixed": {**FIXED, "gpus_per_node": 2, "comm_timeout_s": 90, "trial_timeout_s": 240},
+        "space": {"strategy": {"ddp": {}}, "micro_batch": [2], "env": {"PARATUNE_FAULT": ["hang:rank=0:step=1", "none"]}},
+        "search": {"algorithm": "grid", "trials": 2, "top_k": 1, "remeasure_rounds": 0, "reuse_workers": False}}))
+    out = cluster.tmp / "sweep-nodeloss"
+    job, _ = cluster.submit("jobs/sweep.py", str(space_path), "--out", str(out), "--tracking-uri", cluster.tracking_uri,
+                            wait=False)
+    ledger_path = out / "ledger.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (ledger_path.exists() and '"none"' in ledger_path.read_text()):
+        assert cluster.status(job) in ("PENDING", "RUNNING"), cluster.logs(job)[-4000:]
+        time.sleep(1)
+    # The healthy trial is done; the hanging one still holds its node: kill that node.
+    workers = json.loads(cluster.ray("list", "actors", "--address", cluster.address, "--filter", "state=ALIVE",
+                                     "--format", "json").stdout)
+    hung_nodes = {_node_names(cluster)[a["node_id"]] for a in workers if a["class_name"] == "RayTrainWorker"}
+    assert len(hung_nodes) == 1 and hung_nodes <= set(cluster.nodes), hung_nodes
+    victim = hung_nodes.pop()
+    victim_id = next(i for i, n in _node_names(cluster).items() if n == victim)
+    os.killpg(cluster.nodes[victim].pid, signal.SIGKILL)
+    try:
+        assert cluster.wait(job, timeout=300) == "SUCCEEDED", cluster.logs(job)[-4000:]
+        by_fault = {e.result.plan["env"]["PARATUNE_FAULT"]: e.result for e in Ledger(ledger_path).search_entries()}
+        lost = by_fault["hang:rank=0:step=1"]
+        assert lost.status == "failed" and lost.reason == "node_lost", lost.message
+        assert victim_id[:8] in lost.message
+        assert by_fault["none"].ok
+        assert "paratune.winner" in MlflowClient(cluster.tracking_uri).get_run(
+            json.loads((out / "sweep.json").read_text())["parent_run_id"]).data.tags
+        # Nothing leaks: no train worker, no placement group still holding resources, no sweep actor.
+        time.sleep(2)
+        assert not _alive_train_workers(cluster)
+        groups = json.loads(cluster.ray("list", "placement-groups", "--address", cluster.address, "--format",
+                                        "json").stdout)
+        assert not [g for g in groups if g["state"] in ("CREATED", "PENDING", "RESCHEDULING")], groups
+        alive = json.loads(cluster.ray("list", "actors", "--address", cluster.address, "--filter", "state=ALIVE",
+                                       "--format", "json").stdout)
+        assert not [a for a in alive if a["class_name"] in ("NodeLeases", "PoolActor", "TrainController")], alive
+    finally:
+        cluster.nodes[victim] = start_worker_node(cluster, victim, WORKER_NODES[victim])

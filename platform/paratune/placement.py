@@ -77,7 +77,16 @@ def gather_layout(place: RankPlace, world: int) -> list[RankPlace]:
 
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, asdict(place))
-    return [RankPlace(**g) for g in sorted(gathered, key=lambda g: g["rank"])]
+    return by_node_id([RankPlace(**g) for g in sorted(gathered, key=lambda g: g["rank"])])
+
+
+def by_node_id(layout: list[RankPlace]) -> list[RankPlace]:
+    """Local rank and local world size by Ray node id. Ray Train groups ranks by node IP, which
+    two raylets on one host share (the multi-node test cluster; containers on one machine); the
+    node id is what a node is."""
+    nodes = ranks_by_node(layout)
+    return [RankPlace(p.rank, p.node_id, p.node_ip, nodes[p.node_id].index(p.rank), len(nodes[p.node_id]))
+            for p in layout]
 
 
 def ranks_by_node(layout: list[RankPlace]) -> dict[str, list[int]]:

@@ -124,6 +124,11 @@ class SweepTracker:
         tags = {"mlflow.parentRunId": parent_id, "paratune.kind": "trial", "paratune.phase": phase,
                 "paratune.trial_number": str(number),
                 "paratune.status": result.status, "paratune.strategy": strategy_label(result.plan)}
+        if result.placement:  # where every rank ran (paratune.placement), e.g. "node 10.0.0.5 (ab12cd34): ranks 0-7"
+            from paratune.placement import RankPlace, describe
+
+            tags["paratune.placement"] = describe([RankPlace(**p) for p in result.placement])[:5000]
+            tags["paratune.nodes"] = str(len({p["node_id"] for p in result.placement}))
         if result.reason:
             tags["paratune.failure_reason"] = result.reason
             tags["paratune.failure_message"] = redact(result.message or "")[:5000]

@@ -568,8 +568,11 @@ def check_before_launch(plan: Plan | dict[str, Any], ray_address: str | None = N
     except (ModelError, PlanError) as err:
         return TrialResult.failed(plan, "invalid_config", str(err))
     except Exception as err:  # noqa: BLE001 - a config transformers accepts but cannot build
+        import traceback
+
+        where = traceback.extract_tb(err.__traceback__)[-1]  # e.g. a file a library looked for
         return TrialResult.failed(plan, "invalid_config", f"model: '{plan.model}' cannot be built: "
-                                  f"{type(err).__name__}: {err}")
+                                  f"{type(err).__name__}: {err} (at {where.filename}:{where.lineno})")
     if plan.cp > 1:  # device 'auto' on a cluster without GPUs (device 'cpu': the plan refuses)
         ensure_ray(ray_address)
         if wants_gpu(plan):
