@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test test-fast install bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x --durations=15
+
+# The edit-run loop: unit tests only (pure planning, estimates, parsing, configs; no Ray workers).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -x -m "not integration" --durations=5
 
 bench: $(STAMP)
 	$(BIN)/python bench/strategies_cpu.py

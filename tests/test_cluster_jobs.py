@@ -323,43 +323,13 @@ def test_a_tp_group_packed_across_nodes_is_invalid_placement_and_whole_nodes_kee
     assert not _alive_train_workers(cluster)
 
 
-def test_concurrent_trials_take_whole_nodes_and_record_where_they_ran(cluster):
-    """A sweep of two 2-worker plans with gpus_per_node 2 on nodes of 3 and 2 CPUs: both at once,
-    one per node (never sharing one, though node3 could hold 3 workers), each rank's node
-    recorded in the ledger and in MLflow."""
-    space_path = cluster.tmp / "whole.yaml"
-    space_path.write_text(yaml.safe_dump({
-        "name": "whole-nodes", "fixed": {**FIXED, "gpus_per_node": 2, "trial_timeout_s": 240},
-        "space": {"strategy": {"ddp": {}}, "micro_batch": [1, 2]},
-        "search": {"algorithm": "grid", "trials": 2, "top_k": 1, "remeasure_rounds": 0, "reuse_workers": False}}))
-    out = cluster.tmp / "sweep-whole"
-    job, _ = cluster.submit("jobs/sweep.py", str(space_path), "--out", str(out), "--tracking-uri", cluster.tracking_uri)
-    assert cluster.status(job) == "SUCCEEDED", cluster.logs(job)[-4000:]
-    names = _node_names(cluster)
-    trials = [e.result for e in Ledger(out / "ledger.jsonl").search_entries()]
-    assert len(trials) == 2 and all(t.ok for t in trials), [t.message for t in trials]
-    node_of = []
-    for t in trials:
-        nodes = {names[p["node_id"]] for p in t.placement}
-        assert len(t.placement) == 2 and len(nodes) == 1 and nodes <= {"node3", "node2"}  # whole node, never the head
-        node_of.append((t.started_at, t.started_at + t.wall_s, nodes.pop()))
-    overlapping = [(a, b) for i, a in enumerate(node_of) for b in node_of[i + 1:] if a[0] < b[1] and b[0] < a[1]]
-    assert overlapping, node_of  # trials did run side by side...
-    assert all(a[2] != b[2] for a, b in overlapping)  # ...and never on the same node
-    client = MlflowClient(cluster.tracking_uri)
-    parent_id = json.loads((out / "sweep.json").read_text())["parent_run_id"]
-    children = client.search_runs([client.get_run(parent_id).info.experiment_id],
-                                  f"tags.mlflow.parentRunId = '{parent_id}'")
-    tags = sorted((r.data.tags["paratune.trial_number"], r.data.tags.get("paratune.placement", "")) for r in children)
-    assert tags == [(str(n), f"node {t.placement[0]['node_ip']} ({t.placement[0]['node_id'][:8]}): ranks 0-1")
-                    for n, t in enumerate(trials, 1)], tags
-
-
 def test_a_node_killed_mid_trial_is_node_lost_and_the_sweep_goes_on(cluster):
-    """The raylet of the node running a trial is SIGKILLed (with its workers): that trial ends
-    node_lost naming the node, the sweep finishes on the node left, nothing leaks (train workers,
-    placement groups, the sweep's actors), and the finished result is kept. Runs last: the node
-    is started again afterwards."""
+    """Two 2-worker plans with gpus_per_node 2 on nodes of 3 and 2 CPUs: both run at once, each on
+    whole nodes of its own (never sharing one, though node3 could hold 3 workers), and each rank's
+    node is recorded in the ledger and in MLflow. Then the raylet of the node running the trial
+    that hangs is SIGKILLed (with its workers): that trial ends node_lost naming the node, the
+    sweep finishes on the node left, nothing leaks (train workers, placement groups, the sweep's
+    actors), and the finished result is kept. Runs last: the node is started again afterwards."""
     space_path = cluster.tmp / "nodeloss.yaml"
     space_path.write_text(yaml.safe_dump({
         "name": "node-loss", "fixed": {**FIXED, "gpus_per_node": 2, "comm_timeout_s": 90, "trial_timeout_s": 240},
@@ -387,9 +357,20 @@ def test_a_node_killed_mid_trial_is_node_lost_and_the_sweep_goes_on(cluster):
         lost = by_fault["hang:rank=0:step=1"]
         assert lost.status == "failed" and lost.reason == "node_lost", lost.message
         assert victim_id[:8] in lost.message
-        assert by_fault["none"].ok
-        assert "paratune.winner" in MlflowClient(cluster.tracking_uri).get_run(
-            json.loads((out / "sweep.json").read_text())["parent_run_id"]).data.tags
+        healthy = by_fault["none"]
+        assert healthy.ok, healthy.message
+        # Side by side (the hanging trial was running when the healthy one finished), on different nodes.
+        names = {p["node_id"]: p for p in healthy.placement}
+        assert len(healthy.placement) == 2 and len(names) == 1 and victim_id not in names
+        assert lost.started_at < healthy.started_at + healthy.wall_s < lost.started_at + lost.wall_s
+        client = MlflowClient(cluster.tracking_uri)
+        parent_id = json.loads((out / "sweep.json").read_text())["parent_run_id"]
+        children = {r.data.tags["paratune.status"]: r for r in client.search_runs(
+            [client.get_run(parent_id).info.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}' and tags.`paratune.phase` = 'search'")}
+        node = healthy.placement[0]
+        assert children["ok"].data.tags["paratune.placement"] == f"node {node['node_ip']} ({node['node_id'][:8]}): ranks 0-1"
+        assert children["failed"].data.tags["paratune.failure_reason"] == "node_lost"
+        assert "paratune.winner" in client.get_run(parent_id).data.tags
         # Nothing leaks: no train worker, no placement group still holding resources, no sweep actor.
         time.sleep(2)
         assert not _alive_train_workers(cluster)

@@ -23,6 +23,7 @@ def _plans():
             for kw in ({"strategy": "ddp"}, {"strategy": "zero", "zero": {"stage": 3}})]
 
 
+@pytest.mark.integration
 def test_profile_on_two_gloo_workers(ray_local, tmp_path):
     [request] = profile_requests_for(_plans())
     request = request.model_copy(update={"sizes": [4096, 1 << 20, 8 << 20]})
