@@ -14,7 +14,6 @@ import re
 import secrets
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import yaml
 
 import kuberay_rayjob_fields as kuberay_fields
 from paratune.space import load_space
+from procs import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -327,12 +327,6 @@ class _Node:
         self.init.wait()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _substitute(commands: list[str], subs: list[tuple[str, str]]) -> list[str]:
     """Replace whole whitespace-separated tokens (old -> new; new "" drops the token); each old
     token must occur exactly once, and a token diff shows that nothing else changed."""
@@ -422,7 +416,7 @@ def test_start_commands_bring_up_a_head_a_worker_and_mlflow_through_the_launcher
     from ray.autoscaler._private.util import with_head_node_ip
 
     config = _cluster_config()
-    gcs, dashboard, mlflow_port, om_head, om_worker = (_free_port() for _ in range(5))
+    gcs, dashboard, mlflow_port, om_head, om_worker = (free_port() for _ in range(5))
     head_commands = _substitute(config["head_start_ray_commands"], [
         ("--port=6379", f"--port={gcs}"),
         ("--object-manager-port=8076", f"--object-manager-port={om_head}"),

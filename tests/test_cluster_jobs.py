@@ -13,12 +13,10 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +25,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from paratune.sweep import Ledger
+from procs import free_port, stop_group, wait_http
 
 pytestmark = pytest.mark.integration
 
@@ -84,38 +83,6 @@ class Cluster:
         return "TIMEOUT"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_http(url: str, timeout: float = 90) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            return
-        except Exception:  # noqa: BLE001 - not up yet (401 counts as up)
-            if "401" in str(sys.exc_info()[1]):
-                return
-            time.sleep(1)
-    raise TimeoutError(url)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """`ray start --block` stops its whole cluster on SIGTERM; SIGKILL the group if it lingers."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=5)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 # Worker nodes: name -> CPUs. The head has none: job drivers only, never a trial's worker.
 WORKER_NODES = {"node3": 3, "node2": 2}
 # GCS notices a dead raylet within ~3 s (default: 5 missed checks of 3 s), so node loss is quick.
@@ -125,7 +92,7 @@ FAST_HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_fa
 
 def start_worker_node(c: Cluster, name: str, cpus: int) -> subprocess.Popen:
     """One more raylet on this host joining the head (its own ports, sockets and CPUs)."""
-    ports = [f"--{p}={_free_port()}" for p in ("node-manager-port", "object-manager-port", "metrics-export-port",
+    ports = [f"--{p}={free_port()}" for p in ("node-manager-port", "object-manager-port", "metrics-export-port",
                                                 "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
                                                 "runtime-env-agent-port")]
     return subprocess.Popen(
@@ -159,7 +126,7 @@ def cluster():
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token",
            "RAY_AUTH_TOKEN_PATH": str(token), "HF_TOKEN": SECRET}
     env.pop("RAY_ADDRESS", None)
-    dash, mlflow_port, gcs_port = _free_port(), _free_port(), _free_port()
+    dash, mlflow_port, gcs_port = free_port(), free_port(), free_port()
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=0", "--num-gpus=0",
@@ -172,17 +139,17 @@ def cluster():
         cwd=tmp, env=env, stdout=(tmp / "mlflow.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     c = Cluster(f"http://127.0.0.1:{dash}", f"http://127.0.0.1:{mlflow_port}", env, tmp, f"127.0.0.1:{gcs_port}", {})
     try:
-        _wait_http(f"http://127.0.0.1:{dash}/api/version")
+        wait_http(f"http://127.0.0.1:{dash}/api/version")
         for name, cpus in WORKER_NODES.items():
             c.nodes[name] = start_worker_node(c, name, cpus)
         wait_for_nodes(c, 1 + len(WORKER_NODES))
-        _wait_http(f"http://127.0.0.1:{mlflow_port}/health")
+        wait_http(f"http://127.0.0.1:{mlflow_port}/health")
         yield c
     finally:
         for proc in c.nodes.values():
-            _stop(proc)
-        _stop(head)
-        _stop(server)
+            stop_group(proc)
+        stop_group(head)
+        stop_group(server)
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +28,7 @@ from paratune.tracking import SweepTracker, trial_metrics
 from paratune.trial import TrialResult
 
 from conftest import BASE_PLAN
+from procs import free_port, stop_group
 
 pytestmark = pytest.mark.integration
 
@@ -39,17 +38,11 @@ FIXED = {"model": "tiny-llama", "seq_len": 32, "global_batch": 8, "num_workers":
          "measure_steps": 2, "profile_comm": False, "lr": 0.01, "trial_timeout_s": 300}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """`mlflow server` on a free port; its URL. Stopped (the whole process group) whatever happens."""
     tmp = tmp_path_factory.mktemp("mlflow_server")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # as `paratune ui`: no job runner
     log = tmp / "server.log"
     proc = subprocess.Popen(
@@ -72,15 +65,7 @@ def server(tmp_path_factory):
             time.sleep(0.5)
         yield url
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=15)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        stop_group(proc, grace_s=15)
         proc.wait(timeout=15)
 
 
