@@ -8,11 +8,11 @@ import functools
 import math
 
 import pytest
-from gloo_harness import batch_result, run_named_batch, run_on_gloo
+from gloo_harness import batch_result, one_torch_thread, reference_for, run_named_batch  # noqa: F401 (fixture)
 from conftest import BASE_PLAN, expected_parameter_share
 
 from paratune.plan import load_plan_dict
-from paratune.reference import max_loss_difference, reference_losses
+from paratune.reference import max_loss_difference
 
 pytestmark = pytest.mark.integration
 
@@ -42,23 +42,32 @@ CASES = {
 }
 
 
+def _fp32_plan(name: str):
+    return load_plan_dict({**BASE_PLAN, "seed": 7, **CASES[name]})
+
+
+BF16_CASES = ["ddp", "fsdp-full", "zero-2-overlap-buckets"]
+
+
+def _bf16_plan(name: str):
+    return load_plan_dict({**BASE_PLAN, "precision": "bf16", **CASES[name]})
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_fp32_loss_parity(name):
-    plan = load_plan_dict({**BASE_PLAN, "seed": 7, **CASES[name]})
-    out = run_on_gloo(plan)
-    reference = reference_losses(plan)
+    plan, out = batch_result(_runs(_fp32_plan(name).num_workers)[("fp32", name)])
+    reference = reference_for(plan)
     assert len(out["losses"]) == plan.total_steps
     assert max_loss_difference(out["losses"], reference) < 1e-5, (out["losses"], reference)
     assert out["losses"][-1] < out["losses"][0]  # it trains
     assert set(out["linear_matmul_dtypes"]) == {"float32"}  # fp32 plans compute in fp32
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp-full", "zero-2-overlap-buckets"])
+@pytest.mark.parametrize("name", BF16_CASES)
 def test_bf16_trains_close_to_reference(name):
-    plan = load_plan_dict({**BASE_PLAN, "precision": "bf16", **CASES[name]})
-    out = run_on_gloo(plan)
+    plan, out = batch_result(_runs(_bf16_plan(name).num_workers)[("bf16", name)])
     assert all(math.isfinite(x) for x in out["losses"])
-    assert max_loss_difference(out["losses"], reference_losses(plan)) < 0.05
+    assert max_loss_difference(out["losses"], reference_for(plan)) < 0.05
 
 
 # Model-parallel plans (2, 4 and 8 gloo processes): every layer's math is split, so parity is the
@@ -86,18 +95,25 @@ MODEL_PARALLEL = {
 }
 
 
+def _all_plans() -> dict:
+    """Every case of this module by (kind, name)."""
+    return ({("fp32", n): _fp32_plan(n) for n in CASES} | {("bf16", n): _bf16_plan(n) for n in BF16_CASES}
+            | {("model-parallel", n): load_plan_dict({**BASE_PLAN, **case}) for n, case in MODEL_PARALLEL.items()})
+
+
 @functools.lru_cache(maxsize=None)
-def _model_parallel_runs(world: int) -> dict:
-    """Every model-parallel case of one world size, run by one set of processes (start-up paid once).
-    A failure is kept and re-raised by each test of that world size, not re-run."""
-    return run_named_batch({n: load_plan_dict({**BASE_PLAN, **case}) for n, case in MODEL_PARALLEL.items()
-                            if case["num_workers"] == world})
+def _runs(world: int) -> dict:
+    """Every case of one world size (fp32, bf16 and model-parallel alike), run by one set of gloo
+    processes: process start, imports (DeepSpeed's included) and the process group paid once per
+    world size, not once per case. A case that fails is that case's failure only (the harness
+    runs the cases after it in fresh processes)."""
+    return run_named_batch({key: plan for key, plan in _all_plans().items() if plan.num_workers == world})
 
 
 @pytest.mark.parametrize("name", list(MODEL_PARALLEL))
 def test_model_parallel_loss_parity(name):
-    plan, out = batch_result(_model_parallel_runs(MODEL_PARALLEL[name]["num_workers"])[name])
-    assert max_loss_difference(out["losses"], reference_losses(plan)) < 1e-5
+    plan, out = batch_result(_runs(MODEL_PARALLEL[name]["num_workers"])[("model-parallel", name)])
+    assert max_loss_difference(out["losses"], reference_for(plan)) < 1e-5
     share = expected_parameter_share(plan)
     # Replicated norm weights under tp and layer counts that do not split evenly leave a few percent.
     assert 0.9 * share <= min(out["local_parameter_counts"]) <= max(out["local_parameter_counts"]) <= 1.1 * share, \
