@@ -13,7 +13,8 @@ import functools
 import numpy as np
 import pytest
 from conftest import BASE_PLAN, expected_parameter_share
-from gloo_harness import batch_result, run_named_batch
+from gloo_harness import one_torch_thread  # noqa: F401 (fixture: in-process references on one thread)
+from gloo_harness import batch_result, run_named_batch, single_torch_thread, training_key
 
 from paratune.plan import CP_CPU_REASON, load_plan_dict
 from paratune.reference import max_loss_difference, reference_losses
@@ -154,8 +155,9 @@ def _named_gradients(runner) -> dict:
     return out
 
 
-def first_step_gradients(runner, micro) -> dict:
-    """The gradients the first optimizer step starts from, before clipping."""
+def capture_first_step_gradients(runner) -> dict:
+    """Arms the runner to copy, into the dict returned, the gradients its first optimizer step
+    starts from (before clipping); the training itself is unchanged."""
     captured: dict = {}
     clip, step = runner.clip_gradients, runner.optimizer.step
 
@@ -172,28 +174,40 @@ def first_step_gradients(runner, micro) -> dict:
         return step(*args, **kwargs)
 
     runner.clip_gradients, runner.optimizer.step = clip_after_capture, step_after_capture
+    return captured
+
+
+def first_step_gradients(runner, micro) -> dict:
+    """The gradients the first optimizer step starts from, before clipping."""
+    captured = capture_first_step_gradients(runner)
     runner.train_step(micro)
     return captured
 
 
 def measure_with_gradients(plan, rank: int, world: int, local_world: int, device) -> dict:
-    """train_and_measure, then a fresh runner's first-step gradients (run in every gloo worker)."""
-    import torch
+    """train_and_measure, with the gradients of its first step (run in every gloo worker).
 
-    from paratune.data import TokenBatches
-    from paratune.models import build_config
-    from paratune.parallel import build_runner
-    from paratune.parallel.dims import ParallelDims
+    The step is the trial's own step 0 (a warm-up step): the runner train_and_measure builds,
+    seeded with seed + 1 + dp rank (the cp ranks of a dp rank train on the same sequences), on
+    step 0's micro-batches of this dp rank, as the reference's first step on the whole batch."""
+    import paratune.parallel
     from paratune.trial import train_and_measure
 
-    out = train_and_measure(plan, rank, world, local_world, device)
-    dims = ParallelDims.from_plan(plan, device.type)
-    config = build_config(plan.model, plan.model_overrides)
-    runner = build_runner(config, plan, device, local_world)
-    dp_rank = dims.dp_rank(rank)  # the cp ranks of a dp rank train on the same sequences
-    torch.manual_seed(plan.seed + 1 + dp_rank)
-    data = TokenBatches(plan.data, config.vocab_size, plan.seq_len, plan.global_batch, plan.seed)
-    out["gradients"] = first_step_gradients(runner, data.micro_batches(0, dp_rank, dims.dp, plan.micro_batch))
+    build = paratune.parallel.build_runner
+    armed: list[dict] = []
+
+    def build_and_capture(*args, **kwargs):
+        runner = build(*args, **kwargs)
+        armed.append(capture_first_step_gradients(runner))
+        return runner
+
+    paratune.parallel.build_runner = build_and_capture  # train_and_measure imports it when it runs
+    try:
+        out = train_and_measure(plan, rank, world, local_world, device)
+    finally:
+        paratune.parallel.build_runner = build
+    assert len(armed) == 1, f"train_and_measure built {len(armed)} runners"
+    out["gradients"] = armed[0]
     return out
 
 
@@ -216,21 +230,16 @@ def reference_gradients(plan) -> dict:
     return first_step_gradients(runner, data.micro_batches(0, dp_rank=0, dp_degree=1, micro_batch=plan.micro_batch))
 
 
-def _training_key(plan) -> tuple:
-    """What the single-process reference's training depends on (not the layout)."""
-    return (plan.model, repr(sorted(plan.model_overrides.items())), plan.data, plan.seq_len, plan.global_batch,
-            plan.micro_batch, plan.lr, plan.weight_decay, plan.grad_clip, plan.activation_checkpointing,
-            plan.precision, plan.seed, plan.total_steps)
-
-
 _references: dict = {}
 
 
 def _reference(plan) -> tuple[list[float], dict]:
-    """The reference's losses and first-step gradients, once per distinct training."""
-    key = _training_key(plan)
+    """The reference's losses and first-step gradients, once per distinct training (the plan
+    without its layout: the reference reads none of the layout's fields)."""
+    key = training_key(plan)
     if key not in _references:
-        _references[key] = (reference_losses(plan), reference_gradients(plan))
+        with single_torch_thread():
+            _references[key] = (reference_losses(plan), reference_gradients(plan))
     return _references[key]
 
 
