@@ -14,13 +14,13 @@ import json
 
 import pytest
 from conftest import BASE_PLAN
-from gloo_harness import run_plans_on_gloo
+from gloo_harness import one_torch_thread, reference_for, run_plans_isolated  # noqa: F401 (fixture)
 
 from paratune.materialize import build_meta
 from paratune.models import PRESET_DIR, ModelError, build_config, build_model, parameter_counts
 from paratune.plan import PlanError, load_plan_dict
 from paratune.preflight import attention_windows, check_plan_against_model
-from paratune.reference import max_loss_difference, reference_losses
+from paratune.reference import max_loss_difference
 from paratune.trial import run_trial
 
 FAMILIES = ["tiny-llama3", "tiny-qwen2.5", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-phi3"]
@@ -53,37 +53,15 @@ def _plan(family: str, case: dict):
                            **FAMILY_PLAN.get(family, {}), **case})
 
 
-# Fields that only lay the same training out differently: plans differing in them alone share
-# one single-process reference (one per family here instead of one per case).
-LAYOUT_FIELDS = ("strategy", "ddp", "fsdp", "zero", "tp", "pp", "pp_schedule", "sequence_parallel", "num_workers",
-                 "grad_accum")
-_references: dict[str, list[float]] = {}
-
-
-def _reference(plan) -> list[float]:
-    key = json.dumps({k: v for k, v in plan.to_dict().items() if k not in LAYOUT_FIELDS}, sort_keys=True)
-    if key not in _references:
-        _references[key] = reference_losses(plan)
-    return _references[key]
-
-
 @pytest.fixture(scope="module")
 def matrix() -> dict:
-    """Every case's rank-0 measurements (or its failure), from one 2-process gloo run."""
+    """Every case's rank-0 measurements (or its own failure), from one 2-process gloo run (a case
+    that fails is that case's failure only: the harness runs the cases after it in fresh processes)."""
     keys = list(CASES)
     plans = [_plan(f, CASES[(f, s)]) for f, s in keys]
     for plan in plans:  # the preflight passes every case the matrix runs
         check_plan_against_model(plan)
-    try:
-        return dict(zip(keys, run_plans_on_gloo(plans)))
-    except RuntimeError:  # one plan broke the batch: run each alone, so each case reports its own
-        results: dict = {}
-        for key, plan in zip(keys, plans):
-            try:
-                results[key] = run_plans_on_gloo([plan])[0]
-            except RuntimeError as err:
-                results[key] = err
-        return results
+    return dict(zip(keys, run_plans_isolated(plans)))
 
 
 @pytest.mark.integration
@@ -93,7 +71,7 @@ def test_family_loss_parity(matrix, family, strategy):
     if isinstance(out, Exception):
         raise out
     plan = _plan(family, CASES[(family, strategy)])
-    reference = _reference(plan)
+    reference = reference_for(plan)  # one per family (and per untied variant): layouts share it
     assert len(out["losses"]) == plan.total_steps
     assert max_loss_difference(out["losses"], reference) < 1e-5, (out["losses"], reference)
     if plan.tp > 1 or plan.pp > 1 or strategy in ("fsdp", "zero3"):  # each rank holds only its part
