@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from gloo_harness import one_torch_thread  # noqa: F401 (fixture: in-process training on one thread)
 
 from paratune.export import export_winner
 from paratune.parallel import ADAM_BETAS, ADAM_EPS

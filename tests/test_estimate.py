@@ -2,6 +2,7 @@
 hand from docs/DESIGN.md, the traced activations, the time model's fit, and `paratune plan`."""
 
 import pytest
+from gloo_harness import one_torch_thread  # noqa: F401 (fixture: in-process tracing on one thread)
 
 from paratune.estimate import (
     GiB,

@@ -9,7 +9,7 @@ and must report bf16 only. fp32 plans are held to fp32 in test_parity_gloo.
 import pytest
 import torch
 from conftest import BASE_PLAN
-from gloo_harness import run_plans_on_gloo
+from gloo_harness import one_torch_thread, run_plans_on_gloo  # noqa: F401 (fixture)
 from torch import nn
 
 from paratune.plan import load_plan_dict

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from gloo_harness import one_torch_thread  # noqa: F401 (fixture: in-process references on one thread)
 
 from paratune.models import build_config, load_config_dict, parameter_counts
 from paratune.plan import Plan, load_plan_dict
