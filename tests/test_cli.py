@@ -44,8 +44,12 @@ def _free_port() -> int:
 @pytest.mark.integration
 def test_ui_serves_the_store_on_localhost(tmp_path):
     port = _free_port()
+    # One server process instead of MLflow's default four (each imports MLflow's server on this
+    # 2-core machine): what is tested is paratune's `ui` (store, host, port), not uvicorn's pool.
+    env = {**os.environ, "MLFLOW_WORKERS": "1"}
     proc = subprocess.Popen([*PARATUNE, "ui", "--tracking-uri", f"sqlite:///{tmp_path / 'm.db'}", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=env)
     try:
         deadline = time.time() + 90
         status = None
