@@ -1,6 +1,7 @@
-"""A real multi-node Ray cluster on 127.0.0.1, driven the way users drive one: `ray job submit
---runtime-env jobs/runtime_env.yaml -- python jobs/...`, with an MLflow tracking server (`paratune
-ui`) beside it. Token auth on. Three `ray start` raylets: a head with no CPUs (it runs the job
+"""Real Ray clusters on this host, driven the way users drive one: `ray job submit --runtime-env
+jobs/runtime_env.yaml -- python jobs/...`, with an MLflow tracking server (`paratune ui`) beside
+them. Token auth on. One cluster of one node (2 CPUs) for the sweep's faults and the training job;
+one of three `ray start` raylets for placement and node loss: a head with no CPUs (it runs the job
 drivers, as ray_cluster.yaml's CPU head does) and worker nodes of 3 and 2 CPUs, sizes that make
 uneven packing happen (4 workers: 3 + 1). Faults are real: SIGKILLed workers and drivers, a
 worker that hangs in the middle of a step, a node whose raylet is killed."""
@@ -102,9 +103,38 @@ def start_worker_node(c: Cluster, name: str, cpus: int) -> subprocess.Popen:
         env=c.env, stdout=(c.tmp / f"{name}.log").open("a"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def ray_list(c: Cluster, kind: str, *filters: str) -> list[dict]:
+    """`ray list KIND --format json` (retried: the state API can time out on a loaded machine)."""
+    args = ["list", kind, "--address", c.address, "--format", "json", *(a for f in filters for a in ("--filter", f))]
+    for attempt in range(5):
+        out = c.ray(*args)
+        if "No resource in the cluster" in out.stdout + out.stderr:
+            return []
+        try:
+            return json.loads(out.stdout)
+        except json.JSONDecodeError:
+            time.sleep(2)
+    raise RuntimeError(f"ray list {kind}: {out.stdout[-500:]} {out.stderr[-1500:]}")
+
+
+def join_node(c: Cluster, name: str, cpus: int, expect: int) -> subprocess.Popen:
+    """Start a worker node and wait until the cluster has `expect` nodes. One at a time, and
+    retried once: a raylet that does not register within Ray's fixed 30 s (a loaded 2-core
+    machine) makes `ray start` give up ("The current node timed out during startup")."""
+    for attempt in range(2):
+        proc = start_worker_node(c, name, cpus)
+        try:
+            wait_for_nodes(c, expect, timeout=60)
+            return proc
+        except TimeoutError:
+            stop_group(proc)
+            if attempt:
+                raise
+    raise AssertionError("unreachable")
+
+
 def alive_nodes(c: Cluster) -> list[dict]:
-    out = c.ray("list", "nodes", "--address", c.address, "--filter", "state=ALIVE", "--format", "json")
-    return json.loads(out.stdout or "[]")
+    return ray_list(c, "nodes", "state=ALIVE")
 
 
 def wait_for_nodes(c: Cluster, count: int, timeout: float = 90) -> list[dict]:
@@ -118,8 +148,7 @@ def wait_for_nodes(c: Cluster, count: int, timeout: float = 90) -> list[dict]:
     raise TimeoutError(f"{count} alive nodes expected, saw {len(alive_nodes(c))}; node logs: {logs}")
 
 
-@pytest.fixture(scope="module")
-def cluster():
+def _start_cluster(head_cpus: int, worker_nodes: dict[str, int]):
     tmp = Path(tempfile.mkdtemp(prefix="ptc", dir="/tmp"))  # short: Ray's socket paths live under it
     token = tmp / "auth_token"
     token.write_text(secrets.token_hex(32))
@@ -129,7 +158,7 @@ def cluster():
     dash, mlflow_port, gcs_port = free_port(), free_port(), free_port()
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=0", "--num-gpus=0",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--num-cpus={head_cpus}", "--num-gpus=0",
          f"--temp-dir={tmp / 'ray'}", "--include-dashboard=true"],
         env={**env, **FAST_HEALTH_CHECKS}, stdout=(tmp / "head.log").open("w"), stderr=subprocess.STDOUT,
         start_new_session=True)
@@ -140,9 +169,8 @@ def cluster():
     c = Cluster(f"http://127.0.0.1:{dash}", f"http://127.0.0.1:{mlflow_port}", env, tmp, f"127.0.0.1:{gcs_port}", {})
     try:
         wait_http(f"http://127.0.0.1:{dash}/api/version")
-        for name, cpus in WORKER_NODES.items():
-            c.nodes[name] = start_worker_node(c, name, cpus)
-        wait_for_nodes(c, 1 + len(WORKER_NODES))
+        for i, (name, cpus) in enumerate(worker_nodes.items(), 2):
+            c.nodes[name] = join_node(c, name, cpus, expect=i)
         wait_http(f"http://127.0.0.1:{mlflow_port}/health")
         yield c
     finally:
@@ -151,6 +179,19 @@ def cluster():
         stop_group(head)
         stop_group(server)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One node of 2 CPUs (`ray start --head`): the sweep's faults and the training job."""
+    yield from _start_cluster(2, {})
+
+
+@pytest.fixture(scope="module")
+def multinode():
+    """A head with no CPUs (job drivers only, as ray_cluster.yaml's CPU head) and worker nodes of
+    3 and 2 CPUs: placement and node loss."""
+    yield from _start_cluster(0, WORKER_NODES)
 
 
 def _no_secret_in(client: MlflowClient, runs) -> None:
@@ -270,11 +311,12 @@ def _node_names(c: Cluster) -> dict[str, str]:
 
 
 
-def test_a_tp_group_packed_across_nodes_is_invalid_placement_and_whole_nodes_keep_it_inside(cluster):
+def test_a_tp_group_packed_across_nodes_is_invalid_placement_and_whole_nodes_keep_it_inside(multinode):
     """4 workers with tp 2 on a cluster whose free CPUs are 3 + 1: Ray Train packs ranks 0-2 on one
     node and rank 3 on the other, so the tp group of ranks 2-3 would straddle nodes. Every rank
     checks the layout before the first step: invalid_placement, with the layout, never a hang.
     The same plan on whole nodes (gpus_per_node 2) runs 2 + 2 and records where each rank ran."""
+    cluster = multinode
     plan = {**FIXED, "num_workers": 4, "tp": 2, "strategy": "ddp", "micro_batch": 2, "trial_timeout_s": 240}
     out = cluster.tmp / "placement.json"
     job, _ = cluster.submit("tests/placement_job.py", json.dumps(plan), str(out))
@@ -290,13 +332,14 @@ def test_a_tp_group_packed_across_nodes_is_invalid_placement_and_whole_nodes_kee
     assert not _alive_train_workers(cluster)
 
 
-def test_a_node_killed_mid_trial_is_node_lost_and_the_sweep_goes_on(cluster):
+def test_a_node_killed_mid_trial_is_node_lost_and_the_sweep_goes_on(multinode):
     """Two 2-worker plans with gpus_per_node 2 on nodes of 3 and 2 CPUs: both run at once, each on
     whole nodes of its own (never sharing one, though node3 could hold 3 workers), and each rank's
     node is recorded in the ledger and in MLflow. Then the raylet of the node running the trial
     that hangs is SIGKILLed (with its workers): that trial ends node_lost naming the node, the
     sweep finishes on the node left, nothing leaks (train workers, placement groups, the sweep's
     actors), and the finished result is kept. Runs last: the node is started again afterwards."""
+    cluster = multinode
     space_path = cluster.tmp / "nodeloss.yaml"
     space_path.write_text(yaml.safe_dump({
         "name": "node-loss", "fixed": {**FIXED, "gpus_per_node": 2, "comm_timeout_s": 90, "trial_timeout_s": 240},
@@ -310,13 +353,15 @@ def test_a_node_killed_mid_trial_is_node_lost_and_the_sweep_goes_on(cluster):
     while time.time() < deadline and not (ledger_path.exists() and '"none"' in ledger_path.read_text()):
         assert cluster.status(job) in ("PENDING", "RUNNING"), cluster.logs(job)[-4000:]
         time.sleep(1)
-    # The healthy trial is done; the hanging one still holds its node: kill that node.
-    workers = json.loads(cluster.ray("list", "actors", "--address", cluster.address, "--filter", "state=ALIVE",
-                                     "--format", "json").stdout)
-    hung_nodes = {_node_names(cluster)[a["node_id"]] for a in workers if a["class_name"] == "RayTrainWorker"}
-    assert len(hung_nodes) == 1 and hung_nodes <= set(cluster.nodes), hung_nodes
-    victim = hung_nodes.pop()
-    victim_id = next(i for i, n in _node_names(cluster).items() if n == victim)
+    # The healthy trial is done (its idle worker group keeps its node); the hanging one holds the
+    # other node: kill that node.
+    healthy_node = next(e.result.placement[0]["node_id"] for e in Ledger(ledger_path).search_entries()
+                        if e.result.plan["env"]["PARATUNE_FAULT"] == "none")
+    names = _node_names(cluster)
+    victim_id = next(i for i, n in names.items() if n in cluster.nodes and i != healthy_node)
+    victim = names[victim_id]
+    workers = ray_list(cluster, "actors", "state=ALIVE")
+    assert [a for a in workers if a["class_name"] == "RayTrainWorker" and a["node_id"] == victim_id], workers
     os.killpg(cluster.nodes[victim].pid, signal.SIGKILL)
     try:
         assert cluster.wait(job, timeout=300) == "SUCCEEDED", cluster.logs(job)[-4000:]
@@ -327,8 +372,8 @@ def test_a_node_killed_mid_trial_is_node_lost_and_the_sweep_goes_on(cluster):
         healthy = by_fault["none"]
         assert healthy.ok, healthy.message
         # Side by side (the hanging trial was running when the healthy one finished), on different nodes.
-        names = {p["node_id"]: p for p in healthy.placement}
-        assert len(healthy.placement) == 2 and len(names) == 1 and victim_id not in names
+        healthy_nodes = {p["node_id"] for p in healthy.placement}
+        assert len(healthy.placement) == 2 and len(healthy_nodes) == 1 and victim_id not in healthy_nodes
         assert lost.started_at < healthy.started_at + healthy.wall_s < lost.started_at + lost.wall_s
         client = MlflowClient(cluster.tracking_uri)
         parent_id = json.loads((out / "sweep.json").read_text())["parent_run_id"]
@@ -341,11 +386,9 @@ def test_a_node_killed_mid_trial_is_node_lost_and_the_sweep_goes_on(cluster):
         # Nothing leaks: no train worker, no placement group still holding resources, no sweep actor.
         time.sleep(2)
         assert not _alive_train_workers(cluster)
-        groups = json.loads(cluster.ray("list", "placement-groups", "--address", cluster.address, "--format",
-                                        "json").stdout)
+        groups = ray_list(cluster, "placement-groups")
         assert not [g for g in groups if g["state"] in ("CREATED", "PENDING", "RESCHEDULING")], groups
-        alive = json.loads(cluster.ray("list", "actors", "--address", cluster.address, "--filter", "state=ALIVE",
-                                       "--format", "json").stdout)
+        alive = ray_list(cluster, "actors", "state=ALIVE")
         assert not [a for a in alive if a["class_name"] in ("NodeLeases", "PoolActor", "TrainController")], alive
     finally:
-        cluster.nodes[victim] = start_worker_node(cluster, victim, WORKER_NODES[victim])
+        cluster.nodes[victim] = join_node(cluster, victim, WORKER_NODES[victim], expect=1 + len(WORKER_NODES))

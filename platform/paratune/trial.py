@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -549,6 +550,12 @@ def default_storage() -> str:
     return os.environ.get("PARATUNE_STORAGE") or str(paratune_home() / "ray")
 
 
+# transformers imports its classes lazily, and two threads importing the same one at once can see
+# a half-initialised module ("cannot import name 'AutoConfig' from 'transformers'"): seen in the
+# sweep's worker-group pool, a threaded actor checking two concurrent trials' plans.
+_MODEL_CHECK_LOCK = threading.RLock()
+
+
 def check_before_launch(plan: Plan | dict[str, Any], ray_address: str | None = None) -> tuple[Plan, float] | TrialResult:
     """(the plan, its model FLOPs per token), or the failed result that means no worker should
     start: the plan's rules, the model's layout rules on the meta device, cp on CPU workers (a
@@ -562,9 +569,10 @@ def check_before_launch(plan: Plan | dict[str, Any], ray_address: str | None = N
     from paratune.preflight import check_plan_against_model
 
     try:
-        model_config = build_config(plan.model, plan.model_overrides)
-        check_plan_against_model(plan, model_config)  # the family's layout rules, on the meta device
-        flops_tok = measure.model_flops_per_token(model_config, plan.seq_len)  # builds it on meta
+        with _MODEL_CHECK_LOCK:  # one thread at a time: see _MODEL_CHECK_LOCK
+            model_config = build_config(plan.model, plan.model_overrides)
+            check_plan_against_model(plan, model_config)  # the family's layout rules, on the meta device
+            flops_tok = measure.model_flops_per_token(model_config, plan.seq_len)  # builds it on meta
     except (ModelError, PlanError) as err:
         return TrialResult.failed(plan, "invalid_config", str(err))
     except Exception as err:  # noqa: BLE001 - a config transformers accepts but cannot build
