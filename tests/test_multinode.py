@@ -16,7 +16,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from paratune.sweep import Ledger
-from test_cluster_jobs import (FIXED, WORKER_NODES, Cluster, _alive_train_workers, _start_cluster, join_node,
+from test_cluster_jobs import (FIXED, WORKER_NODES, Cluster, _alive_train_workers, _start_cluster, alive_nodes, join_node,
                                ray_list)
 
 pytestmark = pytest.mark.integration
