@@ -404,6 +404,8 @@ def prediction_pairs(folder: SweepFolder) -> dict[str, tuple[list[float], list[f
 
 def plot_predicted(folder: SweepFolder) -> Figure:
     out = Figure(FIGURE_NAMES[2], "Predicted against measured")
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+
     pairs = prediction_pairs(folder)
     if not any(p[0] for p in pairs.values()):
         out.note = "No predictions recorded: the ledger entries carry no `predicted` figures."
@@ -428,8 +430,13 @@ def plot_predicted(folder: SweepFolder) -> Figure:
         ax.scatter(measured, predicted, s=30, color="tab:blue", zorder=3)
         for m, p, n in zip(measured, predicted, numbers):
             ax.annotate(f"#{int(n)}", (m, p), textcoords="offset points", xytext=(4, 3), fontsize=7, color="0.3")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
+        if high / low > 20:  # plans far apart: log axes, read as plain numbers at 1-2-5 steps
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            for axis in (ax.xaxis, ax.yaxis):
+                axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+                axis.set_major_formatter(FormatStrFormatter("%g"))
+                axis.set_minor_formatter(NullFormatter())
         ax.set_xlim(low, high)
         ax.set_ylim(low, high)
         ax.set_xlabel("measured")
@@ -597,9 +604,8 @@ def _header_html(folder: SweepFolder, rows: list[Row]) -> str:
 
 def build_report(sweep_dir: Path, memory_budget_gb: float | None = None) -> SweepReportPage:
     """Read the sweep, draw every figure, write report/report.html and its PNGs; returns all of it."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on a cluster head; harmless when already set
+    # Figures are drawn on matplotlib.figure.Figure with the Agg canvas (_png), never through
+    # pyplot: no display needed on a cluster head, and no global backend switched under a caller.
     folder = read_sweep(Path(sweep_dir), memory_budget_gb)
     rows = leaderboard(folder)
     figures = [plot_throughput_memory(folder), plot_importance(folder), plot_predicted(folder),
