@@ -31,6 +31,9 @@ def one_process_group():
 
     import deepspeed
 
+    from paratune.parallel.zero import skip_shm_allreduce_on_cpu
+
+    skip_shm_allreduce_on_cpu(torch.device("cpu"))  # as every ZeRO trial on CPU does
     env = pytest.MonkeyPatch()
     env.setenv("LOCAL_RANK", "0")  # what a launcher sets; DeepSpeed's engine asks for it
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
@@ -127,3 +130,18 @@ def test_zero3_bf16_keeps_the_references_fp32_rotary_tables(one_process_group):
     for name, param in model.named_parameters():
         with deepspeed.zero.GatheredParameters([param]):
             assert torch.equal(param.data, weights[name].to(param.dtype)), name
+
+
+def test_deepspeed_on_cpu_builds_no_shared_memory_op_and_reduces_through_gloo(one_process_group):
+    """DeepSpeed's CPU comm backend would JIT-compile its shared-memory all-reduce (a minute of C++
+    on 2 cores, charged to the first ZeRO trial); marked incompatible, it is not built and
+    collectives are torch.distributed's (gloo)."""
+    import torch.distributed as dist
+    from deepspeed.comm import comm
+
+    assert comm.cdb is not None and comm.cdb.shm_comm_op is None
+    assert getattr(comm.cdb, "shm_vector_kernel_level", 0) == 0
+    assert dist.get_backend() == "gloo"
+    x = torch.ones(4)
+    comm.inference_all_reduce(x)  # the only user of the op: falls back to the process group
+    assert torch.equal(x, torch.ones(4))

@@ -187,11 +187,27 @@ def check_tp_layout(plan: Plan, device: torch.device) -> None:
                            f"(dp {dims.dp} x tp {dims.tp}, tp innermost): {want}")
 
 
+def skip_shm_allreduce_on_cpu(device: torch.device) -> None:
+    """On the CPU accelerator, DeepSpeed's comm backend JIT-compiles a shared-memory all-reduce op
+    (deepspeed_shm_comm) the first time it starts: 30-80 s of C++ on 2 cores, again whenever the
+    venv's path changes, charged to a trial's launch. Only `inference_all_reduce` uses it; training
+    collectives (ZeRO's, AutoTP's RowParallel in training mode) go through torch.distributed, gloo
+    here as for DDP and FSDP. Marked incompatible, it is never built. GPU accelerators have no such
+    op: nothing changes there."""
+    if device.type != "cpu":
+        return
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False  # a module-level dict DeepSpeed reads
+
+
 def parallelize_zero(model: nn.Module, init: ModelInit, plan: Plan, device: torch.device) -> StepRunner:
     from functools import partial
 
     import deepspeed
 
+    skip_shm_allreduce_on_cpu(device)  # before zero.Init / initialize start DeepSpeed's comm backend
     forget_deepspeed_groups()  # before zero.Init too: it partitions over DeepSpeed's dp group
     on_gpu = device.type == "cuda"
     config = deepspeed_config(plan, on_gpu)
