@@ -106,6 +106,13 @@ def read_sweep(sweep_dir: Path, memory_budget_gb: float | None = None) -> SweepF
                        str(stopped.get("reason", "")) if isinstance(stopped, dict) else "")
 
 
+def peak_bytes(result: TrialResult) -> int | None:
+    """Peak memory of the busiest rank, or None when not measured (a trial stopped before its
+    memory step records zeros)."""
+    peak = max(result.peak_memory_bytes, default=0)
+    return peak if peak > 0 else None
+
+
 def entry_label(result: TrialResult) -> str:
     """strategy_label + env_label, as the sweep prints a trial."""
     try:
@@ -165,7 +172,7 @@ def leaderboard(folder: SweepFolder) -> list[Row]:
     best = verdict.ranked[0].median if verdict.ranked else None
     rows: list[Row] = []
     for s in verdict.ranked:
-        peaks = [max(r.peak_memory_bytes) for r in s.results if r.peak_memory_bytes]
+        peaks = [p for p in map(peak_bytes, s.results) if p]
         spreads = [r.step_time_spread for r in s.results if r.step_time_spread is not None]
         if s.key == winner_key:
             code, detail = "winner", "exported to winner/"
@@ -198,7 +205,7 @@ def leaderboard(folder: SweepFolder) -> list[Row]:
         else:
             code, detail = "failed", f"{r.reason}: {r.message or ''}"
         rows.append(Row(key, entry_label(r), None, None, None, None, None, 0, r.step_time_spread,
-                        max(r.peak_memory_bytes) if r.peak_memory_bytes else None, code, detail[:300]))
+                        peak_bytes(r), code, detail[:300]))
     order = {"stopped_early": 0, "failed": 1, "not_scored": 2}
     head, tail = rows[:len(verdict.ranked)], rows[len(verdict.ranked):]
     return head + sorted(tail, key=lambda r: order.get(r.verdict, 3))
@@ -237,6 +244,16 @@ def _png(fig) -> bytes:
     return buffer.getvalue()
 
 
+def _log_axis(axis, ax) -> None:
+    """A log axis that reads as plain numbers at 1-2-5 steps (not 2x10^-1)."""
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+
+    (ax.set_xscale if axis is ax.xaxis else ax.set_yscale)("log")
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FormatStrFormatter("%g"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def pareto_front(memory: np.ndarray, throughput: np.ndarray, eligible: np.ndarray | None = None) -> np.ndarray:
     """Mask of the points no other eligible point beats: at most the memory and at least the
     throughput, and better in one of them."""
@@ -255,11 +272,11 @@ def pareto_front(memory: np.ndarray, throughput: np.ndarray, eligible: np.ndarra
 def plot_throughput_memory(folder: SweepFolder) -> Figure:
     """tokens/s/GPU against peak memory per rank: one point per trial that measured both."""
     out = Figure(FIGURE_NAMES[0], "Throughput against peak memory per rank")
-    with_figures = [e for e in folder.entries if e.result.tokens_per_s_per_gpu and e.result.peak_memory_bytes]
+    with_figures = [e for e in folder.entries if e.result.tokens_per_s_per_gpu and peak_bytes(e.result)]
     if not with_figures:
         out.note = "No trial measured both throughput and peak memory."
         return out
-    memory = np.array([max(e.result.peak_memory_bytes) / GiB for e in with_figures])
+    memory = np.array([peak_bytes(e.result) / GiB for e in with_figures])
     throughput = np.array([float(e.result.tokens_per_s_per_gpu) for e in with_figures])
     status = [e.result.status if not (e.result.reason == "oom") else "over_budget" for e in with_figures]
     ok = np.array([e.result.ok for e in with_figures])
@@ -276,7 +293,7 @@ def plot_throughput_memory(folder: SweepFolder) -> Figure:
     if budget:
         ax.axvline(budget, color="tab:red", ls="--", lw=1.2, label=f"memory budget {budget:g} GiB")
         if budget > 3 * memory.max():  # keep the points readable when the budget is far off
-            ax.set_xscale("log")
+            _log_axis(ax.xaxis, ax)
     for name, color in colors.items():  # legend entries for the point colours present
         if name in status:
             ax.scatter([], [], c=color, s=36, label=name.replace("_", " "))
@@ -392,8 +409,8 @@ def prediction_pairs(folder: SweepFolder) -> dict[str, tuple[list[float], list[f
             continue
         r = e.result
         memory = _predicted_memory_gib(predicted)
-        if memory and r.ok and r.peak_memory_bytes and max(r.peak_memory_bytes) > 0:
-            for target, value in zip(pairs["memory"], (memory, max(r.peak_memory_bytes) / GiB, e.number)):
+        if memory and r.ok and peak_bytes(r):
+            for target, value in zip(pairs["memory"], (memory, peak_bytes(r) / GiB, e.number)):
                 target.append(value)
         step = predicted.get("predicted_step_time_s")
         if isinstance(step, (int, float)) and step > 0 and r.step_time_median_s and (r.ok or r.stopped_early):
@@ -404,8 +421,6 @@ def prediction_pairs(folder: SweepFolder) -> dict[str, tuple[list[float], list[f
 
 def plot_predicted(folder: SweepFolder) -> Figure:
     out = Figure(FIGURE_NAMES[2], "Predicted against measured")
-    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
-
     pairs = prediction_pairs(folder)
     if not any(p[0] for p in pairs.values()):
         out.note = "No predictions recorded: the ledger entries carry no `predicted` figures."
@@ -430,13 +445,9 @@ def plot_predicted(folder: SweepFolder) -> Figure:
         ax.scatter(measured, predicted, s=30, color="tab:blue", zorder=3)
         for m, p, n in zip(measured, predicted, numbers):
             ax.annotate(f"#{int(n)}", (m, p), textcoords="offset points", xytext=(4, 3), fontsize=7, color="0.3")
-        if high / low > 20:  # plans far apart: log axes, read as plain numbers at 1-2-5 steps
-            ax.set_xscale("log")
-            ax.set_yscale("log")
-            for axis in (ax.xaxis, ax.yaxis):
-                axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-                axis.set_major_formatter(FormatStrFormatter("%g"))
-                axis.set_minor_formatter(NullFormatter())
+        if high / low > 20:  # plans far apart: log axes
+            _log_axis(ax.xaxis, ax)
+            _log_axis(ax.yaxis, ax)
         ax.set_xlim(low, high)
         ax.set_ylim(low, high)
         ax.set_xlabel("measured")
@@ -509,7 +520,9 @@ def plot_losses(folder: SweepFolder, rows: list[Row]) -> Figure:
     colors = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
     for i, (name, losses, reference) in enumerate(curves):
         color = colors[i % len(colors)]
-        ax.plot(np.arange(1, len(losses) + 1), losses, color=color, marker=".", label=name)
+        # Thinner on top: curves that coincide (plans that train alike) all stay visible.
+        ax.plot(np.arange(1, len(losses) + 1), losses, color=color, marker=".", lw=max(3.5 - 1.2 * i, 0.8),
+                markersize=max(9 - 3 * i, 3), label=name)
         if reference:
             ax.plot(np.arange(1, len(reference) + 1), reference, color=color, ls="--", lw=1)
     if any(ref for _, _, ref in curves):
