@@ -304,7 +304,8 @@ def test_loss_curves_with_and_without_a_reference(built, sweep: Path) -> None:
     assert [name for name, _, ref in losses.data["curves"]] == ["ddp mb2x4", "ddp mb4x2", "fsdp:full mb2x4"]
     (sweep / "parity.json").write_text(json.dumps([
         {"label": "ddp mb2x4", "key": key_of(A), "passed": False, "max_abs_loss_diff": 0.3,
-         "losses": [6.0, 5.9, 5.8], "reference_losses": [6.0, 5.6, 5.5], "proxy": None},
+         "losses": [6.0, 5.9, None], "reference_losses": [6.0, 5.6, 5.5], "proxy": None,
+         "reason": "max |loss - reference| 0.3 over tolerance 0.0001"},
         {"label": "ddp mb4x2", "key": key_of(B), "passed": True, "max_abs_loss_diff": 1e-6,
          "losses": [6.0, 5.9, 5.8], "reference_losses": [6.0, 5.9, 5.8], "proxy": {"num_hidden_layers": 2}}]))
     folder = read_sweep(sweep)
@@ -312,6 +313,11 @@ def test_loss_curves_with_and_without_a_reference(built, sweep: Path) -> None:
     assert [(ref is not None) for _, _, ref in losses.data["curves"]] == [True, True]
     assert len(losses.figure.axes[0].lines) == 2 * 2 + 1  # each plan, its reference, the legend's key
     assert "on a proxy model" in losses.data["curves"][1][0]
+    assert losses.data["curves"][0][1][:2] == [6.0, 5.9]  # a non-finite loss (JSON null) is a gap
+    # Without winner/, a failed check in parity.json still marks its plan on the leaderboard.
+    shutil.rmtree(sweep / "winner")
+    verdicts = {r.key: (r.verdict, r.detail) for r in leaderboard(read_sweep(sweep))}
+    assert verdicts[key_of(A)] == ("parity_failed", "max |loss - reference| 0.3 over tolerance 0.0001")
 
 
 def test_a_sweep_with_only_failed_trials(tmp_path: Path) -> None:

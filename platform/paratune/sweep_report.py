@@ -161,7 +161,8 @@ def leaderboard(folder: SweepFolder) -> list[Row]:
     for check in folder.parity:
         if check.get("passed") is False and check.get("key"):
             diff = check.get("max_abs_loss_diff")
-            parity_failed.setdefault(check["key"], f"max |loss - reference| {diff}" if diff is not None else "failed")
+            parity_failed.setdefault(check["key"], str(check.get("reason") or "") or (
+                f"max |loss - reference| {diff:.3g}" if isinstance(diff, (int, float)) else "failed"))
     winner_key = None
     if folder.winner_plan is not None:
         winner_key = next((s.key for s in verdict.ranked if _same_plan(s.plan, folder.winner_plan)), None)
@@ -493,18 +494,24 @@ def plot_time_split(folder: SweepFolder) -> Figure:
     return out
 
 
+def _floats(values: Any) -> list[float]:
+    """A loss list from JSON: null (inf/NaN when written) becomes NaN, a gap in the line."""
+    if not isinstance(values, list):
+        return []
+    return [float(v) if isinstance(v, (int, float)) else math.nan for v in values]
+
+
 def plot_losses(folder: SweepFolder, rows: list[Row]) -> Figure:
     out = Figure(FIGURE_NAMES[4], "Loss curves against the single-process reference")
     curves: list[tuple[str, list[float], list[float] | None]] = []
     for check in folder.parity:
-        losses = check.get("losses")
-        if isinstance(losses, list) and losses:
+        losses = _floats(check.get("losses"))
+        if any(math.isfinite(v) for v in losses):
             mark = "passed" if check.get("passed") else "failed"
             diff = check.get("max_abs_loss_diff")
             name = f"{check.get('label', '?')} ({mark}" + (f", max |Δ| {diff:.1e}" if isinstance(diff, (int, float)) else "") + \
                 ("; on a proxy model" if check.get("proxy") else "") + ")"
-            reference = check.get("reference_losses")
-            curves.append((name, [float(v) for v in losses], [float(v) for v in reference] if isinstance(reference, list) and reference else None))
+            curves.append((name, losses, _floats(check.get("reference_losses")) or None))
     if curves:
         out.caption = f"{len(curves)} plan(s) checked for loss parity; dashed: the single-process reference on the same batches."
     else:
