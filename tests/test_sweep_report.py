@@ -57,10 +57,12 @@ def ok(plan: dict, tps: float, peak_mib: float = 500, spread: float = 0.02, step
                        launch_s=launch, wall_s=wall)
 
 
-def write_ledger(sweep_dir: Path, entries: list[tuple[str, TrialResult, str]]) -> list[LedgerEntry]:
-    """(key, result, phase) in order, through the sweep's own Ledger."""
+def write_ledger(sweep_dir: Path, entries: list[tuple[str, TrialResult, str]],
+                 memory_budget_gb: float | None = None) -> list[LedgerEntry]:
+    """(key, result, phase) in order, through the sweep's own Ledger; sweep.json as run_sweep writes it."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    (sweep_dir / "sweep.json").write_text(json.dumps({"algorithm": "tpe", "seed": 0, "parent_run_id": "r0"}))
+    (sweep_dir / "sweep.json").write_text(json.dumps({"algorithm": "tpe", "seed": 0, "parent_run_id": "r0",
+                                                      "memory_budget_gb": memory_budget_gb}))
     ledger = Ledger(sweep_dir / "ledger.jsonl")
     for i, (key, result, phase) in enumerate(entries, 1):
         ledger.append(LedgerEntry(i, key, result, phase))
@@ -132,7 +134,7 @@ def make_sweep(d: Path) -> Path:
         (key_of(A), ok(pa, 1040, peak_mib=600), "remeasure"),
         (key_of(B), ok(pb, 985, peak_mib=700), "remeasure"),
         (key_of(A), ok(pa, 1010, peak_mib=600), "remeasure"),
-    ])
+    ], memory_budget_gb=4)
     with (d / "ledger.jsonl").open("a") as f:
         f.write('{"number": 11, "key": "cut by a cra')  # the crash mid-write Ledger skips
     export_winner(d, pb, "ddp mb4x2", [{"label": "ddp mb2x4", "key": key_of(A), "reason": "loss off by 0.3"}])
@@ -141,9 +143,9 @@ def make_sweep(d: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, SweepReportPage]:
-    """The synthetic sweep's report, built once (memory budget given) for the tests that only read it."""
+    """The synthetic sweep's report, built once, for the tests that only read it."""
     d = make_sweep(tmp_path_factory.mktemp("built") / "sweep")
-    return d, build_report(d, memory_budget_gb=4)
+    return d, build_report(d)
 
 
 @pytest.fixture
@@ -212,7 +214,7 @@ def test_throughput_memory_scatter_has_one_point_per_trial_with_figures(built) -
     assert sorted(map(tuple, points.tolist())) == sorted(
         (max(e.result.peak_memory_bytes) / 2**30, e.result.tokens_per_s_per_gpu) for e in with_figures)
     budget_lines = [line for line in scatter.figure.axes[0].lines if list(line.get_xdata()) == [4, 4]]
-    assert len(budget_lines) == 1
+    assert len(budget_lines) == 1 and "Memory budget 4 GiB (sweep.json)" in scatter.caption
 
 
 def test_pareto_front_by_hand() -> None:
@@ -236,6 +238,9 @@ def test_pareto_front_as_plotted(tmp_path: Path) -> None:
                                                              scatter.data["tokens_per_s_per_gpu"], scatter.data["pareto"])}
     assert on_front == {(round(m * 1024), t): f for (m, t), f in points.items()}
     assert "No budget line" in scatter.caption  # sweep.json records none, and none was given
+    assert not [line for line in scatter.figure.axes[0].lines if line.get_linestyle() == "--"]
+    given = plot_throughput_memory(read_sweep(tmp_path / "s", memory_budget_gb=2))
+    assert [list(line.get_xdata()) for line in given.figure.axes[0].lines if line.get_linestyle() == "--"] == [[2, 2]]
 
 
 def test_importance_ranks_the_knob_that_drives_throughput_first(tmp_path: Path) -> None:

@@ -182,7 +182,8 @@ def leaderboard(folder: SweepFolder) -> list[Row]:
         elif winner_key is None and s is verdict.ranked[0]:
             code, detail = "best", "fastest, but the sweep exported no winner"
         elif s.key in tied:
-            code, detail = "tied", "within the noise of the best"
+            code, detail = "tied", ("the fastest median, but a simpler plan is within its noise" if s is verdict.ranked[0]
+                                    else "within the noise of the best")
         else:
             code, detail = "slower", f"{s.median / best - 1:+.0%} vs best" if best else ""
         rows.append(Row(s.key, entry_label(s.results[0]), s.median, s.median - s.band, s.median + s.band,
