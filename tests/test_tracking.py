@@ -62,3 +62,62 @@ def test_secrets_are_scrubbed_and_refused(tracker, monkeypatch):
     for name in ("PARATUNE_HF_TOKEN", "NCCL_API_KEY", "TORCH_DISTRIBUTED_PASSWORD"):
         with pytest.raises(PlanError, match=f"env.{name}: looks like a credential"):
             load_plan_dict({**BASE_PLAN, "env": {name: "x"}})
+
+
+def test_the_experiment_opens_as_model_training_and_trials_carry_their_own_times(tmp_path):
+    """MLflow's UI decides how to open an experiment by its kind tag: a model-training experiment
+    opens on its runs, not on a GenAI overview of traces. A child run spans the trial itself
+    (started_at to started_at + wall_s), not the milliseconds it took to log it."""
+    from paratune.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, start_training_run
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = SweepTracker(uri).client
+    client.set_experiment_tag(client.get_experiment_by_name("paratune").experiment_id, EXPERIMENT_KIND_TAG,
+                              "genai_development")  # e.g. made by an older paratune, or by hand
+    tracker = SweepTracker(uri)
+    assert tracker.client.get_experiment(tracker.experiment_id).tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND
+    assert EXPERIMENT_KIND == "custom_model_development"
+    other = start_training_run(uri, load_plan_dict(BASE_PLAN), "x", 10, 5, experiment="training")
+    assert client.get_experiment(client.get_run(other).info.experiment_id).tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND
+
+    parent = tracker.start_parent("s", None, {}, {})
+    result = _result().model_copy(update={"started_at": 1_700_000_000.25, "wall_s": 42.5, "mfu": 0.1,
+                                          "peak_memory_bytes": [2**30, 3 * 2**29], "step_time_spread": 0.05})
+    run = tracker.client.get_run(tracker.log_trial(parent, 1, result))
+    assert (run.info.start_time, run.info.end_time) == (1_700_000_000_250, 1_700_000_042_750)  # ms
+    # What a user compares, top level and named alike on every trial.
+    assert {"tokens_per_s_per_gpu", "mfu", "peak_memory_gib", "step_time_spread"} <= set(run.data.metrics)
+    assert run.data.metrics["peak_memory_gib"] == 1.5
+    refused = TrialResult.failed(result.plan, "insufficient_resources", "no node")  # never launched: no times
+    run = tracker.client.get_run(tracker.log_trial(parent, 2, refused))
+    assert run.info.end_time >= run.info.start_time > 1_700_000_000_250
+
+
+def test_the_parent_describes_the_winner_and_how_to_train_with_it(tracker, tmp_path):
+    from paratune.export import export_winner
+    from paratune.tracking import NOTE_TAG, sweep_note
+
+    winner_dir = tmp_path / "sweep" / "winner"
+    summary = {"label": "fsdp full mb4", "tokens_per_s_per_gpu_median": 12345.6, "relative_spread": 0.08,
+               "measurements": 3, "mfu": 0.0123, "peak_memory_bytes": [2**30, 2**31], "parity_max_abs_loss_diff": 2e-6,
+               "tied_with": ["fsdp full mb4"]}
+    export_winner(load_plan_dict(BASE_PLAN), winner_dir, summary)
+    parent = tracker.start_parent("s", None, {}, {})
+    note = sweep_note(summary, winner_dir, [{"label": "zero 3", "reason": "max |loss - reference| 0.2 over 1e-4"}])
+    tracker.finish_parent(parent, {"tokens_per_s_per_gpu": 12345.6, "mfu": 0.0123, "peak_memory_gib": 2.0,
+                                   "step_time_spread": 0.05}, load_plan_dict(BASE_PLAN).to_dict(), winner_dir,
+                          note=note)
+    run = tracker.client.get_run(parent)
+    text = run.data.tags[NOTE_TAG]
+    assert "**Winner: fsdp full mb4**" in text and "12,346 tokens/s/GPU" in text and "±4.0%" in text
+    assert "MFU 1.23%" in text and "peak memory 2.00 GiB per rank" in text and "zero 3" in text
+    plan = str((winner_dir / "plan.yaml").resolve())
+    assert f"python jobs/train.py {plan} --steps 1000 --checkpoint-every 100" in text  # README's winner command
+    assert f".venv/bin/paratune train {plan} --steps 1000" in text
+    assert {"best_tokens_per_s_per_gpu", "best_mfu", "best_peak_memory_gib", "best_step_time_spread"} <= \
+        set(run.data.metrics)
+    tracker.add_to_note(parent, "Report: `report/report.html`")
+    tracker.add_to_note(parent, "Report: `report/report.html` again")  # written twice: said once
+    text = tracker.client.get_run(parent).data.tags[NOTE_TAG]
+    assert text.count("Report:") == 1 and text.endswith("again") and text.startswith("**Winner")
+    assert sweep_note(None, None).startswith("**No winner**")

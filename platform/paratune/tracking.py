@@ -21,6 +21,17 @@ from paratune.trial import TrialResult
 
 DEFAULT_EXPERIMENT = "paratune"
 
+# MLflow 3.17's UI opens an experiment by its kind: the experiment tag "mlflow.experimentKind"
+# (server/js/src/experiment-tracking/constants.ts ExperimentKind, as built into
+# mlflow/server/js/build/static/js/main.*.js; mlflow/demo/generators/traces.py sets
+# "genai_development"). "custom_model_development" is its "Machine learning" kind: the runs table
+# first, no traces/token-usage overview. With workflow-based navigation on (3.17's default), the
+# UI's own GenAI / Machine learning switch (?workflowType=, else the browser's last choice, else
+# GenAI) decides first: `paratune ui` prints the link with ?workflowType=machine_learning.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+NOTE_TAG = "mlflow.note.content"  # a run's Description in the UI (markdown)
+
 # The metrics every child run carries (when measured), so the compare view lines them up.
 SCALAR_METRICS = ("tokens_per_s_per_gpu", "mfu", "step_time_median_s", "step_time_p10_s", "step_time_p90_s",
                   "step_time_spread", "comm_share", "launch_s", "wall_s", "flops_per_token")
@@ -62,6 +73,77 @@ def trial_metrics(result: TrialResult) -> dict[str, float]:
     return metrics
 
 
+def experiment_id_for(client, name: str = DEFAULT_EXPERIMENT) -> str:
+    """The experiment's id, created if missing, and marked a model-training experiment
+    (EXPERIMENT_KIND) so that MLflow's UI opens it on its runs, not on an empty GenAI overview."""
+    existing = client.get_experiment_by_name(name)
+    if existing is None:
+        return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+    if existing.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:  # one made by an older paratune
+        client.set_experiment_tag(existing.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    return existing.experiment_id
+
+
+def runs_url(base: str, experiment_id: str) -> str:
+    """The experiment's runs table in MLflow 3.17's UI, in its "Machine learning" view."""
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+
+
+def _ms(epoch_s: float) -> int:
+    return int(round(epoch_s * 1000))
+
+
+def trial_times_ms(result: TrialResult) -> tuple[int, int]:
+    """(start, end) of the trial itself in epoch ms: its launch (started_at) to started_at + wall_s,
+    so the UI's Duration is the trial's, not the few ms it took to log it. A result without them
+    (a trial refused before it launched) ends now, and starts wall_s before."""
+    import time
+
+    now = time.time()
+    wall = max(0.0, result.wall_s or 0.0)
+    start = result.started_at if result.started_at is not None else now - wall
+    return _ms(start), _ms(start + wall)
+
+
+def sweep_note(summary: dict[str, Any] | None, winner_dir: Path | None,
+               parity_failures: list[dict[str, str]] | None = None) -> str:
+    """The parent run's Description (markdown): the winner, its figures and how to train with it
+    (winner/job.sh's `ray job submit` line, README "Train with the winner", and `paratune train`
+    here), or why there is none. The first thing the UI shows of a sweep."""
+    lines: list[str] = []
+    if summary is None:
+        lines.append("**No winner**: no plan finished and passed the loss-parity check.")
+    else:
+        spread = summary.get("relative_spread")
+        figures = [f"**{summary.get('tokens_per_s_per_gpu_median', 0):,.0f} tokens/s/GPU** (median of "
+                   f"{summary.get('measurements', 1)} measurement(s)"
+                   + (f", spread ±{spread / 2:.1%})" if spread is not None else ")")]
+        if summary.get("mfu") is not None:
+            figures.append(f"MFU {summary['mfu']:.2%}")
+        if summary.get("peak_memory_bytes"):
+            figures.append(f"peak memory {max(summary['peak_memory_bytes']) / 2**30:.2f} GiB per rank")
+        if summary.get("parity_max_abs_loss_diff") is not None:
+            figures.append(f"loss parity vs a single process: max |Δ| {summary['parity_max_abs_loss_diff']:.1e}"
+                           + (" (on a proxy model)" if summary.get("parity_proxy") else ""))
+        lines.append(f"**Winner: {summary.get('label', '?')}**: " + ", ".join(figures) + ".")
+        if summary.get("tied_with") and len(summary["tied_with"]) > 1:
+            lines.append(f"Tied within the noise with: {', '.join(summary['tied_with'])} (the simpler plan won).")
+    for failure in parity_failures or []:
+        lines.append(f"Not the winner, fails loss parity: {failure.get('label')}: {failure.get('reason')}")
+    if summary is not None and winner_dir is not None:
+        plan = (winner_dir / "plan.yaml").resolve()
+        job = winner_dir / "job.sh"
+        submit = job.read_text().strip().splitlines()[-1] if job.exists() else None
+        lines.append("Train with it:")
+        if submit:
+            lines.append(f"- on the Ray cluster (from the repo root, as `winner/job.sh`):\n\n  ```\n  {submit}\n  ```")
+        lines.append(f"- here: `.venv/bin/paratune train {plan} --steps 1000 --checkpoint-every 100 "
+                     f"--name {winner_dir.resolve().parent.name}-train`")
+        lines.append(f"Files: `{winner_dir.resolve()}/` (plan.yaml, env.sh, job.sh, ...; also this run's `winner` "
+                     "artifacts).")
+    return "\n\n".join(lines)
+
+
 class SweepTracker:
     """The sweep's MLflow parent run and its children."""
 
@@ -70,8 +152,7 @@ class SweepTracker:
 
         self.tracking_uri = tracking_uri or default_tracking_uri()
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
-        existing = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = existing.experiment_id if existing else self.client.create_experiment(experiment)
+        self.experiment_id = experiment_id_for(self.client, experiment)
         # log_trial is check-then-create, and drops children not yet marked complete: two calls at
         # once would log a trial twice, or drop the run the other is still logging.
         self._lock = threading.RLock()
@@ -132,21 +213,22 @@ class SweepTracker:
         if result.reason:
             tags["paratune.failure_reason"] = result.reason
             tags["paratune.failure_message"] = redact(result.message or "")[:5000]
-        run = self.client.create_run(self.experiment_id, run_name=f"{phase}-{number:03d} {strategy_label(result.plan)}",
-                                     tags=tags)
+        start_ms, end_ms = trial_times_ms(result)  # the trial's own, not the logging's
+        run = self.client.create_run(self.experiment_id, start_time=start_ms,
+                                     run_name=f"{phase}-{number:03d} {strategy_label(result.plan)}", tags=tags)
         run_id = run.info.run_id
         params = {**flatten_dict(result.plan), "status": result.status, "failure_reason": result.reason or "none",
                   **(extra_params or {})}
         self._log_params(run_id, params)
-        metrics = [Metric(k, float(v), 0, 0) for k, v in {**trial_metrics(result), **(extra_metrics or {})}.items()]
-        metrics += [Metric("loss", v, 0, i) for i, v in enumerate(result.losses)]
-        metrics += [Metric("step_time_s", v, 0, i) for i, v in enumerate(result.step_times_s)]
+        metrics = [Metric(k, float(v), end_ms, 0) for k, v in {**trial_metrics(result), **(extra_metrics or {})}.items()]
+        metrics += [Metric("loss", v, end_ms, i) for i, v in enumerate(result.losses)]
+        metrics += [Metric("step_time_s", v, end_ms, i) for i, v in enumerate(result.step_times_s)]
         for i in range(0, len(metrics), 500):
             self.client.log_batch(run_id, metrics=metrics[i : i + 500])
         self.client.set_tag(run_id, "paratune.logged", "1")  # last: marks the run complete
         # A trial stopped early (it could not reach the incumbent) shows as KILLED, not FAILED.
         status = "FINISHED" if result.ok else "KILLED" if result.stopped_early else "FAILED"
-        self.client.set_terminated(run_id, status=status)
+        self.client.set_terminated(run_id, status=status, end_time=end_ms)
         if result.stopped_early and result.message:
             self.client.set_tag(run_id, "paratune.stopped_early", result.message[:5000])
         return run_id
@@ -163,14 +245,19 @@ class SweepTracker:
             return len(missing)
 
     def finish_parent(self, parent_id: str, best: dict[str, float], winner: dict[str, Any] | None,
-                      winner_dir: Path | None, status: str = "FINISHED") -> None:
-        """winner: the winning plan as a plain (nested) dict."""
+                      winner_dir: Path | None, status: str = "FINISHED", note: str | None = None) -> None:
+        """winner: the winning plan as a plain (nested) dict; note: the run's Description (sweep_note)."""
+        import time
+
         from paratune.plan import flatten_dict
 
         from mlflow.entities import Metric
 
+        if note is not None:
+            self.client.set_tag(parent_id, NOTE_TAG, note)
         if best:
-            self.client.log_batch(parent_id, metrics=[Metric(f"best_{k}", v, 0, 0) for k, v in best.items()])
+            now = _ms(time.time())
+            self.client.log_batch(parent_id, metrics=[Metric(f"best_{k}", float(v), now, 0) for k, v in best.items()])
         if winner:
             # Tags, not params: a resumed sweep with more trials may crown another plan.
             from mlflow.entities import RunTag
@@ -182,6 +269,14 @@ class SweepTracker:
         if winner_dir is not None and winner_dir.is_dir():
             self.client.log_artifacts(parent_id, str(winner_dir), artifact_path="winner")
         self.client.set_terminated(parent_id, status=status)
+
+    def add_to_note(self, run_id: str, line: str) -> None:
+        """Append a paragraph to the run's Description, replacing one that starts with the same word
+        (a report written again is mentioned once)."""
+        note = self.client.get_run(run_id).data.tags.get(NOTE_TAG, "")
+        head = line.split(":", 1)[0] + ":"
+        kept = [p for p in note.split("\n\n") if p and not p.startswith(head)]
+        self.client.set_tag(run_id, NOTE_TAG, "\n\n".join([*kept, line]))
 
     def child_runs(self, parent_id: str) -> list[Any]:
         return self.client.search_runs([self.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_id}'",
@@ -201,8 +296,7 @@ def start_training_run(tracking_uri: str | None, plan, name: str, steps: int, ch
     from paratune.plan import flatten_dict
 
     client = _client(tracking_uri)
-    existing = client.get_experiment_by_name(experiment)
-    experiment_id = existing.experiment_id if existing else client.create_experiment(experiment)
+    experiment_id = experiment_id_for(client, experiment)
     found = client.search_runs([experiment_id], f"tags.`paratune.train_name` = '{name}'", max_results=1)
     if found:  # the same name again: a resumed run continues its MLflow run
         client.update_run(found[0].info.run_id, status="RUNNING")
