@@ -29,7 +29,7 @@ def _children(client, parent_id, phase):
     return sorted(runs, key=lambda r: r.info.start_time)
 
 
-def test_grid_sweep_logs_to_mlflow_and_resumes_without_rerunning(ray_local, tmp_path):
+def test_grid_sweep_logs_to_mlflow_and_resumes_without_rerunning(ray_local, tmp_path, capsys):
     # DeepSpeed's default 5e8-element buckets take ~2 GB per rank: over a 1 GB budget, so the
     # zero trial fails (oom, over budget) while the ddp ones succeed.
     # (The cost model would skip it before launch; here it is told not to, so that a plan measured
@@ -41,6 +41,7 @@ def test_grid_sweep_logs_to_mlflow_and_resumes_without_rerunning(ray_local, tmp_
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     out = tmp_path / "sweep"
     first = run_sweep(space, out, tracking_uri=uri)
+    _assert_progress_without_tune_banner(capsys.readouterr(), total=2)
     client = MlflowClient(uri)
     # Grid order follows the prediction: micro-batch 4 (fewer micro-batches) before 2.
     assert [e.result.plan["micro_batch"] for e in first.entries] == [4, 4]
@@ -74,10 +75,12 @@ def test_grid_sweep_logs_to_mlflow_and_resumes_without_rerunning(ray_local, tmp_
     assert parent.data.metrics["best_tokens_per_s_per_gpu"] > 0
     assert parent.data.tags["paratune.winner"].startswith("ddp")
     assert parent.data.params["fixed.model"] == "tiny-llama"
-    assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"space", "winner"}
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"space", "winner", "report"}
     winner = load_plan(out / "winner" / "plan.yaml")
     assert winner.strategy == "ddp" and winner.global_batch == 8
     assert report.winner_parity is not None and report.winner_parity < 1e-4
+    _assert_mlflow_as_users_expect(client, report, children, ledger)
+    _assert_report_and_its_inputs(client, report, ledger)
     summary = json.loads((out / "winner" / "summary.json").read_text())
     assert summary["measurements"] >= 2
 
@@ -199,3 +202,58 @@ def test_plans_the_cluster_cannot_hold_are_pruned_and_a_cuda_space_without_gpus_
         run_sweep(cuda, tmp_path / "cuda", tracking_uri=uri)
     assert not (tmp_path / "mlflow.db").exists() or not MlflowClient(uri).search_runs(
         [e.experiment_id for e in MlflowClient(uri).search_experiments()])
+
+
+# --------------------------------------------------------------------------- helpers of the grid sweep test
+def _assert_progress_without_tune_banner(captured, total: int) -> None:
+    """Outside a terminal (as under `ray job logs`): a plain line per finished trial with done/total,
+    running, elapsed, ETA and the best so far; none of Ray Tune's banner, folder or TensorBoard hints."""
+    import re
+
+    text = captured.out + captured.err
+    lines = [line for line in captured.out.splitlines() if line.startswith("trial ")]
+    assert len(lines) == total, captured.out
+    for line in lines:
+        assert re.match(rf"trial \d/{total} .+ \| running \d+ \| elapsed \S+ \| ETA \S+ \| best ", line), line
+    assert lines[-1].split(" | ")[3] == "ETA 0s", lines[-1]
+    assert re.search(rf"^trials {total}/{total} \| running 0 \| elapsed", captured.out, re.M), captured.out
+    for banner in ("View detailed results", "tensorboard", "Configuration for experiment", "Search algorithm",
+                   "Trial status"):
+        assert banner.lower() not in text.lower(), banner
+    assert "sweep report: " in captured.out
+
+
+def _assert_mlflow_as_users_expect(client, report, children, ledger) -> None:
+    """A model-training experiment; each trial run spans the trial; the parent says the winner and
+    how to train with it."""
+    from paratune.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, NOTE_TAG
+
+    parent = client.get_run(report.parent_run_id)
+    assert client.get_experiment(parent.info.experiment_id).tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND
+    by_number = {e.number: e.result for e in ledger.search_entries()}
+    for run in children:
+        result = by_number[int(run.data.tags["paratune.trial_number"])]
+        assert run.info.start_time == round(result.started_at * 1000)
+        assert run.info.end_time == round((result.started_at + result.wall_s) * 1000)
+        assert run.info.end_time - run.info.start_time > 1000  # seconds of a trial, not ms of logging
+    note = parent.data.tags[NOTE_TAG]
+    assert f"**Winner: {report.verdict.winner.label}**" in note and "tokens/s/GPU" in note
+    assert f"python jobs/train.py {(report.out_dir / 'winner' / 'plan.yaml').resolve()}" in note
+    assert "report/report.html" in note
+    assert {"best_tokens_per_s_per_gpu", "best_peak_memory_gib", "best_step_time_spread"} <= set(parent.data.metrics)
+
+
+def _assert_report_and_its_inputs(client, report, ledger) -> None:
+    """The sweep report on disk and in the parent run; the predictions and parity checks it draws."""
+    assert report.report_path == report.out_dir / "report" / "report.html" and report.report_path.exists()
+    logged = {a.path for a in client.list_artifacts(report.parent_run_id, "report")}
+    assert "report/report.html" in logged and any(p.endswith(".png") for p in logged)
+    for e in ledger.search_entries():  # the space predicts (estimate: device auto): every ok trial has it
+        if e.result.ok:
+            assert {"predicted_peak_memory_gib", "memory_prediction_error"} <= set(e.predicted), e.predicted
+        assert all(k.startswith("predicted_") or k.endswith("_prediction_error") for k in e.predicted)
+    checks = json.loads((report.out_dir / "parity.json").read_text())
+    winner = [c for c in checks if c["key"] == report.verdict.winner.key]
+    assert len(winner) == 1 and winner[0]["passed"] is True and winner[0]["label"] == report.verdict.winner.label
+    assert winner[0]["max_abs_loss_diff"] < 1e-4 and len(winner[0]["losses"]) == len(winner[0]["reference_losses"]) > 0
+    assert winner[0]["proxy"] is None

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ray.tune import Callback
+from ray.tune.experimental.output import AirVerbosity
+from ray.tune.experimental.output import ProgressReporter as AirProgressReporter
 from rich.console import Console
 from rich.markup import escape
 
@@ -28,6 +30,7 @@ from paratune import placement
 from paratune.failures import CLUSTER_REASONS
 from paratune.measure import StopRule
 from paratune.plan import Plan, load_plan_dict
+from paratune.progress import ProgressDisplay, SweepProgress, format_trial_line, status_text
 from paratune.report import env_label, strategy_label
 from paratune.search import Incumbent, StoppingRule
 from paratune.space import Space
@@ -121,15 +124,19 @@ class LedgerEntry:
     key: str
     result: TrialResult
     phase: str = "search"
+    # What the cost model predicted for this trial before it ran (predicted_* and *_prediction_error,
+    # as logged to MLflow), for the sweep report; empty when the sweep predicted nothing.
+    predicted: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps({"number": self.number, "key": self.key, "phase": self.phase,
-                           "result": self.result.model_dump()})
+                           "result": self.result.model_dump(), "predicted": self.predicted})
 
     @classmethod
     def from_json(cls, line: str) -> "LedgerEntry":
         d = json.loads(line)
-        return cls(d["number"], d["key"], TrialResult.model_validate(d["result"]), d["phase"])
+        return cls(d["number"], d["key"], TrialResult.model_validate(d["result"]), d["phase"],
+                   dict(d.get("predicted") or {}))  # ledgers written before it have none
 
 
 class Ledger:
@@ -472,6 +479,9 @@ class SweepReport:
     stop_reason: str = ""  # why the calibrated search stopped measuring (its stated rule)
     # The step-time model's out-of-sample errors (each trial predicted before it ran).
     time_model: dict[str, Any] = field(default_factory=dict)
+    # Every loss-parity check run at the end (parity.json): label, key, passed, losses compared.
+    parity_checks: list[dict[str, Any]] = field(default_factory=list)
+    report_path: Path | None = None  # report/report.html (paratune.sweep_report), when it could be written
 
 
 class SweepError(RuntimeError):
@@ -499,8 +509,9 @@ def _concurrency(space: Space) -> int:
 
 def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorithm: str | None = None,
               seed: int | None = None, resume: bool = False, tracking_uri: str | None = None,
-              ray_address: str | None = None, console: Console | None = None) -> SweepReport:
-    from ray import tune
+              ray_address: str | None = None, console: Console | None = None, verbose: bool = False) -> SweepReport:
+    """The whole sweep (see the module doc); `verbose`: Ray Tune's own console output as well.
+    Ends by writing the sweep report (paratune.sweep_report) and logging it to the parent run."""
 
     from paratune.tracking import SweepTracker
 
@@ -531,6 +542,7 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
     if not state:
         first = space.candidates[0].plan
         state = {"space_digest": digest, "tracking_uri": tracker.tracking_uri, "algorithm": algorithm, "seed": seed,
+                 "memory_budget_gb": budget_gb,
                  "parent_run_id": tracker.start_parent(
                      space.spec.name, space.source,
                      params={**{f"fixed.{k}": v for k, v in space.spec.fixed.items()}, "search.algorithm": algorithm,
@@ -562,7 +574,7 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
             predictions, profile_s = _time_predictions(space, plans, calibration, pool, console)
         if remaining > 0 and not (algorithm == "calibrated" and stop_file.exists()):
             _search(space, plans, algorithm, seed, trials, remaining, done, ledger, tracker, parent, budget_gb, console,
-                    calibration, predictions, fastest_first, pool, out_dir, stop_file, leases)
+                    calibration, predictions, fastest_first, pool, out_dir, stop_file, leases, verbose)
         report = SweepReport(out_dir, parent, ledger.entries, pruning=space.pruning_report())
         if stop_file.exists():
             report.stop_reason = json.loads(stop_file.read_text())["reason"]
@@ -582,21 +594,49 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
             _close_leases(leases)
     report.time_split["profile_s"] = profile_s
     report.time_split["sweep_wall_s"] = time.perf_counter() - t_sweep
+    report.report_path = write_report(out_dir, tracker, parent, console)
     return report
+
+
+def write_report(sweep_dir: Path, tracker, parent_run_id: str | None, console: Console) -> Path | None:
+    """The sweep report (paratune.sweep_report: report/report.html and its PNGs), logged to the
+    parent run under "report". Never raises: the sweep's results are on disk and in MLflow
+    already, and a report that cannot be drawn must not lose them; it says why instead."""
+    try:
+        from paratune.sweep_report import write_sweep_report
+
+        path = Path(write_sweep_report(sweep_dir))
+    except Exception as err:  # noqa: BLE001 - see the docstring
+        console.print(f"[yellow]no sweep report ({type(err).__name__}: {escape(str(err))[:500]}); the results are "
+                      f"in {sweep_dir}[/yellow]")
+        return None
+    if tracker is not None and parent_run_id:
+        try:
+            tracker.client.log_artifacts(parent_run_id, str(path.parent), artifact_path="report")
+            tracker.add_to_note(parent_run_id, f"Report: `report/{path.name}` in this run's artifacts "
+                                               f"(on disk: `{path}`).")
+        except Exception as err:  # noqa: BLE001 - the report is on disk; MLflow lacks only its copy
+            console.print(f"[yellow]the sweep report was not logged to MLflow ({type(err).__name__}: "
+                          f"{escape(str(err))[:300]})[/yellow]")
+    console.print(f"sweep report: {path}")
+    return path
 
 
 def _search(space: Space, plans: dict[str, dict], algorithm: str, seed: int, trials: int, remaining: int, done: int,
             ledger: Ledger, tracker, parent: str, budget_gb: float | None, console: Console, calibration,
             predictions: TimePredictions | None, fastest_first: list[str], pool: str | None, out_dir: Path,
-            stop_file: Path, leases: str | None = None) -> None:
+            stop_file: Path, leases: str | None = None, verbose: bool = False) -> None:
     """The trials, as a Ray Tune run: grid (every point, predicted fastest first), TPE/random
-    (Optuna) or calibrated (the step-time model and the stopping rule)."""
+    (Optuna) or calibrated (the step-time model and the stopping rule). Tune's own console
+    output only with `verbose`; paratune's progress line always."""
     from ray import tune
 
     settings = space.spec.search
     early_stop_steps = settings.early_stop_min_steps if settings.early_stop else None
+    progress = SweepProgress(total=done + remaining, done=done, first_done=done)
+    display = ProgressDisplay(progress, console)
     callback = _LedgerCallback(ledger, tracker, parent, budget_gb, console, total=done + remaining, plans=plans,
-                               calibration=calibration, predictions=predictions)
+                               calibration=calibration, predictions=predictions, progress=progress, display=display)
     trainable = tune.with_resources(
         tune.with_parameters(_trainable, plans=plans, storage=str(out_dir / "ray"), pool=pool, leases=leases),
         {"CPU": 0, "memory": 1},  # the trial's workers hold the CPUs; 1 CPU here deadlocks 2-CPU clusters
@@ -624,10 +664,12 @@ def _search(space: Space, plans: dict[str, dict], algorithm: str, seed: int, tri
                                         fastest_first[: space.spec.estimate.start_from_predicted]],
                                  early_stop_steps=early_stop_steps),
             num_samples=remaining, max_concurrent_trials=_concurrency(space))
+    callbacks = [callback] if verbose else [callback, _QuietTuneOutput()]
     tuner = tune.Tuner(trainable, param_space=param_space, tune_config=tune_config,
                        run_config=tune.RunConfig(name=f"tune-{len(ledger.entries)}", storage_path=str(out_dir / "tune"),
-                                                 callbacks=[callback], verbose=0))
-    tuner.fit()
+                                                 callbacks=callbacks, verbose=1 if verbose else 0))
+    with display:
+        tuner.fit()
 
 
 def _time_predictions(space: Space, plans: dict[str, dict], calibration, pool: str | None,
@@ -858,30 +900,60 @@ def _device_tag() -> str:
     return f"{int(res.get('GPU', 0))} GPU" if res.get("GPU") else f"cpu ({int(res.get('CPU', 0))} CPUs)"
 
 
+def predicted_only(metrics: dict[str, float]) -> dict[str, float]:
+    """The predictions among a trial's extra metrics (predicted_*, *_prediction_error): what the
+    ledger keeps beside the measurement, without the model's fitted constants."""
+    return {k: float(v) for k, v in metrics.items()
+            if (k.startswith("predicted_") or k.endswith("_prediction_error")) and isinstance(v, (int, float))}
+
+
+class _QuietTuneOutput(AirProgressReporter):
+    """Ray Tune's console output, silenced: its banner table, "View detailed results here", the
+    TensorBoard hint and its trial tables say nothing a paratune user needs (paratune prints
+    progress itself, paratune.progress). tune.run reports to the first such reporter among the
+    callbacks, so the one Tune appends by itself (at AirVerbosity 0 here) only ever gets calls
+    that print nothing at that verbosity. `paratune tune --verbose` leaves Tune's own in place."""
+
+    _heartbeat_threshold = _start_end_verbosity = _intermediate_result_verbosity = AirVerbosity.DEFAULT
+
+    def __init__(self) -> None:
+        super().__init__(AirVerbosity.SILENT)
+
+    def experiment_started(self, *args: Any, **kwargs: Any) -> None:
+        """Tune prints the banner, the result folder and the TensorBoard hint here, whatever the verbosity."""
+
+    def print_heartbeat(self, trials, *args: Any, force: bool = False) -> None:
+        """No trial-status table (paratune's progress line says how far the sweep is)."""
+
+
 class _LedgerCallback(Callback):
-    """Driver side: as each trial finishes, record it in the ledger and MLflow, and say so."""
+    """Driver side: as each trial finishes, record it in the ledger and MLflow, and say so (with
+    the sweep's progress: paratune.progress)."""
 
     def __init__(self, ledger: Ledger, tracker, parent: str, budget_gb: float | None, console: Console, total: int,
-                 plans: dict[str, dict], calibration=None, predictions: TimePredictions | None = None):
+                 plans: dict[str, dict], calibration=None, predictions: TimePredictions | None = None,
+                 progress: SweepProgress | None = None, display: ProgressDisplay | None = None):
         self.ledger, self.tracker, self.parent, self.plans = ledger, tracker, parent, plans
         self.calibration, self.predictions = calibration, predictions
         self.budget_gb, self.console, self.total = budget_gb, console, total
+        self.progress = progress or SweepProgress(total)
+        self.display = display
 
     def __getstate__(self) -> dict:
         # Tune pickles its callbacks with the experiment state; the live MLflow client and
         # console stay behind (paratune resumes from its own ledger, never from Tune's state).
         return {"total": self.total}
 
-    def _record(self, key: str, result: TrialResult) -> None:
+    def _record(self, key: str, result: TrialResult, trial_id: str | None = None) -> None:
         if key in self.ledger.keys():
             return
         number = len(self.ledger.search_entries()) + 1
         result = apply_budget(result, self.budget_gb)
-        # The ledger first (the durable record), then MLflow (idempotent; a resume fills gaps).
-        self.ledger.append(LedgerEntry(number, key, result, "search"))
         metrics = _observe(self.calibration, result)
         predicted = self.predictions.observe(key, result) if self.predictions is not None else {}
         metrics.update(predicted)  # the calibrated model's step time replaces the roofline's
+        # The ledger first (the durable record), then MLflow (idempotent; a resume fills gaps).
+        self.ledger.append(LedgerEntry(number, key, result, "search", predicted_only(metrics)))
         self.tracker.log_trial(self.parent, number, result, extra_metrics=metrics)
         if result.ok:
             what = f"{result.tokens_per_s_per_gpu:,.0f} tokens/s/GPU"
@@ -893,18 +965,27 @@ class _LedgerCallback(Callback):
             what += f" (predicted {predicted['predicted_step_time_s']:.3g} s/step, {predicted['step_time_prediction_error']:+.0%})"
         env = env_label(result.plan.get("env"))
         label = strategy_label(result.plan) + (f" {env}" if env else "")
-        self.console.print(f"trial {number}/{self.total} {label}: {what}")
+        self.progress.finish(trial_id, label, result.tokens_per_s_per_gpu, result.ok)
+        live = self.display is not None and self.display.is_live  # the live line shows the rest
+        self.console.print(format_trial_line(number, self.total, label, what,
+                                             None if live else escape(status_text(self.progress))),
+                           soft_wrap=True)  # one line per trial, however narrow the log's console
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        self.progress.start(trial.trial_id)
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         last = trial.last_result or {}
         if "trial_result" in last:
-            self._record(last["point"], TrialResult.model_validate_json(last["trial_result"]))
+            self._record(last["point"], TrialResult.model_validate_json(last["trial_result"]), trial.trial_id)
+        self.progress.running.discard(trial.trial_id)
 
     def on_trial_error(self, iteration, trials, trial, **info):
         key = trial.config.get("point")
         if key in self.plans:
             error = info.get("error") or getattr(trial, "error_msg", None) or "the Tune trial itself failed"
-            self._record(key, TrialResult.failed(self.plans[key], "error", str(error)[:2000]))
+            self._record(key, TrialResult.failed(self.plans[key], "error", str(error)[:2000]), trial.trial_id)
+        self.progress.running.discard(trial.trial_id)
 
 
 def _finish(space: Space, report: SweepReport, ledger: Ledger, tracker, budget_gb: float | None, console: Console,
@@ -941,6 +1022,7 @@ def _finish(space: Space, report: SweepReport, ledger: Ledger, tracker, budget_g
             order.append(s)
     for candidate in order:
         check = winner_parity(candidate.plan, candidate.results[0])
+        report.parity_checks.append(check.to_record(candidate.label, candidate.key))
         if check.passed:
             winner, parity = candidate, check
             break
@@ -948,6 +1030,8 @@ def _finish(space: Space, report: SweepReport, ledger: Ledger, tracker, budget_g
         console.print(f"[red]{escape(candidate.label)} fails loss parity ({escape(check.reason)}); not a winner[/red]")
     verdict.winner = winner
     report.verdict = verdict
+    # For the sweep report (paratune.sweep_report): every check, the losses it compared.
+    (report.out_dir / "parity.json").write_text(json.dumps(report.parity_checks, indent=1) + "\n")
     report.winner_parity = parity.max_abs_loss_diff if parity is not None else None
     if report.parity_failures:
         tracker.client.set_tag(report.parent_run_id, "paratune.parity_failures",
@@ -957,7 +1041,8 @@ def _finish(space: Space, report: SweepReport, ledger: Ledger, tracker, budget_g
     wall = sum(e.result.wall_s or 0 for e in ledger.entries)
     report.time_split = {"trials_wall_s": wall, "launch_s": launch, "measured_s": measured,
                          "other_s": max(0.0, wall - launch - measured)}
-    best_metrics = {}
+    best_metrics: dict[str, float] = {}
+    summary: dict[str, Any] | None = None
     if winner is not None:
         plan = load_plan_dict(winner.plan)
         summary = {"sweep": space.spec.name, "label": winner.label, "tokens_per_s_per_gpu_median": winner.median,
@@ -968,16 +1053,23 @@ def _finish(space: Space, report: SweepReport, ledger: Ledger, tracker, budget_g
                    "mfu": winner.results[0].mfu, "peak_memory_bytes": winner.results[0].peak_memory_bytes}
         report.winner_dir = out_dir_winner = report.out_dir / "winner"
         export_winner(plan, out_dir_winner, summary)
-        best_metrics = {"tokens_per_s_per_gpu": winner.median, "relative_spread": winner.relative_spread,
-                        "parity_max_abs_loss_diff": parity.max_abs_loss_diff}
+        # The child runs' names with best_ before them, so the parent lines up with its trials.
+        first = winner.results[0]
+        best_metrics = {"tokens_per_s_per_gpu": winner.median, "measurement_spread": winner.relative_spread,
+                        "parity_max_abs_loss_diff": parity.max_abs_loss_diff,
+                        **({"mfu": first.mfu} if first.mfu is not None else {}),
+                        **({"step_time_spread": first.step_time_spread} if first.step_time_spread is not None else {}),
+                        **({"peak_memory_gib": max(first.peak_memory_bytes) / 2**30} if first.peak_memory_bytes else {})}
     if calibration is not None:
         from mlflow.entities import Metric
 
         report.calibration = {"device": calibration.device.name, **calibration.summary()}
         tracker.client.log_batch(report.parent_run_id, metrics=[
             Metric(f"calibration_{k}", float(v), 0, 0) for k, v in report.calibration.items() if isinstance(v, float)])
+    from paratune.tracking import sweep_note
+
     tracker.finish_parent(report.parent_run_id, best_metrics, winner.plan if winner else None,
-                          report.winner_dir)
+                          report.winner_dir, note=sweep_note(summary, report.winner_dir, report.parity_failures))
 
 
 def parity_tolerance(plan: Plan) -> float:
@@ -1005,6 +1097,20 @@ class Parity:
     max_abs_loss_diff: float  # math.inf when nothing could be compared
     reason: str = ""  # why it failed; empty when it passed
     proxy: dict[str, Any] | None = None  # the proxy's shape (model overrides) when one stood in
+    # What was compared (the plan's per-step losses, or its proxy's; the reference's): the sweep
+    # report draws them. Empty where the check stopped before it had them.
+    losses: list[float] = field(default_factory=list)
+    reference_losses: list[float] = field(default_factory=list)
+
+    def to_record(self, label: str, key: str) -> dict[str, Any]:
+        """One entry of parity.json (math.inf and NaN as null: JSON has neither)."""
+        return {"label": label, "key": key, "passed": self.passed, "max_abs_loss_diff": _finite(self.max_abs_loss_diff),
+                "losses": [_finite(v) for v in self.losses], "reference_losses": [_finite(v) for v in self.reference_losses],
+                "proxy": self.proxy, "reason": self.reason}
+
+
+def _finite(value: float | None) -> float | None:
+    return float(value) if value is not None and math.isfinite(value) else None
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -1068,6 +1174,8 @@ def winner_parity(plan: Plan | dict[str, Any], result: TrialResult) -> Parity:
     from paratune.reference import max_loss_difference, reference_losses
 
     shape, step = None, "loading the plan"
+    losses: list[float] = []
+    reference: list[float] = []
     try:
         plan = plan if isinstance(plan, Plan) else load_plan_dict(plan)
         step = "building the model"
@@ -1084,13 +1192,16 @@ def winner_parity(plan: Plan | dict[str, Any], result: TrialResult) -> Parity:
             result = run_trial(plan)
             if not result.ok:
                 message = f"proxy trial failed: {result.reason}: {result.message or ''}"
-                return Parity(False, math.inf, message[:2000], shape)
+                return Parity(False, math.inf, message[:2000], shape, list(result.losses))
+        losses = list(result.losses)
         step = "running the reference"
-        diff = max_loss_difference(result.losses, reference_losses(plan, steps=len(result.losses)))
+        reference = list(reference_losses(plan, steps=len(losses)))
+        diff = max_loss_difference(losses, reference)
     except Exception as err:  # noqa: BLE001 - any check that cannot run is a failed check, with its reason
         message = f"parity check failed while {step}: {type(err).__name__}: {err}"
-        return Parity(False, math.inf, message[:2000], shape)
+        return Parity(False, math.inf, message[:2000], shape, losses, reference)
     tolerance = parity_tolerance(plan)
     if diff <= tolerance:
-        return Parity(True, diff, "", shape)
-    return Parity(False, diff, f"max |loss - reference| {diff:.3g} over tolerance {tolerance:g}", shape)
+        return Parity(True, diff, "", shape, losses, reference)
+    return Parity(False, diff, f"max |loss - reference| {diff:.3g} over tolerance {tolerance:g}", shape, losses,
+                  reference)
