@@ -10,9 +10,10 @@ from paratune.trial import run_trial
 pytestmark = pytest.mark.integration
 
 
+# DDP as a fresh trial: tests/test_session.py (run_trial's figures against a reused group's).
 @pytest.mark.parametrize("family", [
-    {"strategy": "ddp", "env": {"GLOO_SOCKET_IFNAME": "lo", "NCCL_ALGO": "Ring", "PARATUNE_PROBE": "42"}},
-    {"strategy": "fsdp", "fsdp": {"sharding": "full"}, "profile_comm": True},
+    {"strategy": "fsdp", "fsdp": {"sharding": "full"}, "profile_comm": True,
+     "env": {"GLOO_SOCKET_IFNAME": "lo", "NCCL_ALGO": "Ring", "PARATUNE_PROBE": "42"}},
     {"strategy": "zero", "zero": {"stage": 2, "reduce_bucket_size": 100000, "allgather_bucket_size": 100000}},
 ])
 def test_each_strategy_family_measures_and_matches_reference(ray_local, family):
@@ -37,6 +38,37 @@ def test_each_strategy_family_measures_and_matches_reference(ray_local, family):
     node = ray.get_runtime_context().get_node_id()
     assert [(p["rank"], p["node_id"], p["local_rank"], p["local_world_size"]) for p in result.placement] == \
         [(0, node, 0, 2), (1, node, 1, 2)]
+    # A measurement is never retried: Ray Train's preemption watcher is not started for it.
+    from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR
+
+    from paratune.trial import MEASUREMENT_CONTROLLER_ENV
+
+    assert MEASUREMENT_CONTROLLER_ENV == {ENABLE_PREEMPTION_WATCHER_ENV_VAR: "0"}
+    assert "PreemptionWatcher" not in _actor_classes()
+    assert "TrainController" in _actor_classes()  # the check can see the run's actors
+
+
+def _actor_classes() -> set[str]:
+    """Every actor class this Ray instance has run (alive or dead)."""
+    import ray._private.state
+
+    return {a["ActorClassName"] for a in ray._private.state.actors().values()}
+
+
+def _resources_released() -> None:
+    """A failed trial leaves nothing holding the cluster: both CPUs free, no live placement group
+    (the next trial would otherwise wait for CPUs, then time out)."""
+    import time
+
+    import ray
+    from ray.util import placement_group_table
+
+    deadline = time.time() + 30
+    while ray.available_resources().get("CPU", 0) < 2 and time.time() < deadline:
+        time.sleep(0.5)
+    assert ray.available_resources().get("CPU", 0) >= 2
+    live = [pg for pg in placement_group_table().values() if pg["state"] in ("CREATED", "PENDING", "RESCHEDULING")]
+    assert not live, live
 
 
 def test_env_reaches_workers_before_process_group_start(ray_local):
@@ -47,8 +79,7 @@ def test_env_reaches_workers_before_process_group_start(ray_local):
     assert result.status == "failed" and result.reason is not None
     assert "paratune-no-such-if0" in result.message
     # The failed setup must not leak its placement group and starve the next trial.
-    good = run_trial(load_plan_dict({**BASE_PLAN, "measure_steps": 1}))
-    assert good.ok, good.message
+    _resources_released()
 
 
 def test_out_of_memory_comes_back_classified(ray_local):
@@ -84,8 +115,6 @@ def test_invalid_plan_is_rejected_before_any_worker_starts(ray_local):
 def test_hanging_worker_is_ended_by_the_trial_timeout(ray_local):
     import time
 
-    import ray
-
     # Rank 0 stuck in Python, rank 1 waiting in a collective whose timeout (300 s) is far off:
     # the trial's deadline ends it.
     # (A worker killed mid-trial, and a hang inside a collective, are tests against a real
@@ -95,12 +124,8 @@ def test_hanging_worker_is_ended_by_the_trial_timeout(ray_local):
     result = run_trial(plan)
     assert result.status == "failed" and result.reason == "hang", result.message
     assert time.perf_counter() - t0 < 20 + 75  # the deadline, plus abort and teardown
-    # Its workers are gone: the cluster's CPUs are free again and the next trial runs.
-    deadline = time.time() + 30
-    while ray.available_resources().get("CPU", 0) < 2 and time.time() < deadline:
-        time.sleep(1)
-    assert ray.available_resources().get("CPU", 0) >= 2
-    assert run_trial(load_plan_dict({**BASE_PLAN, "measure_steps": 1})).ok
+    # Its workers are gone: the cluster's CPUs are free again, no placement group is left.
+    _resources_released()
 
 
 def test_a_trial_that_cannot_reach_the_incumbent_stops_early_with_its_partial_figures(ray_local):
@@ -112,7 +137,5 @@ def test_a_trial_that_cannot_reach_the_incumbent_stops_early_with_its_partial_fi
     assert len(result.step_times_s) == 2 and len(result.losses) == plan.warmup_steps + 2
     assert result.tokens_per_s_per_gpu > 0 and "after 2 of 5 measured steps" in result.message
     assert result.peak_memory_bytes == [0, 0]  # its extra memory-tracked step was skipped
-    # An incumbent it can beat: every measured step runs, and the result is a full measurement.
-    full = run_trial(plan, stop_rule=StopRule(incumbent_tokens_per_s_per_gpu=1e-3, min_steps=2))
-    assert full.ok and len(full.step_times_s) == 5 and min(full.peak_memory_bytes) > 0
-    assert full.losses[: len(result.losses)] == pytest.approx(result.losses, abs=1e-6)
+    # An incumbent it can beat runs every measured step: the same worker code in a reused group,
+    # tests/test_session.py::test_the_stop_rule_works_in_a_reused_group.
