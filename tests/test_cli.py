@@ -41,13 +41,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _session_cmdlines(sid: int) -> list[list[str]]:
+    """The command lines of every process in session `sid` (the UI and what it spawned)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid:  # after "pid (comm)": state ppid pgrp session
+                out.append((stat.parent / "cmdline").read_bytes().decode().split("\0")[:-1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
 @pytest.mark.integration
-def test_ui_serves_the_store_on_localhost(tmp_path):
+def test_ui_serves_the_store_on_localhost_with_one_worker(tmp_path):
+    """`paratune ui` itself asks MLflow for one server worker (uvicorn, not MLflow's default pool of
+    four): the environment carries no MLFLOW_WORKERS. It prints the link to the sweeps' runs."""
+    from paratune.tracking import SweepTracker
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    experiment = SweepTracker(uri).experiment_id
     port = _free_port()
-    # One server process instead of MLflow's default four (each imports MLflow's server on this
-    # 2-core machine): what is tested is paratune's `ui` (store, host, port), not uvicorn's pool.
-    env = {**os.environ, "MLFLOW_WORKERS": "1"}
-    proc = subprocess.Popen([*PARATUNE, "ui", "--tracking-uri", f"sqlite:///{tmp_path / 'm.db'}", "--port", str(port)],
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_WORKERS"}
+    proc = subprocess.Popen([*PARATUNE, "ui", "--tracking-uri", uri, "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env=env)
     try:
@@ -59,9 +76,16 @@ def test_ui_serves_the_store_on_localhost(tmp_path):
             except OSError:
                 time.sleep(1)
         assert status == 200
+        servers = [c for c in _session_cmdlines(proc.pid) if any(Path(a).name == "uvicorn" for a in c[:3])]
+        assert len(servers) == 1 and "--workers" in servers[0], _session_cmdlines(proc.pid)
+        assert servers[0][servers[0].index("--workers") + 1] == "1"
+        # uvicorn forks no worker pool for one worker: the server is the only python left but MLflow's CLI.
+        spawned = [c for c in _session_cmdlines(proc.pid) if any("multiprocessing" in a for a in c)]
+        assert spawned == [], spawned
     finally:
         os.killpg(proc.pid, 15)
-        proc.wait(timeout=30)
+        out = proc.communicate(timeout=30)[0]
+    assert f"#/experiments/{experiment}/runs?workflowType=machine_learning" in out, out
 
 
 def test_trial_with_bad_plans_records_each_failure_and_never_crashes(tmp_path):
@@ -81,3 +105,32 @@ def test_trial_with_bad_plans_records_each_failure_and_never_crashes(tmp_path):
     rows = {r["name"]: r for r in json.loads(out.read_text())}
     assert rows["bad_plan"]["reason"] == "invalid_config" and "global_batch" in rows["bad_plan"]["message"]
     assert rows["bad_model"]["reason"] == "invalid_config" and "bad_model" in proc.stdout
+
+
+def test_report_rewrites_a_sweeps_report_and_logs_it_to_its_parent_run(tmp_path):
+    """`paratune report SWEEP_DIR` from the folder alone (ledger, sweep.json): the page, its path
+    printed, and a copy under the parent run's "report" artifacts when the store is there."""
+    import json
+
+    from paratune.plan import load_plan_dict
+    from paratune.sweep import Ledger, LedgerEntry
+    from paratune.tracking import SweepTracker
+    from paratune.trial import TrialResult
+
+    from conftest import BASE_PLAN
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = SweepTracker(uri)
+    parent = tracker.start_parent("s", None, {}, {})
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "sweep.json").write_text(json.dumps({"tracking_uri": uri, "parent_run_id": parent}))
+    plan = load_plan_dict(BASE_PLAN).to_dict()
+    Ledger(sweep / "ledger.jsonl").append(LedgerEntry(1, "k1", TrialResult(
+        status="ok", plan=plan, world_size=2, tokens_per_s_per_gpu=100.0, losses=[3.0, 2.0], step_times_s=[0.1, 0.1],
+        peak_memory_bytes=[2**28, 2**28], wall_s=5.0, started_at=1.7e9)))
+    done = _run("report", str(sweep))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"sweep report: {sweep / 'report' / 'report.html'}" in done.stdout
+    assert "report/report.html" in {a.path for a in tracker.client.list_artifacts(parent, "report")}
+    assert _run("report", str(tmp_path / "nothing")).returncode == 2

@@ -1,4 +1,4 @@
-"""`paratune trial | tune | train | plan | profile | ui | validate | models`."""
+"""`paratune trial | tune | report | train | plan | profile | ui | validate | models`."""
 
 from __future__ import annotations
 
@@ -78,14 +78,61 @@ def _cmd_tune(args: argparse.Namespace, console: Console) -> int:
     out = Path(args.out) if args.out else paratune_home() / space.spec.name
     try:
         report = run_sweep(space, out, trials=args.trials, algorithm=args.search, seed=args.seed,
-                           resume=args.resume, tracking_uri=args.tracking_uri, console=console)
+                           resume=args.resume, tracking_uri=args.tracking_uri, console=console, verbose=args.verbose)
     except SweepError as err:
         console.print(f"[red]{err}[/red]")
         return 2
     print_sweep(report, console)
     uri = args.tracking_uri or default_tracking_uri()
     console.print(f"compare the trials in MLflow:  .venv/bin/paratune ui --tracking-uri {uri}")
+    # Last, so it is what the terminal ends on (make demo).
+    if report.report_path is not None:
+        console.print(f"sweep report: [bold]{report.report_path}[/bold]", soft_wrap=True)
+    else:
+        console.print(f"no sweep report (see above); write it again with:  .venv/bin/paratune report {report.out_dir}")
     return 0 if report.verdict and report.verdict.winner else 1
+
+
+def _cmd_report(args: argparse.Namespace, console: Console) -> int:
+    """(Re)write a sweep's report from its folder, and log it to the sweep's parent run when the
+    MLflow store recorded in sweep.json can be reached (a missing SQLite file is not created)."""
+    from paratune.sweep import write_report
+
+    sweep_dir = Path(args.sweep_dir).resolve()
+    if not (sweep_dir / "ledger.jsonl").exists() and not (sweep_dir / "sweep.json").exists():
+        console.print(f"[red]{sweep_dir}: not a sweep folder (no ledger.jsonl or sweep.json)[/red]")
+        return 2
+    try:
+        state = json.loads((sweep_dir / "sweep.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        state = {}
+    tracker, parent = None, state.get("parent_run_id")
+    uri = args.tracking_uri or state.get("tracking_uri")
+    if uri and parent:
+        tracker = _reachable_tracker(uri, parent, console)
+    path = write_report(sweep_dir, tracker, parent if tracker else None, console)
+    return 0 if path is not None else 1  # write_report printed the path, or why there is none
+
+
+def _reachable_tracker(uri: str, parent: str, console: Console):
+    """A SweepTracker on `uri` if the parent run is there (a few seconds at most), else None, said why."""
+    import os
+
+    from paratune.tracking import SweepTracker
+
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+        console.print(f"[yellow]MLflow store {uri} is not there: the report is not logged to MLflow[/yellow]")
+        return None
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # a server that is down: say so now
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    try:
+        tracker = SweepTracker(uri)
+        tracker.client.get_run(parent)
+        return tracker
+    except Exception as err:  # noqa: BLE001 - the report is still written, only not logged
+        console.print(f"[yellow]MLflow ({uri}) unreachable or without the sweep's run ({type(err).__name__}: "
+                      f"{escape(str(err))[:300]}): the report is not logged to MLflow[/yellow]")
+        return None
 
 
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
@@ -325,12 +372,33 @@ def _cmd_ui(args: argparse.Namespace, console: Console) -> int:
     from paratune.tracking import default_tracking_uri
 
     uri = args.tracking_uri or default_tracking_uri()
-    console.print(f"MLflow UI on http://{args.host}:{args.port} for {uri} (Ctrl-C to stop)")
+    base = f"http://{args.host}:{args.port}"
+    console.print(f"MLflow UI on {base} for {uri} (Ctrl-C to stop)")
+    link = _sweep_runs_link(uri, base)
+    if link:
+        console.print(f"the sweeps' runs (parent runs, trials under each; select trials, then Compare):\n  {link}")
     os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")  # ~0.5 GB instead of ~3 GB
     mlflow = Path(sys.executable).parent / "mlflow"
+    # One worker process: a local UI for one person needs no pool, and each of MLflow's default
+    # four imports the whole server (memory, and seconds of CPU on a small machine).
     os.execv(str(mlflow), [str(mlflow), "ui", "--backend-store-uri", uri, "--host", args.host,
-                           "--port", str(args.port)])
+                           "--port", str(args.port), "--workers", "1"])
     return 0
+
+
+def _sweep_runs_link(uri: str, base: str) -> str | None:
+    """The paratune experiment's runs table (MLflow's "Machine learning" view), if the store has it."""
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+        return None
+    try:
+        from mlflow.tracking import MlflowClient
+
+        from paratune.tracking import DEFAULT_EXPERIMENT, runs_url
+
+        experiment = MlflowClient(tracking_uri=uri).get_experiment_by_name(DEFAULT_EXPERIMENT)
+    except Exception:  # noqa: BLE001 - only a convenience: the UI starts anyway
+        return None
+    return runs_url(base, experiment.experiment_id) if experiment is not None else None
 
 
 def _load_plan_or_say_why(path: str, console: Console):
@@ -384,6 +452,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true", help="continue an interrupted sweep in --out")
     p.add_argument("--out", help="sweep folder (default: $PARATUNE_HOME or ./paratune_runs, /<space name>)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or ./mlflow.db)")
+    p.add_argument("--verbose", action="store_true", help="also Ray Tune's own output (banner, result folder, "
+                                                          "trial tables)")
+    p = sub.add_parser("report", help="(re)write a sweep's report (report/report.html) and log it to its MLflow run")
+    p.add_argument("sweep_dir", help="the sweep folder (tune --out)")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: the one in the sweep's sweep.json)")
     p = sub.add_parser("train", help="train with a plan (e.g. a winner): checkpoints, resumes after faults")
     p.add_argument("plan", help="plan YAML (e.g. <sweep>/winner/plan.yaml)")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps to train")
@@ -422,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("models", help="list model presets and their parameter counts")
     args = parser.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 160)
-    handler = {"trial": _cmd_trial, "tune": _cmd_tune, "train": _cmd_train, "plan": _cmd_plan, "ui": _cmd_ui,
+    handler = {"trial": _cmd_trial, "tune": _cmd_tune, "report": _cmd_report, "train": _cmd_train, "plan": _cmd_plan, "ui": _cmd_ui,
                "validate": _cmd_validate, "models": _cmd_models, "profile": _cmd_profile}[args.command]
     return handler(args, console)
 
