@@ -55,6 +55,9 @@ def test_a_resumed_sweep_paces_only_the_trials_it_ran():
 def test_no_live_line_outside_a_terminal_only_the_final_figures():
     out = io.StringIO()
     p = SweepProgress(total=2)
-    with ProgressDisplay(p, Console(file=out, width=200)) as display:
+    with ProgressDisplay(p, Console(file=out, width=20)) as display:
         assert not display.is_live
-    assert out.getvalue().startswith("trials 0/2 | running 0 |")
+        p.finish(None, "ddp", 10.0, full=True)
+    # The search ended after 1 of at most 2 trials (a stopping rule): nothing is left, on one line.
+    assert out.getvalue().startswith("trials 1/2 | running 0 |") and "| ETA 0s |" in out.getvalue()
+    assert out.getvalue().count("\n") == 1

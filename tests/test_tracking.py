@@ -111,6 +111,8 @@ def test_the_parent_describes_the_winner_and_how_to_train_with_it(tracker, tmp_p
     text = run.data.tags[NOTE_TAG]
     assert "**Winner: fsdp full mb4**" in text and "12,346 tokens/s/GPU" in text and "±4.0%" in text
     assert "MFU 1.23%" in text and "peak memory 2.00 GiB per rank" in text and "zero 3" in text
+    assert "Tied" not in text  # only with itself
+    assert text.index("Train with it") < text.index("zero 3")  # the commands before the detail
     plan = str((winner_dir / "plan.yaml").resolve())
     assert f"python jobs/train.py {plan} --steps 1000 --checkpoint-every 100" in text  # README's winner command
     assert f".venv/bin/paratune train {plan} --steps 1000" in text

@@ -54,6 +54,7 @@ class SweepProgress:
     best_label: str | None = None
     best_value: float | None = None
     first_done: int = 0  # trials already in the ledger when this run started (not in the pace)
+    finished: bool = False  # the search ended (a calibrated one may stop before `total`): nothing left
 
     def start(self, trial_id: str) -> None:
         self.running.add(trial_id)
@@ -70,7 +71,8 @@ class SweepProgress:
         now = time.time() if now is None else now
         elapsed = max(0.0, now - self.started_at)
         return {"done": self.done, "total": self.total, "running": len(self.running), "elapsed_s": elapsed,
-                "eta_s": eta_s(self.done - self.first_done, self.total - self.first_done, elapsed),
+                "eta_s": 0.0 if self.finished else eta_s(self.done - self.first_done, self.total - self.first_done,
+                                                         elapsed),
                 "best_label": self.best_label, "best_value": self.best_value}
 
 
@@ -134,7 +136,8 @@ class ProgressDisplay:
             self.live.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        self.progress.finished = exc_type is None  # Tune returned: no trial is left to run
         if self.live is not None:
             self.live.stop()
             self.live = None

@@ -509,9 +509,11 @@ def _concurrency(space: Space) -> int:
 
 def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorithm: str | None = None,
               seed: int | None = None, resume: bool = False, tracking_uri: str | None = None,
-              ray_address: str | None = None, console: Console | None = None, verbose: bool = False) -> SweepReport:
+              ray_address: str | None = None, console: Console | None = None, verbose: bool = False,
+              report_page: bool = True) -> SweepReport:
     """The whole sweep (see the module doc); `verbose`: Ray Tune's own console output as well.
-    Ends by writing the sweep report (paratune.sweep_report) and logging it to the parent run."""
+    Ends by writing the sweep report (paratune.sweep_report) and logging it to the parent run;
+    `report_page=False` skips it (seconds of plotting a test of something else need not pay)."""
 
     from paratune.tracking import SweepTracker
 
@@ -594,11 +596,13 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
             _close_leases(leases)
     report.time_split["profile_s"] = profile_s
     report.time_split["sweep_wall_s"] = time.perf_counter() - t_sweep
-    report.report_path = write_report(out_dir, tracker, parent, console)
+    if report_page:
+        report.report_path = write_report(out_dir, tracker, parent, console, announce=False)  # `tune` ends saying it
     return report
 
 
-def write_report(sweep_dir: Path, tracker, parent_run_id: str | None, console: Console) -> Path | None:
+def write_report(sweep_dir: Path, tracker, parent_run_id: str | None, console: Console,
+                 announce: bool = True) -> Path | None:
     """The sweep report (paratune.sweep_report: report/report.html and its PNGs), logged to the
     parent run under "report". Never raises: the sweep's results are on disk and in MLflow
     already, and a report that cannot be drawn must not lose them; it says why instead."""
@@ -618,7 +622,8 @@ def write_report(sweep_dir: Path, tracker, parent_run_id: str | None, console: C
         except Exception as err:  # noqa: BLE001 - the report is on disk; MLflow lacks only its copy
             console.print(f"[yellow]the sweep report was not logged to MLflow ({type(err).__name__}: "
                           f"{escape(str(err))[:300]})[/yellow]")
-    console.print(f"sweep report: {path}")
+    if announce:
+        console.print(f"sweep report: {path}", soft_wrap=True)
     return path
 
 

@@ -109,36 +109,40 @@ def sweep_note(summary: dict[str, Any] | None, winner_dir: Path | None,
                parity_failures: list[dict[str, str]] | None = None) -> str:
     """The parent run's Description (markdown): the winner, its figures and how to train with it
     (winner/job.sh's `ray job submit` line, README "Train with the winner", and `paratune train`
-    here), or why there is none. The first thing the UI shows of a sweep."""
+    here), or why there is none. The first thing the UI shows of a sweep, so the commands come
+    before the detail (the UI folds a long description after a few lines)."""
     lines: list[str] = []
     if summary is None:
         lines.append("**No winner**: no plan finished and passed the loss-parity check.")
     else:
+        label = summary.get("label", "?")
         spread = summary.get("relative_spread")
         figures = [f"**{summary.get('tokens_per_s_per_gpu_median', 0):,.0f} tokens/s/GPU** (median of "
                    f"{summary.get('measurements', 1)} measurement(s)"
                    + (f", spread ±{spread / 2:.1%})" if spread is not None else ")")]
-        if summary.get("mfu") is not None:
-            figures.append(f"MFU {summary['mfu']:.2%}")
+        figures.append(f"MFU {summary['mfu']:.2%}" if summary.get("mfu") is not None
+                       else "MFU n/a (no peak FLOP/s known for this device)")
         if summary.get("peak_memory_bytes"):
             figures.append(f"peak memory {max(summary['peak_memory_bytes']) / 2**30:.2f} GiB per rank")
         if summary.get("parity_max_abs_loss_diff") is not None:
             figures.append(f"loss parity vs a single process: max |Δ| {summary['parity_max_abs_loss_diff']:.1e}"
                            + (" (on a proxy model)" if summary.get("parity_proxy") else ""))
-        lines.append(f"**Winner: {summary.get('label', '?')}**: " + ", ".join(figures) + ".")
-        if summary.get("tied_with") and len(summary["tied_with"]) > 1:
-            lines.append(f"Tied within the noise with: {', '.join(summary['tied_with'])} (the simpler plan won).")
+        lines.append(f"**Winner: {label}**: " + ", ".join(figures) + ".")
+        if winner_dir is not None:
+            plan = (winner_dir / "plan.yaml").resolve()
+            job = winner_dir / "job.sh"
+            submit = job.read_text().strip().splitlines()[-1] if job.exists() else None
+            train = [f"- here: `.venv/bin/paratune train {plan} --steps 1000 --checkpoint-every 100 "
+                     f"--name {winner_dir.resolve().parent.name}-train`"]
+            if submit:
+                train.append(f"- on the Ray cluster (from the repo root; `winner/job.sh`): `{submit}`")
+            lines.append("Train with it:\n\n" + "\n".join(train))
+        tied = [t for t in summary.get("tied_with") or [] if t != label]
+        if tied:
+            lines.append(f"Tied with it within the noise (the simpler plan wins a tie): {', '.join(tied)}.")
     for failure in parity_failures or []:
         lines.append(f"Not the winner, fails loss parity: {failure.get('label')}: {failure.get('reason')}")
     if summary is not None and winner_dir is not None:
-        plan = (winner_dir / "plan.yaml").resolve()
-        job = winner_dir / "job.sh"
-        submit = job.read_text().strip().splitlines()[-1] if job.exists() else None
-        lines.append("Train with it:")
-        if submit:
-            lines.append(f"- on the Ray cluster (from the repo root, as `winner/job.sh`):\n\n  ```\n  {submit}\n  ```")
-        lines.append(f"- here: `.venv/bin/paratune train {plan} --steps 1000 --checkpoint-every 100 "
-                     f"--name {winner_dir.resolve().parent.name}-train`")
         lines.append(f"Files: `{winner_dir.resolve()}/` (plan.yaml, env.sh, job.sh, ...; also this run's `winner` "
                      "artifacts).")
     return "\n\n".join(lines)
