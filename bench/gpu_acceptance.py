@@ -36,6 +36,7 @@ import torch  # noqa: E402
 ON_GPU = torch.cuda.is_available()
 SMOKE = not ON_GPU
 MODEL, SEQ, GLOBAL_BATCH, MICRO = ("llama3.2-1b", 2048, 8, 2) if ON_GPU else ("tiny-llama", 64, 4, 2)
+WARMUP, MEASURED = (2, 4) if ON_GPU else (1, 2)  # the CPU smoke run proves the script, not the figures
 DEVICE_ENTRY = "h200-141gb"  # the cost model's table entry for the lent GPU (see README)
 
 FAMILIES: dict[str, dict[str, Any]] = {
@@ -73,7 +74,7 @@ def _plan(family: dict[str, Any]):
     from paratune.plan import load_plan_dict
 
     return load_plan_dict({"model": MODEL, "seq_len": SEQ, "global_batch": GLOBAL_BATCH, "micro_batch": MICRO,
-                           "num_workers": 1, "precision": "bf16", "warmup_steps": 2, "measure_steps": 4,
+                           "num_workers": 1, "precision": "bf16", "warmup_steps": WARMUP, "measure_steps": MEASURED,
                            "device": "cuda" if ON_GPU else "cpu", "profile_comm": False, **family})
 
 

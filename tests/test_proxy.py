@@ -147,7 +147,8 @@ def test_small_model_is_compared_with_the_reference_directly():
                            "num_workers": 2, "warmup_steps": 1, "measure_steps": 1})
     reference = reference_losses(plan)
     same = winner_parity(plan, _ok_result(plan, reference))
-    assert same == Parity(True, 0.0, "", None)
+    assert (same.passed, same.max_abs_loss_diff, same.reason, same.proxy) == (True, 0.0, "", None)
+    assert same.losses == same.reference_losses == pytest.approx(reference)  # what the sweep report draws
     off = winner_parity(plan, _ok_result(plan, [reference[0], reference[1] + 0.01]))
     assert not off.passed and off.max_abs_loss_diff == pytest.approx(0.01, rel=1e-3)
     assert "over tolerance 0.0001" in off.reason
@@ -181,6 +182,7 @@ def _finish_with(tmp_path: Path, tracker, space_fixed: dict, measured: list[tupl
         ledger.append(LedgerEntry(number, json.dumps({"micro_batch": plan["micro_batch"]}), result, "search"))
     parent = tracker.start_parent("finish", None, params={}, tags={})
     report = SweepReport(tmp_path / "sweep", parent, ledger.entries)
+    report.out_dir.mkdir()  # run_sweep's folder
     console = Console(file=io.StringIO(), width=400)
     _finish(space, report, ledger, tracker, None, console)
     return report, tracker.client.get_run(parent), console.file.getvalue()

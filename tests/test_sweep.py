@@ -98,7 +98,7 @@ def test_tpe_skips_predicted_oom_starts_from_the_predicted_best_and_logs_the_cal
                    {"algorithm": "tpe", "trials": 4, "remeasure_rounds": 0, "seed": 3}, budget=1.0,
                    estimate={"device": "cpu", "start_from_predicted": 1})
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    report = run_sweep(space, tmp_path / "sweep", tracking_uri=uri)
+    report = run_sweep(space, tmp_path / "sweep", tracking_uri=uri, report_page=False)
     assert "2 x predicted out of memory on cpu" in report.pruning and "comm_buffers" in report.pruning
     search = [e for e in report.entries if e.phase == "search"]
     assert len(search) == 2 and len({e.key for e in search}) == 2  # 2 points left: the sweep stops there
@@ -124,7 +124,7 @@ def test_sweep_over_parallel_degrees_logs_them(ray_local, tmp_path):
     # 2 workers: dp2, tp2, pp2 are valid; tp2 x pp2 needs 4 workers and is pruned.
     assert len(space.candidates) == 3 and sum(space.removed.values()) == 1
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    report = run_sweep(space, tmp_path / "sweep", tracking_uri=uri)
+    report = run_sweep(space, tmp_path / "sweep", tracking_uri=uri, report_page=False)
     runs = _children(MlflowClient(uri), report.parent_run_id, "search")
     degrees = {(r.data.params["tp"], r.data.params["pp"]) for r in runs}
     assert degrees == {("1", "1"), ("2", "1"), ("1", "2")}
@@ -141,7 +141,7 @@ def test_calibrated_sweep_profiles_measures_the_predicted_fastest_first_and_stop
                                             "activation_checkpointing": ["none", "full"]},
                    {"algorithm": "calibrated", "trials": 4, "remeasure_rounds": 0}, estimate={"device": "cpu"})
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    report = run_sweep(space, tmp_path / "sweep", tracking_uri=uri)
+    report = run_sweep(space, tmp_path / "sweep", tracking_uri=uri, report_page=False)
     search = [e for e in report.entries if e.phase == "search"]
     assert "no unmeasured plan can win" in report.stop_reason and len(search) < 4
     assert all(e.result.plan["micro_batch"] == 4 for e in search)
@@ -171,7 +171,7 @@ def test_a_sweep_stops_early_the_trial_that_cannot_reach_its_incumbent(ray_local
                    {"algorithm": "calibrated", "trials": 2, "stopping_rule": False, "remeasure_rounds": 0},
                    estimate={"device": "cpu"}, fixed={"measure_steps": 4, "global_batch": 16})
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    report = run_sweep(space, tmp_path / "sweep", tracking_uri=uri)
+    report = run_sweep(space, tmp_path / "sweep", tracking_uri=uri, report_page=False)
     first, second = [e.result for e in report.entries if e.phase == "search"]
     assert first.ok and first.plan["micro_batch"] == 8 and len(first.step_times_s) == 4
     assert second.status == "stopped_early" and second.plan["micro_batch"] == 1

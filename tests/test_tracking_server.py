@@ -129,7 +129,7 @@ def test_a_sweep_logs_through_the_server_each_of_two_concurrent_trials_once(ray_
     monkeypatch.setattr(_LedgerCallback, "on_trial_complete", on_trial_complete)
 
     out = tmp_path / "sweep"
-    report = run_sweep(space, out, tracking_uri=server)
+    report = run_sweep(space, out, tracking_uri=server, report_page=False)
 
     entries = Ledger(out / "ledger.jsonl").entries
     assert sorted(e.result.plan["micro_batch"] for e in entries) == [2, 4]
