@@ -1,10 +1,11 @@
-"""Real Ray clusters on this host, driven the way users drive one: `ray job submit --runtime-env
-jobs/runtime_env.yaml -- python jobs/...`, with an MLflow tracking server (`paratune ui`) beside
-them. Token auth on. One cluster of one node (2 CPUs) for the sweep's faults and the training job;
-one of three `ray start` raylets for placement and node loss: a head with no CPUs (it runs the job
+"""A real multi-node Ray cluster on this host, driven the way users drive one: `ray job submit
+--runtime-env jobs/runtime_env.yaml -- python jobs/...`, with an MLflow tracking server (`paratune
+ui`) beside it. Token auth on. Three `ray start` raylets: a head with no CPUs (it runs the job
 drivers, as ray_cluster.yaml's CPU head does) and worker nodes of 3 and 2 CPUs, sizes that make
-uneven packing happen (4 workers: 3 + 1). Faults are real: SIGKILLed workers and drivers, a
-worker that hangs in the middle of a step, a node whose raylet is killed."""
+uneven packing happen (4 workers: 3 + 1). One cluster for every job test, in file order: the
+sweep's faults, the training job, placement, and node loss last (it kills a node). Faults are
+real: SIGKILLed workers and drivers, a worker that hangs in the middle of a step, a node whose
+raylet is killed."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import pytest
@@ -64,15 +66,20 @@ class Cluster:
         assert found, proc.stdout + proc.stderr
         return found.group(0), proc
 
+    @cached_property
+    def jobs(self):
+        """Ray's job SDK, for status and logs: polling through the `ray` CLI starts a Python process
+        (a CPU-second of imports) every poll; the job itself is always submitted with the CLI."""
+        from ray.job_submission import JobSubmissionClient
+
+        token = Path(self.env["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
+        return JobSubmissionClient(self.address, headers={"Authorization": f"Bearer {token}"})
+
     def status(self, job_id: str) -> str:
-        out = self.ray("job", "status", job_id, "--address", self.address)
-        text = out.stdout + out.stderr
-        running = re.search(r"Status for job '[^']+': (\w+)", text)
-        finished = re.search(r"Job '[^']+' (succeeded|failed|stopped)", text)
-        return finished.group(1).upper() if finished else running.group(1) if running else "UNKNOWN"
+        return str(self.jobs.get_job_status(job_id).value)
 
     def logs(self, job_id: str) -> str:
-        return self.ray("job", "logs", job_id, "--address", self.address).stdout
+        return self.jobs.get_job_logs(job_id)
 
     def wait(self, job_id: str, timeout: float = 600) -> str:
         deadline = time.time() + timeout
@@ -189,8 +196,9 @@ def _start_cluster(head_cpus: int, worker_nodes: dict[str, int]):
 
 @pytest.fixture(scope="module")
 def cluster():
-    """One node of 2 CPUs (`ray start --head`): the sweep's faults and the training job."""
-    yield from _start_cluster(2, {})
+    """A head with no CPUs (job drivers only, as ray_cluster.yaml's CPU head) and worker nodes of
+    3 and 2 CPUs."""
+    yield from _start_cluster(0, WORKER_NODES)
 
 
 def _no_secret_in(client: MlflowClient, runs) -> None:
@@ -205,14 +213,16 @@ def _alive_train_workers(cluster: Cluster) -> list[str]:
 
 
 def test_sweep_job_survives_a_dead_worker_a_hang_and_a_killed_driver(cluster):
-    """One sweep, three trials on a 2-CPU cluster (one trial at a time): a worker that hangs in a
-    collective, a worker SIGKILLed mid-trial, a healthy plan. The driver itself is SIGKILLed after
-    the first trial and the sweep is resumed with --resume: nothing lost, nothing re-run, no
-    duplicate in MLflow; every trial after a fault still gets the cluster's CPUs (the faulty
-    trial's workers are gone)."""
+    """One sweep, three trials, one at a time, each across the two worker nodes: a worker that
+    hangs in a collective, a worker SIGKILLed mid-trial, a healthy plan. The driver itself is
+    SIGKILLed after the first trial and the sweep is resumed with --resume: nothing lost, nothing
+    re-run, no duplicate in MLflow; every trial after a fault still gets the cluster's CPUs (the
+    faulty trial's workers are gone)."""
     space_path = cluster.tmp / "faults.yaml"
     space_path.write_text(yaml.safe_dump({
-        "name": "faults", "fixed": FIXED,
+        # 2 CPUs a worker: one worker fits node3 (3 CPUs) and one node2 (2 CPUs), so each trial's
+        # two ranks run on two nodes, and one trial at a time (the faults' timing stays its own).
+        "name": "faults", "fixed": {**FIXED, "cpus_per_worker": 2},
         "space": {"strategy": {"ddp": {}}, "micro_batch": [2],
                   "env": {"PARATUNE_FAULT": ["hang:rank=0:step=1", "kill:rank=1:step=1", "none"]}},
         "search": {"algorithm": "grid", "trials": 3, "top_k": 1, "remeasure_rounds": 0}}))
@@ -250,6 +260,7 @@ def test_sweep_job_survives_a_dead_worker_a_hang_and_a_killed_driver(cluster):
     assert hang.wall_s < FIXED["trial_timeout_s"] + 60  # within the configured bound (+ teardown)
     assert by_fault["kill:rank=1:step=1"].reason == "worker_died", by_fault["kill:rank=1:step=1"].message
     assert by_fault["none"].ok  # ran after the faults: their workers had released the CPUs
+    assert len({p["node_id"] for p in by_fault["none"].placement}) == 2  # rank 0 on one node, rank 1 on the other
     assert not _alive_train_workers(cluster)
 
     client = MlflowClient(cluster.tracking_uri)
@@ -296,3 +307,93 @@ def test_training_job_checkpoints_and_resumes_after_a_worker_is_killed(cluster):
     assert sorted(m.step for m in history) == list(range(6))  # each step once, across the restart
     assert [m.value for m in sorted(history, key=lambda m: m.step)] == pytest.approx(result["losses"])
     _no_secret_in(client, [run])
+
+
+# --------------------------------------------------------------------------- placement on several nodes
+def _node_names(c: Cluster) -> dict[str, str]:
+    """node id -> the test's name for it (its custom resource paratune_<name>), 'head' for the head."""
+    names = {}
+    for node in alive_nodes(c):
+        res = node.get("resources_total", {})
+        names[node["node_id"]] = next((k.removeprefix("paratune_") for k in res if k.startswith("paratune_")), "head")
+    return names
+
+
+
+
+def test_a_tp_group_packed_across_nodes_is_invalid_placement_and_whole_nodes_keep_it_inside(cluster):
+    """4 workers with tp 2 on a cluster whose free CPUs are 3 + 1: Ray Train packs ranks 0-2 on one
+    node and rank 3 on the other, so the tp group of ranks 2-3 would straddle nodes. Every rank
+    checks the layout before the first step: invalid_placement, with the layout, never a hang.
+    The same plan on whole nodes (gpus_per_node 2) runs 2 + 2 and records where each rank ran."""
+    plan = {**FIXED, "num_workers": 4, "tp": 2, "strategy": "ddp", "micro_batch": 2, "trial_timeout_s": 240}
+    out = cluster.tmp / "placement.json"
+    job, _ = cluster.submit("tests/placement_job.py", json.dumps(plan), str(out))
+    assert cluster.status(job) == "SUCCEEDED", cluster.logs(job)[-4000:]
+    packed, whole = json.loads(out.read_text())
+    names = _node_names(cluster)
+    assert packed["status"] == "failed" and packed["reason"] == "invalid_placement", (packed["message"], cluster.logs(job)[-3000:])
+    assert "tp group of ranks 2-3 spans 2 nodes" in packed["message"] and "ranks 0-2" in packed["message"]
+    assert whole["status"] == "ok", whole["message"]
+    by_rank = {p["rank"]: (names[p["node_id"]], p["local_rank"], p["local_world_size"]) for p in whole["placement"]}
+    assert by_rank[0][0] == by_rank[1][0] != by_rank[2][0] == by_rank[3][0]  # tp groups inside a node
+    assert {by_rank[r][0] for r in by_rank} == {"node3", "node2"} and all(v[2] == 2 for v in by_rank.values())
+    assert not _alive_train_workers(cluster)
+
+
+def test_a_node_killed_mid_trial_is_node_lost_and_the_sweep_goes_on(cluster):
+    """Two 2-worker plans with gpus_per_node 2 on nodes of 3 and 2 CPUs: both run at once, each on
+    whole nodes of its own (never sharing one, though node3 could hold 3 workers), and each rank's
+    node is recorded in the ledger and in MLflow. Then the raylet of the node running the trial
+    that hangs is SIGKILLed (with its workers): that trial ends node_lost naming the node, the
+    sweep finishes on the node left, nothing leaks (train workers, placement groups, the sweep's
+    actors), and the finished result is kept. Runs last: the cluster is one node short after it."""
+    space_path = cluster.tmp / "nodeloss.yaml"
+    space_path.write_text(yaml.safe_dump({
+        "name": "node-loss", "fixed": {**FIXED, "gpus_per_node": 2, "comm_timeout_s": 90, "trial_timeout_s": 240},
+        "space": {"strategy": {"ddp": {}}, "micro_batch": [2], "env": {"PARATUNE_FAULT": ["hang:rank=0:step=1", "none"]}},
+        "search": {"algorithm": "grid", "trials": 2, "top_k": 1, "remeasure_rounds": 0, "reuse_workers": False}}))
+    out = cluster.tmp / "sweep-nodeloss"
+    job, _ = cluster.submit("jobs/sweep.py", str(space_path), "--out", str(out), "--tracking-uri", cluster.tracking_uri,
+                            wait=False)
+    ledger_path = out / "ledger.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (ledger_path.exists() and '"none"' in ledger_path.read_text()):
+        assert cluster.status(job) in ("PENDING", "RUNNING"), cluster.logs(job)[-4000:]
+        time.sleep(1)
+    # The healthy trial is done (its idle worker group keeps its node); the hanging one holds the
+    # other node: kill that node.
+    healthy_node = next(e.result.placement[0]["node_id"] for e in Ledger(ledger_path).search_entries()
+                        if e.result.plan["env"]["PARATUNE_FAULT"] == "none")
+    names = _node_names(cluster)
+    victim_id = next(i for i, n in names.items() if n in cluster.nodes and i != healthy_node)
+    victim = names[victim_id]
+    workers = ray_list(cluster, "actors", "state=ALIVE")
+    assert [a for a in workers if a["class_name"] == "RayTrainWorker" and a["node_id"] == victim_id], workers
+    os.killpg(cluster.nodes[victim].pid, signal.SIGKILL)  # the module's last test: the node stays dead
+    assert cluster.wait(job, timeout=300) == "SUCCEEDED", cluster.logs(job)[-4000:]
+    by_fault = {e.result.plan["env"]["PARATUNE_FAULT"]: e.result for e in Ledger(ledger_path).search_entries()}
+    lost = by_fault["hang:rank=0:step=1"]
+    assert lost.status == "failed" and lost.reason == "node_lost", lost.message
+    assert victim_id[:8] in lost.message
+    healthy = by_fault["none"]
+    assert healthy.ok, healthy.message
+    # Side by side (the hanging trial was running when the healthy one finished), on different nodes.
+    healthy_nodes = {p["node_id"] for p in healthy.placement}
+    assert len(healthy.placement) == 2 and len(healthy_nodes) == 1 and victim_id not in healthy_nodes
+    assert lost.started_at < healthy.started_at + healthy.wall_s < lost.started_at + lost.wall_s
+    client = MlflowClient(cluster.tracking_uri)
+    parent_id = json.loads((out / "sweep.json").read_text())["parent_run_id"]
+    children = {r.data.tags["paratune.status"]: r for r in client.search_runs(
+        [client.get_run(parent_id).info.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}' and tags.`paratune.phase` = 'search'")}
+    node = healthy.placement[0]
+    assert children["ok"].data.tags["paratune.placement"] == f"node {node['node_ip']} ({node['node_id'][:8]}): ranks 0-1"
+    assert children["failed"].data.tags["paratune.failure_reason"] == "node_lost"
+    assert "paratune.winner" in client.get_run(parent_id).data.tags
+    # Nothing leaks: no train worker, no placement group still holding resources, no sweep actor.
+    time.sleep(2)
+    assert not _alive_train_workers(cluster)
+    groups = ray_list(cluster, "placement-groups")
+    assert not [g for g in groups if g["state"] in ("CREATED", "PENDING", "RESCHEDULING")], groups
+    alive = ray_list(cluster, "actors", "state=ALIVE")
+    assert not [a for a in alive if a["class_name"] in ("NodeLeases", "PoolActor", "TrainController")], alive
