@@ -1,4 +1,5 @@
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -20,6 +21,25 @@ def ray_local(tmp_path_factory):
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def empty_mlflow_store(tmp_path_factory) -> Path:
+    """One empty MLflow SQLite store, schema made: a new store runs MLflow's migrations (~5 s of
+    CPU), so each test copies this file instead (`mlflow_uri`)."""
+    from mlflow.tracking import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow_store") / "mlflow.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
+@pytest.fixture
+def mlflow_uri(tmp_path, empty_mlflow_store) -> str:
+    """A fresh MLflow store of this test's own (tmp_path/mlflow.db), as a tracking URI."""
+    db = tmp_path / "mlflow.db"
+    shutil.copyfile(empty_mlflow_store, db)
+    return f"sqlite:///{db}"
 
 
 def expected_parameter_share(plan) -> float:

@@ -55,12 +55,12 @@ def _session_cmdlines(sid: int) -> list[list[str]]:
 
 
 @pytest.mark.integration
-def test_ui_serves_the_store_on_localhost_with_one_worker(tmp_path):
+def test_ui_serves_the_store_on_localhost_with_one_worker(tmp_path, mlflow_uri):
     """`paratune ui` itself asks MLflow for one server worker (uvicorn, not MLflow's default pool of
     four): the environment carries no MLFLOW_WORKERS. It prints the link to the sweeps' runs."""
     from paratune.tracking import SweepTracker
 
-    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    uri = mlflow_uri
     experiment = SweepTracker(uri).experiment_id
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_WORKERS"}
@@ -107,7 +107,7 @@ def test_trial_with_bad_plans_records_each_failure_and_never_crashes(tmp_path):
     assert rows["bad_model"]["reason"] == "invalid_config" and "bad_model" in proc.stdout
 
 
-def test_report_rewrites_a_sweeps_report_and_logs_it_to_its_parent_run(tmp_path):
+def test_report_rewrites_a_sweeps_report_and_logs_it_to_its_parent_run(tmp_path, mlflow_uri):
     """`paratune report SWEEP_DIR` from the folder alone (ledger, sweep.json): the page, its path
     printed, and a copy under the parent run's "report" artifacts when the store is there."""
     import json
@@ -119,7 +119,7 @@ def test_report_rewrites_a_sweeps_report_and_logs_it_to_its_parent_run(tmp_path)
 
     from conftest import BASE_PLAN
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     tracker = SweepTracker(uri)
     parent = tracker.start_parent("s", None, {}, {})
     sweep = tmp_path / "sweep"

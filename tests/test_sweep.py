@@ -29,7 +29,7 @@ def _children(client, parent_id, phase):
     return sorted(runs, key=lambda r: r.info.start_time)
 
 
-def test_grid_sweep_logs_to_mlflow_and_resumes_without_rerunning(ray_local, tmp_path, capsys):
+def test_grid_sweep_logs_to_mlflow_and_resumes_without_rerunning(ray_local, tmp_path, capsys, mlflow_uri):
     # DeepSpeed's default 5e8-element buckets take ~2 GB per rank: over a 1 GB budget, so the
     # zero trial fails (oom, over budget) while the ddp ones succeed.
     # (The cost model would skip it before launch; here it is told not to, so that a plan measured
@@ -38,7 +38,7 @@ def test_grid_sweep_logs_to_mlflow_and_resumes_without_rerunning(ray_local, tmp_
                                       "micro_batch": [2, 4]},
                    {"algorithm": "grid", "trials": 2, "top_k": 2, "remeasure_rounds": 1}, budget=1.0,
                    estimate={"skip_predicted_oom": False})
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     out = tmp_path / "sweep"
     first = run_sweep(space, out, tracking_uri=uri)
     _assert_progress_without_tune_banner(capsys.readouterr(), total=2)
@@ -89,7 +89,7 @@ def test_grid_sweep_logs_to_mlflow_and_resumes_without_rerunning(ray_local, tmp_
         run_sweep(load_space(space.source), out, resume=True, tracking_uri=uri)
 
 
-def test_tpe_skips_predicted_oom_starts_from_the_predicted_best_and_logs_the_calibration(ray_local, tmp_path):
+def test_tpe_skips_predicted_oom_starts_from_the_predicted_best_and_logs_the_calibration(ray_local, tmp_path, mlflow_uri):
     # ZeRO-2 with DeepSpeed's default buckets is predicted at ~4 GiB per rank: over the 1 GiB
     # budget, skipped before launch. The two DDP plans are measured, the predicted-faster one
     # (no recomputation) first; TPE never proposes a point twice and stops when the space is spent.
@@ -97,7 +97,7 @@ def test_tpe_skips_predicted_oom_starts_from_the_predicted_best_and_logs_the_cal
                                      "activation_checkpointing": ["full", "none"]},
                    {"algorithm": "tpe", "trials": 4, "remeasure_rounds": 0, "seed": 3}, budget=1.0,
                    estimate={"device": "cpu", "start_from_predicted": 1})
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     report = run_sweep(space, tmp_path / "sweep", tracking_uri=uri, report_page=False)
     assert "2 x predicted out of memory on cpu" in report.pruning and "comm_buffers" in report.pruning
     search = [e for e in report.entries if e.phase == "search"]
@@ -117,13 +117,13 @@ def test_tpe_skips_predicted_oom_starts_from_the_predicted_best_and_logs_the_cal
     assert report.calibration["device"] == "cpu"
 
 
-def test_sweep_over_parallel_degrees_logs_them(ray_local, tmp_path):
+def test_sweep_over_parallel_degrees_logs_them(ray_local, tmp_path, mlflow_uri):
     space = _space(tmp_path, "degrees", {"strategy": {"fsdp": {"sharding": ["full"]}}, "micro_batch": [1],
                                          "tp": "auto", "pp": "auto"},
                    {"algorithm": "grid", "trials": 3, "remeasure_rounds": 0})
     # 2 workers: dp2, tp2, pp2 are valid; tp2 x pp2 needs 4 workers and is pruned.
     assert len(space.candidates) == 3 and sum(space.removed.values()) == 1
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     report = run_sweep(space, tmp_path / "sweep", tracking_uri=uri, report_page=False)
     runs = _children(MlflowClient(uri), report.parent_run_id, "search")
     degrees = {(r.data.params["tp"], r.data.params["pp"]) for r in runs}
@@ -131,7 +131,7 @@ def test_sweep_over_parallel_degrees_logs_them(ray_local, tmp_path):
     assert all(r.data.tags["paratune.status"] == "ok" for r in runs), [r.data.tags for r in runs]
 
 
-def test_calibrated_sweep_profiles_measures_the_predicted_fastest_first_and_stops_by_its_rule(ray_local, tmp_path):
+def test_calibrated_sweep_profiles_measures_the_predicted_fastest_first_and_stops_by_its_rule(ray_local, tmp_path, mlflow_uri):
     # Micro-batch 1 means 4 micro-batches per step: on a tiny model several times slower than
     # micro-batch 4, and the profiled model should say so; the rule then stops before them.
     from paratune.profile import ProfileStore, profile_requests_for
@@ -140,7 +140,7 @@ def test_calibrated_sweep_profiles_measures_the_predicted_fastest_first_and_stop
     space = _space(tmp_path, "calibrated", {"strategy": {"ddp": {}}, "micro_batch": [1, 4],
                                             "activation_checkpointing": ["none", "full"]},
                    {"algorithm": "calibrated", "trials": 4, "remeasure_rounds": 0}, estimate={"device": "cpu"})
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     report = run_sweep(space, tmp_path / "sweep", tracking_uri=uri, report_page=False)
     search = [e for e in report.entries if e.phase == "search"]
     assert "no unmeasured plan can win" in report.stop_reason and len(search) < 4
@@ -162,7 +162,7 @@ def test_calibrated_sweep_profiles_measures_the_predicted_fastest_first_and_stop
         assert {"predicted_step_time_s", "step_time_prediction_error"} <= set(run.data.metrics)
 
 
-def test_a_sweep_stops_early_the_trial_that_cannot_reach_its_incumbent(ray_local, tmp_path):
+def test_a_sweep_stops_early_the_trial_that_cannot_reach_its_incumbent(ray_local, tmp_path, mlflow_uri):
     # Every plan is measured (no stopping rule): micro-batch 8 first (predicted fastest), then
     # micro-batch 1 (8 micro-batches per step, several times slower even on a busy machine), whose
     # first 2 of 4 measured steps are far below it: stopped early, recorded with its partial
@@ -170,7 +170,7 @@ def test_a_sweep_stops_early_the_trial_that_cannot_reach_its_incumbent(ray_local
     space = _space(tmp_path, "early", {"strategy": {"ddp": {}}, "micro_batch": [1, 8]},
                    {"algorithm": "calibrated", "trials": 2, "stopping_rule": False, "remeasure_rounds": 0},
                    estimate={"device": "cpu"}, fixed={"measure_steps": 4, "global_batch": 16})
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     report = run_sweep(space, tmp_path / "sweep", tracking_uri=uri, report_page=False)
     first, second = [e.result for e in report.entries if e.phase == "search"]
     assert first.ok and first.plan["micro_batch"] == 8 and len(first.step_times_s) == 4
@@ -183,13 +183,13 @@ def test_a_sweep_stops_early_the_trial_that_cannot_reach_its_incumbent(ray_local
     assert report.verdict.winner.plan["micro_batch"] == 8
 
 
-def test_plans_the_cluster_cannot_hold_are_pruned_and_a_cuda_space_without_gpus_is_an_error(ray_local, tmp_path):
+def test_plans_the_cluster_cannot_hold_are_pruned_and_a_cuda_space_without_gpus_is_an_error(ray_local, tmp_path, mlflow_uri):
     """Before any worker starts and before MLflow hears of the sweep: a space whose plans need more
     workers than the 2-CPU cluster holds fails naming what they need and what the cluster has
     (never Ray Train's 60 s start timeout); device: cuda with no GPU never falls back to the CPU."""
     import ray
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     big = _space(tmp_path, "big", {"strategy": {"ddp": {}}, "micro_batch": [1, 2]}, {"algorithm": "grid", "trials": 1},
                  fixed={"num_workers": 4})
     with pytest.raises(SweepError, match=r"cannot hold any plan of the space: insufficient_resources: the plan needs "

@@ -19,8 +19,8 @@ def _result(ok: bool = True, message: str | None = None) -> TrialResult:
 
 
 @pytest.fixture
-def tracker(tmp_path):
-    return SweepTracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
+def tracker(mlflow_uri):
+    return SweepTracker(mlflow_uri)
 
 
 def _numbers(tracker, parent):
@@ -64,13 +64,13 @@ def test_secrets_are_scrubbed_and_refused(tracker, monkeypatch):
             load_plan_dict({**BASE_PLAN, "env": {name: "x"}})
 
 
-def test_the_experiment_opens_as_model_training_and_trials_carry_their_own_times(tmp_path):
+def test_the_experiment_opens_as_model_training_and_trials_carry_their_own_times(tmp_path, mlflow_uri):
     """MLflow's UI decides how to open an experiment by its kind tag: a model-training experiment
     opens on its runs, not on a GenAI overview of traces. A child run spans the trial itself
     (started_at to started_at + wall_s), not the milliseconds it took to log it."""
     from paratune.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, start_training_run
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     client = SweepTracker(uri).client
     client.set_experiment_tag(client.get_experiment_by_name("paratune").experiment_id, EXPERIMENT_KIND_TAG,
                               "genai_development")  # e.g. made by an older paratune, or by hand
