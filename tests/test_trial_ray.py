@@ -39,11 +39,11 @@ def test_each_strategy_family_measures_and_matches_reference(ray_local, family):
     assert [(p["rank"], p["node_id"], p["local_rank"], p["local_world_size"]) for p in result.placement] == \
         [(0, node, 0, 2), (1, node, 1, 2)]
     # A measurement is never retried: Ray Train's preemption watcher is not started for it.
-    from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR
+    from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR, HEALTH_CHECK_INTERVAL_S_ENV_VAR
 
     from paratune.trial import MEASUREMENT_CONTROLLER_ENV
 
-    assert MEASUREMENT_CONTROLLER_ENV == {ENABLE_PREEMPTION_WATCHER_ENV_VAR: "0"}
+    assert MEASUREMENT_CONTROLLER_ENV == {ENABLE_PREEMPTION_WATCHER_ENV_VAR: "0", HEALTH_CHECK_INTERVAL_S_ENV_VAR: "0.5"}
     assert "PreemptionWatcher" not in _actor_classes()
     assert "TrainController" in _actor_classes()  # the check can see the run's actors
 

@@ -491,11 +491,16 @@ def abort_controller(controller) -> None:
     ray.kill(controller, no_restart=True)
 
 
-# A measurement is never retried (max_failures 0), so Ray Train's preemption watcher (an actor per
-# run that polls node drains to hand the run a grace window before a restart) has nothing to do:
-# a trial on a drained node ends node_lost either way. Off, one Ray process fewer per trial (a few
-# CPU-seconds of imports each). Ray's own switch; the training job (paratune.training) keeps it.
-MEASUREMENT_CONTROLLER_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+# Ray Train's controller settings for a measurement (Ray's own switches; a user's environment
+# wins; the training job, paratune.training, keeps Ray's defaults):
+# - A measurement is never retried (max_failures 0), so the preemption watcher (an actor per run
+#   that polls node drains to hand the run a grace window before a restart) has nothing to do: a
+#   trial on a drained node ends node_lost either way. Off: one Ray process fewer per trial (a
+#   few CPU-seconds of imports each).
+# - The controller polls its workers every 2 s: a trial's end (and its failure) is noticed up to
+#   2 s late, every trial of a sweep. Every 0.5 s: a poll is one small task per worker, and a
+#   missed poll is only a worker's fault after 10 minutes of them.
+MEASUREMENT_CONTROLLER_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
 
 
 def _timed_trainer_class():
@@ -526,7 +531,8 @@ def _timed_trainer_class():
                 env_vars[WORKER_GROUP_START_TIMEOUT_S_ENV_VAR] = str(self.start_timeout_s)
             env_vars.setdefault(dpt.RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
                                 dpt.DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)
-            env_vars.update(MEASUREMENT_CONTROLLER_ENV)
+            for name, value in MEASUREMENT_CONTROLLER_ENV.items():
+                env_vars.setdefault(name, value)  # set by the user (propagated by Ray): theirs
             controller_cls = ray.remote(
                 num_cpus=0,
                 label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},
