@@ -124,7 +124,10 @@ def test_sweep_over_parallel_degrees_logs_them(ray_local, tmp_path, mlflow_uri):
     # 2 workers: dp2, tp2, pp2 are valid; tp2 x pp2 needs 4 workers and is pruned.
     assert len(space.candidates) == 3 and sum(space.removed.values()) == 1
     uri = mlflow_uri
+    trainables_before = _tune_trainables()
     report = run_sweep(space, tmp_path / "sweep", tracking_uri=uri, report_page=False)
+    # One trial at a time on 2 CPUs, so one Tune trainable actor served all three (reuse_actors).
+    assert len(_tune_trainables() - trainables_before) == 1
     runs = _children(MlflowClient(uri), report.parent_run_id, "search")
     degrees = {(r.data.params["tp"], r.data.params["pp"]) for r in runs}
     assert degrees == {("1", "1"), ("2", "1"), ("1", "2")}
@@ -202,6 +205,13 @@ def test_plans_the_cluster_cannot_hold_are_pruned_and_a_cuda_space_without_gpus_
         run_sweep(cuda, tmp_path / "cuda", tracking_uri=uri)
     assert not (tmp_path / "mlflow.db").exists() or not MlflowClient(uri).search_runs(
         [e.experiment_id for e in MlflowClient(uri).search_experiments()])
+
+
+def _tune_trainables() -> set[str]:
+    """Ids of every Tune trainable actor (function trainables: ImplicitFunc) this Ray has run."""
+    import ray._private.state
+
+    return {i for i, a in ray._private.state.actors().items() if a["ActorClassName"] == "ImplicitFunc"}
 
 
 # --------------------------------------------------------------------------- helpers of the grid sweep test

@@ -642,6 +642,9 @@ def _search(space: Space, plans: dict[str, dict], algorithm: str, seed: int, tri
     display = ProgressDisplay(progress, console)
     callback = _LedgerCallback(ledger, tracker, parent, budget_gb, console, total=done + remaining, plans=plans,
                                calibration=calibration, predictions=predictions, progress=progress, display=display)
+    # Tune's trainable only hands a plan to its measurement (the worker-group pool or run_trial) and
+    # reports: every trial asks the same resources, so one actor serves trial after trial
+    # (reuse_actors) instead of a new Ray process, with its imports, per trial.
     trainable = tune.with_resources(
         tune.with_parameters(_trainable, plans=plans, storage=str(out_dir / "ray"), pool=pool, leases=leases),
         {"CPU": 0, "memory": 1},  # the trial's workers hold the CPUs; 1 CPU here deadlocks 2-CPU clusters
@@ -652,13 +655,13 @@ def _search(space: Space, plans: dict[str, dict], algorithm: str, seed: int, tri
         rank = {key: i for i, key in enumerate(fastest_first)}
         todo = sorted((k for k in plans if k not in ledger.keys()),
                       key=lambda k: (json.dumps(json.loads(k)["env"], sort_keys=True), rank.get(_candidate_key(k), len(rank))))
-        tune_config = tune.TuneConfig(num_samples=1, max_concurrent_trials=_concurrency(space))
+        tune_config = tune.TuneConfig(num_samples=1, max_concurrent_trials=_concurrency(space), reuse_actors=True)
         param_space = {"point": tune.grid_search(todo[:remaining])}
     elif algorithm == "calibrated" and predictions is not None:
         tune_config = tune.TuneConfig(
             search_alg=_calibrated_searcher(predictions, ledger, budget_gb, early_stop_steps, stop_file,
                                             StoppingRule() if settings.stopping_rule else StoppingRule(min_trials=10**9)),
-            num_samples=remaining, max_concurrent_trials=_concurrency(space))
+            num_samples=remaining, max_concurrent_trials=_concurrency(space), reuse_actors=True)
     else:
         if algorithm == "calibrated":
             console.print("[yellow]no step-time model: searching with TPE instead[/yellow]")
@@ -668,7 +671,7 @@ def _search(space: Space, plans: dict[str, dict], algorithm: str, seed: int, tri
                                  first=[point_key(json.loads(key), (space.env_grid() or [{}])[0]) for key in
                                         fastest_first[: space.spec.estimate.start_from_predicted]],
                                  early_stop_steps=early_stop_steps),
-            num_samples=remaining, max_concurrent_trials=_concurrency(space))
+            num_samples=remaining, max_concurrent_trials=_concurrency(space), reuse_actors=True)
     callbacks = [callback] if verbose else [callback, _QuietTuneOutput()]
     tuner = tune.Tuner(trainable, param_space=param_space, tune_config=tune_config,
                        run_config=tune.RunConfig(name=f"tune-{len(ledger.entries)}", storage_path=str(out_dir / "tune"),
