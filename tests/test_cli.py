@@ -27,6 +27,7 @@ def test_validate_reports_field_value_and_allowed(tmp_path):
     assert good.returncode == 0 and "grad_accum: 2" in good.stdout
 
 
+@pytest.mark.integration  # the `paratune` command in its own process
 def test_tune_rejects_a_bad_space_before_starting_anything(tmp_path):
     space = tmp_path / "space.yaml"
     space.write_text("name: x\nspace: {strategy: {zero: {stag: [1]}}}\n")
@@ -88,6 +89,7 @@ def test_ui_serves_the_store_on_localhost_with_one_worker(tmp_path, mlflow_uri):
     assert f"#/experiments/{experiment}/runs?workflowType=machine_learning" in out, out
 
 
+@pytest.mark.integration  # the `paratune` command in its own process
 def test_trial_with_bad_plans_records_each_failure_and_never_crashes(tmp_path):
     """A broken plan file and a model that cannot be built are failed rows with their reasons,
     written to the JSON as they come; no traceback, exit code 1 (not every plan ran)."""
@@ -107,6 +109,7 @@ def test_trial_with_bad_plans_records_each_failure_and_never_crashes(tmp_path):
     assert rows["bad_model"]["reason"] == "invalid_config" and "bad_model" in proc.stdout
 
 
+@pytest.mark.integration  # the `paratune` command in its own process
 def test_report_rewrites_a_sweeps_report_and_logs_it_to_its_parent_run(tmp_path, mlflow_uri):
     """`paratune report SWEEP_DIR` from the folder alone (ledger, sweep.json): the page, its path
     printed, and a copy under the parent run's "report" artifacts when the store is there."""

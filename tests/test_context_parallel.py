@@ -301,6 +301,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.integration  # gloo worker processes
 def test_fsdp_reduction_over_dp_x_cp_divides_by_dp_and_sums_only_on_gloo():
     """On GPUs FSDP2 divides by dp inside NCCL's reduction (PREMUL_SUM); gloo has no PREMUL_SUM, so
     only CPU workers force a plain sum (divided after). Real FSDP2 units on a one-rank gloo group."""
