@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import random
 import time
@@ -676,8 +677,17 @@ def _search(space: Space, plans: dict[str, dict], algorithm: str, seed: int, tri
     tuner = tune.Tuner(trainable, param_space=param_space, tune_config=tune_config,
                        run_config=tune.RunConfig(name=f"tune-{len(ledger.entries)}", storage_path=str(out_dir / "tune"),
                                                  callbacks=callbacks, verbose=1 if verbose else 0))
-    with display:
-        tuner.fit()
+    # Tune also logs where it wrote its state ("Wrote the latest version of all result files ..."):
+    # paratune's own ledger is the sweep's record, so that line is Tune's detail too (--verbose).
+    tune_logger = logging.getLogger("ray.tune")
+    level = tune_logger.level
+    if not verbose:
+        tune_logger.setLevel(logging.WARNING)
+    try:
+        with display:
+            tuner.fit()
+    finally:
+        tune_logger.setLevel(level)
 
 
 def _time_predictions(space: Space, plans: dict[str, dict], calibration, pool: str | None,
