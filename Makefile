@@ -8,11 +8,12 @@ STAMP   = $(VENV)/.installed
 
 .PHONY: demo test test-fast install bench clean
 
+# torch through pip (the machine's pip configuration finds the local CPU wheel); everything else
+# through uv (same pins, ~10x faster than pip here), bytecode compiled once for every process.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	$(BIN)/pip install -q --no-compile -c constraints.txt uv torch==2.13.0
+	$(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -13,6 +13,7 @@ from conftest import BASE_PLAN, expected_parameter_share
 
 from paratune.measure import StopRule
 from paratune.plan import load_plan_dict
+from paratune.reference import max_loss_difference, reference_losses
 from paratune.session import RequestFailed, SessionTrialResult, get_pool_actor
 from paratune.trial import run_trial
 
@@ -84,6 +85,9 @@ def test_a_reused_group_measures_a_plan_as_a_fresh_one_does(pool):
     assert len(set(zero_first.worker_pids)) == 2
     assert_same_measurement(fresh_ddp, ddp)  # run_trial's figures, after ZeRO-2 and FSDP ran in its processes
     assert_same_measurement(zero_first, zero_again)  # after DDP, as in its group's fresh processes
+    # ZeRO-2 and FSDP2 under Ray Train train what the single-process reference trains.
+    for request, plan_dict in ((zero_first, ZERO2), (fsdp, FSDP)):
+        assert max_loss_difference(request.losses, reference_losses(load_plan_dict(plan_dict))) < 1e-5
     plan = load_plan_dict(FSDP)
     assert fsdp.local_parameter_counts == [pytest.approx(expected_parameter_share(plan), rel=0.01)] * 2
     launch = {"run_trial ddp": fresh_ddp.launch_s, "fresh group zero2": zero_first.launch_s,

@@ -23,6 +23,21 @@ def _space(tmp_path, name, space, search, budget=None, estimate=None, fixed=None
     return load_space(path)
 
 
+@pytest.fixture(scope="module")
+def sweep_pool(ray_local):
+    """One worker-group pool for the sweeps of this module after the grid sweep (which starts and
+    closes its own, the default): they launch their 2 workers once (run_sweep(pool=...)), as
+    sweeps one after another in one Ray session do. Closed at the module's end, so the CPUs its
+    idle group holds go back before the next module's workers need them."""
+    from paratune.session import get_pool_actor
+
+    name = "paratune-test-sweep-pool"
+    actor = get_pool_actor(name)
+    yield name
+    ray_local.get(actor.close.remote())
+    ray_local.kill(actor)
+
+
 def _children(client, parent_id, phase):
     runs = client.search_runs([client.get_run(parent_id).info.experiment_id],
                               f"tags.mlflow.parentRunId = '{parent_id}' and tags.`paratune.phase` = '{phase}'")
@@ -89,7 +104,7 @@ def test_grid_sweep_logs_to_mlflow_and_resumes_without_rerunning(ray_local, tmp_
         run_sweep(load_space(space.source), out, resume=True, tracking_uri=uri)
 
 
-def test_tpe_skips_predicted_oom_starts_from_the_predicted_best_and_logs_the_calibration(ray_local, tmp_path, mlflow_uri):
+def test_tpe_skips_predicted_oom_starts_from_the_predicted_best_and_logs_the_calibration(ray_local, tmp_path, mlflow_uri, sweep_pool):
     # ZeRO-2 with DeepSpeed's default buckets is predicted at ~4 GiB per rank: over the 1 GiB
     # budget, skipped before launch. The two DDP plans are measured, the predicted-faster one
     # (no recomputation) first; TPE never proposes a point twice and stops when the space is spent.
@@ -98,7 +113,7 @@ def test_tpe_skips_predicted_oom_starts_from_the_predicted_best_and_logs_the_cal
                    {"algorithm": "tpe", "trials": 4, "remeasure_rounds": 0, "seed": 3}, budget=1.0,
                    estimate={"device": "cpu", "start_from_predicted": 1})
     uri = mlflow_uri
-    report = run_sweep(space, tmp_path / "sweep", tracking_uri=uri, report_page=False)
+    report = run_sweep(space, tmp_path / "sweep", tracking_uri=uri, report_page=False, pool=sweep_pool)
     assert "2 x predicted out of memory on cpu" in report.pruning and "comm_buffers" in report.pruning
     search = [e for e in report.entries if e.phase == "search"]
     assert len(search) == 2 and len({e.key for e in search}) == 2  # 2 points left: the sweep stops there
@@ -117,24 +132,32 @@ def test_tpe_skips_predicted_oom_starts_from_the_predicted_best_and_logs_the_cal
     assert report.calibration["device"] == "cpu"
 
 
-def test_sweep_over_parallel_degrees_logs_them(ray_local, tmp_path, mlflow_uri):
+def test_sweep_over_parallel_degrees_logs_them(ray_local, tmp_path, mlflow_uri, sweep_pool):
     space = _space(tmp_path, "degrees", {"strategy": {"fsdp": {"sharding": ["full"]}}, "micro_batch": [1],
                                          "tp": "auto", "pp": "auto"},
                    {"algorithm": "grid", "trials": 3, "remeasure_rounds": 0})
     # 2 workers: dp2, tp2, pp2 are valid; tp2 x pp2 needs 4 workers and is pruned.
     assert len(space.candidates) == 3 and sum(space.removed.values()) == 1
     uri = mlflow_uri
-    trainables_before = _tune_trainables()
-    report = run_sweep(space, tmp_path / "sweep", tracking_uri=uri, report_page=False)
-    # One trial at a time on 2 CPUs, so one Tune trainable actor served all three (reuse_actors).
-    assert len(_tune_trainables() - trainables_before) == 1
+    groups_before = _pool_groups(sweep_pool)
+    report = run_sweep(space, tmp_path / "sweep", tracking_uri=uri, report_page=False, pool=sweep_pool)
+    # One trial at a time on 2 CPUs, so one Tune trainable process served all three (reuse_actors).
+    results = [json.loads(f.read_text().splitlines()[0]) for f in (tmp_path / "sweep" / "tune").rglob("result.json")]
+    assert len(results) == 3 and len({r["pid"] for r in results}) == 1, [r["pid"] for r in results]
+    # The pool passed in served all three in one group, the one the module's earlier sweeps left
+    # (when there was one), and is still running.
+    groups = _pool_groups(sweep_pool)
+    assert len(groups) == 1 and not groups[0]["ended"], groups
+    served_before = {g["group_id"]: g["requests_served"] for g in groups_before}
+    assert groups[0]["requests_served"] == served_before.get(groups[0]["group_id"], 0) + 3
+    assert not groups_before or groups[0]["group_id"] in served_before
     runs = _children(MlflowClient(uri), report.parent_run_id, "search")
     degrees = {(r.data.params["tp"], r.data.params["pp"]) for r in runs}
     assert degrees == {("1", "1"), ("2", "1"), ("1", "2")}
     assert all(r.data.tags["paratune.status"] == "ok" for r in runs), [r.data.tags for r in runs]
 
 
-def test_calibrated_sweep_profiles_measures_the_predicted_fastest_first_and_stops_by_its_rule(ray_local, tmp_path, mlflow_uri):
+def test_calibrated_sweep_profiles_measures_the_predicted_fastest_first_and_stops_by_its_rule(ray_local, tmp_path, mlflow_uri, sweep_pool):
     # Micro-batch 1 means 4 micro-batches per step: on a tiny model several times slower than
     # micro-batch 4, and the profiled model should say so; the rule then stops before them.
     from paratune.profile import ProfileStore, profile_requests_for
@@ -144,7 +167,7 @@ def test_calibrated_sweep_profiles_measures_the_predicted_fastest_first_and_stop
                                             "activation_checkpointing": ["none", "full"]},
                    {"algorithm": "calibrated", "trials": 4, "remeasure_rounds": 0}, estimate={"device": "cpu"})
     uri = mlflow_uri
-    report = run_sweep(space, tmp_path / "sweep", tracking_uri=uri, report_page=False)
+    report = run_sweep(space, tmp_path / "sweep", tracking_uri=uri, report_page=False, pool=sweep_pool)
     search = [e for e in report.entries if e.phase == "search"]
     assert "no unmeasured plan can win" in report.stop_reason and len(search) < 4
     assert all(e.result.plan["micro_batch"] == 4 for e in search)
@@ -165,7 +188,7 @@ def test_calibrated_sweep_profiles_measures_the_predicted_fastest_first_and_stop
         assert {"predicted_step_time_s", "step_time_prediction_error"} <= set(run.data.metrics)
 
 
-def test_a_sweep_stops_early_the_trial_that_cannot_reach_its_incumbent(ray_local, tmp_path, mlflow_uri):
+def test_a_sweep_stops_early_the_trial_that_cannot_reach_its_incumbent(ray_local, tmp_path, mlflow_uri, sweep_pool):
     # Every plan is measured (no stopping rule): micro-batch 8 first (predicted fastest), then
     # micro-batch 1 (8 micro-batches per step, several times slower even on a busy machine), whose
     # first 2 of 4 measured steps are far below it: stopped early, recorded with its partial
@@ -174,7 +197,7 @@ def test_a_sweep_stops_early_the_trial_that_cannot_reach_its_incumbent(ray_local
                    {"algorithm": "calibrated", "trials": 2, "stopping_rule": False, "remeasure_rounds": 0},
                    estimate={"device": "cpu"}, fixed={"measure_steps": 4, "global_batch": 16})
     uri = mlflow_uri
-    report = run_sweep(space, tmp_path / "sweep", tracking_uri=uri, report_page=False)
+    report = run_sweep(space, tmp_path / "sweep", tracking_uri=uri, report_page=False, pool=sweep_pool)
     first, second = [e.result for e in report.entries if e.phase == "search"]
     assert first.ok and first.plan["micro_batch"] == 8 and len(first.step_times_s) == 4
     assert second.status == "stopped_early" and second.plan["micro_batch"] == 1
@@ -207,11 +230,13 @@ def test_plans_the_cluster_cannot_hold_are_pruned_and_a_cuda_space_without_gpus_
         [e.experiment_id for e in MlflowClient(uri).search_experiments()])
 
 
-def _tune_trainables() -> set[str]:
-    """Ids of every Tune trainable actor (function trainables: ImplicitFunc) this Ray has run."""
-    import ray._private.state
+def _pool_groups(name: str) -> list[dict]:
+    """The worker groups of a running pool actor (paratune.session), ended ones left out."""
+    import ray
 
-    return {i for i, a in ray._private.state.actors().items() if a["ActorClassName"] == "ImplicitFunc"}
+    from paratune.session import get_pool_actor
+
+    return [g for g in ray.get(get_pool_actor(name).groups.remote()) if not g["ended"]]
 
 
 # --------------------------------------------------------------------------- helpers of the grid sweep test

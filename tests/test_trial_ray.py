@@ -10,14 +10,15 @@ from paratune.trial import run_trial
 pytestmark = pytest.mark.integration
 
 
-# DDP as a fresh trial: tests/test_session.py (run_trial's figures against a reused group's).
-@pytest.mark.parametrize("family", [
-    {"strategy": "fsdp", "fsdp": {"sharding": "full"}, "profile_comm": True,
-     "env": {"GLOO_SOCKET_IFNAME": "lo", "NCCL_ALGO": "Ring", "PARATUNE_PROBE": "42"}},
-    {"strategy": "zero", "zero": {"stage": 2, "reduce_bucket_size": 100000, "allgather_bucket_size": 100000}},
-])
-def test_each_strategy_family_measures_and_matches_reference(ray_local, family):
-    plan = load_plan_dict({**BASE_PLAN, **family})
+# DDP as a fresh trial, and ZeRO-2 and FSDP2 in a reused group, against the reference:
+# tests/test_session.py (run_trial's figures against a reused group's). Every option of every
+# family, on gloo processes without Ray: tests/test_parity_gloo.py.
+FSDP_WITH_ENV = {"strategy": "fsdp", "fsdp": {"sharding": "full"}, "profile_comm": True,
+                 "env": {"GLOO_SOCKET_IFNAME": "lo", "NCCL_ALGO": "Ring", "PARATUNE_PROBE": "42"}}
+
+
+def test_a_fresh_trial_measures_fsdp_and_matches_reference(ray_local):
+    plan = load_plan_dict({**BASE_PLAN, **FSDP_WITH_ENV})
     result = run_trial(plan)
     assert result.ok, result.message
     assert max_loss_difference(result.losses, reference_losses(plan)) < 1e-5

@@ -511,10 +511,14 @@ def _concurrency(space: Space) -> int:
 def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorithm: str | None = None,
               seed: int | None = None, resume: bool = False, tracking_uri: str | None = None,
               ray_address: str | None = None, console: Console | None = None, verbose: bool = False,
-              report_page: bool = True) -> SweepReport:
+              report_page: bool = True, pool: str | None = None) -> SweepReport:
     """The whole sweep (see the module doc); `verbose`: Ray Tune's own console output as well.
     Ends by writing the sweep report (paratune.sweep_report) and logging it to the parent run;
-    `report_page=False` skips it (seconds of plotting a test of something else need not pay)."""
+    `report_page=False` skips it (seconds of plotting a test of something else need not pay).
+    `pool`: the name of a running worker-group pool (paratune.session.get_pool_actor) to measure
+    in, left running afterwards, so that sweeps one after another in one Ray session (a notebook,
+    a test session) launch their workers once; by default each sweep starts and closes its own.
+    A space with `reuse_workers: false` never uses one."""
 
     from paratune.tracking import SweepTracker
 
@@ -569,7 +573,8 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
              for p in all_points(space)}
     remaining = min(remaining, len(plans) - len(ledger.keys()))
     stop_file = out_dir / "stopped.json"
-    pool = _start_pool(console) if settings.reuse_workers else None
+    own_pool = settings.reuse_workers and pool is None
+    pool = (pool or _start_pool(console)) if settings.reuse_workers else None
     leases = None if pool else _start_leases()
     try:
         predictions, profile_s = None, 0.0
@@ -591,7 +596,7 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
             report.time_model = _time_model_report(predictions)
         _finish(space, report, ledger, tracker, budget_gb, console, calibration, pool)
     finally:
-        if pool is not None:
+        if own_pool and pool is not None:
             _close_pool(pool)
         if leases is not None:
             _close_leases(leases)
