@@ -117,17 +117,27 @@ def start_worker_node(c: Cluster, name: str, cpus: int) -> subprocess.Popen:
 
 
 def ray_list(c: Cluster, kind: str, *filters: str) -> list[dict]:
-    """`ray list KIND --format json` (retried: the state API can time out on a loaded machine)."""
-    args = ["list", kind, "--address", c.address, "--format", "json", *(a for f in filters for a in ("--filter", f))]
+    """What `ray list KIND --filter K=V --detail` lists, from the dashboard's state API over HTTP
+    with the cluster's token (each `ray list` is a Python process: ~3 CPU-seconds of imports, and
+    the tests poll). Retried: the state API can time out on a loaded machine."""
+    import requests
+
+    params = [("limit", "10000"), ("detail", "true")]
+    for f in filters:
+        key, _, value = f.partition("=")
+        params += [("filter_keys", key), ("filter_predicates", "="), ("filter_values", value)]
+    headers = {"Authorization": f"Bearer {Path(c.env['RAY_AUTH_TOKEN_PATH']).read_text().strip()}"}
+    error = ""
     for attempt in range(5):
-        out = c.ray(*args)
-        if "No resource in the cluster" in out.stdout + out.stderr:
-            return []
         try:
-            return json.loads(out.stdout)
-        except json.JSONDecodeError:
-            time.sleep(2)
-    raise RuntimeError(f"ray list {kind}: {out.stdout[-500:]} {out.stderr[-1500:]}")
+            body = requests.get(f"{c.address}/api/v0/{kind.replace('-', '_')}", params=params, headers=headers, timeout=60).json()
+            if body["result"]:
+                return body["data"]["result"]["result"]
+            error = body.get("msg", "")
+        except (requests.RequestException, ValueError, KeyError) as err:
+            error = repr(err)
+        time.sleep(2)
+    raise RuntimeError(f"ray list {kind}: {error[-1500:]}")
 
 
 def join_node(c: Cluster, name: str, cpus: int, expect: int) -> subprocess.Popen:
@@ -207,9 +217,8 @@ def _no_secret_in(client: MlflowClient, runs) -> None:
         assert SECRET not in blob, f"secret leaked into MLflow run {run.info.run_id}"
 
 
-def _alive_train_workers(cluster: Cluster) -> list[str]:
-    out = cluster.ray("list", "actors", "--address", cluster.address, "--filter", "state=ALIVE", "--format", "yaml")
-    return [line for line in out.stdout.splitlines() if "RayTrainWorker" in line]
+def _alive_train_workers(cluster: Cluster) -> list[dict]:
+    return [a for a in ray_list(cluster, "actors", "state=ALIVE") if a["class_name"] == "RayTrainWorker"]
 
 
 def test_sweep_job_survives_a_dead_worker_a_hang_and_a_killed_driver(cluster):
@@ -322,10 +331,10 @@ def _node_names(c: Cluster) -> dict[str, str]:
 
 
 def test_a_tp_group_packed_across_nodes_is_invalid_placement_and_whole_nodes_keep_it_inside(cluster):
-    """4 workers with tp 2 on a cluster whose free CPUs are 3 + 1: Ray Train packs ranks 0-2 on one
-    node and rank 3 on the other, so the tp group of ranks 2-3 would straddle nodes. Every rank
-    checks the layout before the first step: invalid_placement, with the layout, never a hang.
-    The same plan on whole nodes (gpus_per_node 2) runs 2 + 2 and records where each rank ran."""
+    """A tp-2 plan of 2 workers of 2 CPUs on nodes of 3 and 2 CPUs: Ray Train can only place one
+    on each node, so the tp group straddles nodes. Every rank checks the layout before the first
+    step: invalid_placement, with the layout, never a hang. The plan with 4 workers on whole nodes
+    (gpus_per_node 2) runs 2 + 2 (though node3 could hold 3) and records where each rank ran."""
     plan = {**FIXED, "num_workers": 4, "tp": 2, "strategy": "ddp", "micro_batch": 2, "trial_timeout_s": 240}
     out = cluster.tmp / "placement.json"
     job, _ = cluster.submit("tests/placement_job.py", json.dumps(plan), str(out))
@@ -333,7 +342,8 @@ def test_a_tp_group_packed_across_nodes_is_invalid_placement_and_whole_nodes_kee
     packed, whole = json.loads(out.read_text())
     names = _node_names(cluster)
     assert packed["status"] == "failed" and packed["reason"] == "invalid_placement", (packed["message"], cluster.logs(job)[-3000:])
-    assert "tp group of ranks 2-3 spans 2 nodes" in packed["message"] and "ranks 0-2" in packed["message"]
+    assert "tp group of ranks 0-1 spans 2 nodes" in packed["message"], packed["message"]
+    assert packed["message"].count(": rank ") == 2  # the layout: one rank on each node
     assert whole["status"] == "ok", whole["message"]
     by_rank = {p["rank"]: (names[p["node_id"]], p["local_rank"], p["local_world_size"]) for p in whole["placement"]}
     assert by_rank[0][0] == by_rank[1][0] != by_rank[2][0] == by_rank[3][0]  # tp groups inside a node
