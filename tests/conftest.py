@@ -8,7 +8,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # the gloo harness
 
 BASE_PLAN = {"model": "tiny-llama", "seq_len": 32, "global_batch": 8, "micro_batch": 2, "num_workers": 2,
-             "warmup_steps": 1, "measure_steps": 3, "profile_comm": False,
+             "warmup_steps": 1, "measure_steps": 2, "profile_comm": False,
              "lr": 1e-2}
 
 

@@ -25,8 +25,8 @@ def _space(tmp_path, name, space, search, budget=None, estimate=None, fixed=None
 
 @pytest.fixture(scope="module")
 def sweep_pool(ray_local):
-    """One worker-group pool for the sweeps of this module after the grid sweep (which starts and
-    closes its own, the default): they launch their 2 workers once (run_sweep(pool=...)), as
+    """One worker-group pool for the sweeps of this module after the grid sweep's first run (which
+    starts and closes its own, the default): they launch their 2 workers once (run_sweep(pool=...)), as
     sweeps one after another in one Ray session do. Closed at the module's end, so the CPUs its
     idle group holds go back before the next module's workers need them."""
     from paratune.session import get_pool_actor
@@ -44,7 +44,7 @@ def _children(client, parent_id, phase):
     return sorted(runs, key=lambda r: r.info.start_time)
 
 
-def test_grid_sweep_logs_to_mlflow_and_resumes_without_rerunning(ray_local, tmp_path, capsys, mlflow_uri):
+def test_grid_sweep_logs_to_mlflow_and_resumes_without_rerunning(ray_local, tmp_path, capsys, mlflow_uri, sweep_pool):
     # DeepSpeed's default 5e8-element buckets take ~2 GB per rank: over a 1 GB budget, so the
     # zero trial fails (oom, over budget) while the ddp ones succeed.
     # (The cost model would skip it before launch; here it is told not to, so that a plan measured
@@ -65,8 +65,9 @@ def test_grid_sweep_logs_to_mlflow_and_resumes_without_rerunning(ray_local, tmp_
     with pytest.raises(SweepError, match="use --resume"):
         run_sweep(space, out, tracking_uri=uri)
 
-    # "Interrupted" after 2 of 3 trials: resume runs only the missing one.
-    report = run_sweep(space, out, trials=3, resume=True, tracking_uri=uri)
+    # "Interrupted" after 2 of 3 trials: resume runs only the missing one (the first run started
+    # and closed a pool of its own; the resumed one measures in the module's).
+    report = run_sweep(space, out, trials=3, resume=True, tracking_uri=uri, pool=sweep_pool)
     assert report.parent_run_id == first.parent_run_id
     ledger = Ledger(out / "ledger.jsonl")
     search = ledger.search_entries()
