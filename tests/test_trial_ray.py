@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 # DDP as a fresh trial, and ZeRO-2 and FSDP2 in a reused group, against the reference:
 # tests/test_session.py (run_trial's figures against a reused group's). Every option of every
 # family, on gloo processes without Ray: tests/test_parity_gloo.py.
-FSDP_WITH_ENV = {"strategy": "fsdp", "fsdp": {"sharding": "full"}, "profile_comm": True,
+FSDP_WITH_ENV = {"strategy": "fsdp", "fsdp": {"sharding": "full"}, "profile_comm": True, "track_memory": True,
                  "env": {"GLOO_SOCKET_IFNAME": "lo", "NCCL_ALGO": "Ring", "PARATUNE_PROBE": "42"}}
 
 
