@@ -3,9 +3,11 @@
 ui`) beside it. Token auth on. Three `ray start` raylets: a head with no CPUs (it runs the job
 drivers, as ray_cluster.yaml's CPU head does) and worker nodes of 3 and 2 CPUs, sizes that make
 uneven packing happen (4 workers: 3 + 1). One cluster for every job test, in file order: the
-sweep's faults, the training job, placement, and node loss last (it kills a node). Faults are
-real: SIGKILLed workers and drivers, a worker that hangs in the middle of a step, a node whose
-raylet is killed."""
+training job, placement, and the sweep's faults last (it kills a node). Faults are real:
+SIGKILLed workers and drivers, a worker that hangs in the middle of a step, a node whose raylet is
+killed. Each job submission costs a driver, a job supervisor and Ray Train launches (~30
+CPU-seconds each on this 2-core machine), so the sweep meets all of its faults in one sweep and
+its resumption."""
 
 from __future__ import annotations
 
@@ -221,71 +223,6 @@ def _alive_train_workers(cluster: Cluster) -> list[dict]:
     return [a for a in ray_list(cluster, "actors", "state=ALIVE") if a["class_name"] == "RayTrainWorker"]
 
 
-def test_sweep_job_survives_a_dead_worker_a_hang_and_a_killed_driver(cluster):
-    """One sweep, three trials, one at a time, each across the two worker nodes: a worker that
-    hangs in a collective, a worker SIGKILLed mid-trial, a healthy plan. The driver itself is
-    SIGKILLed after the first trial and the sweep is resumed with --resume: nothing lost, nothing
-    re-run, no duplicate in MLflow; every trial after a fault still gets the cluster's CPUs (the
-    faulty trial's workers are gone)."""
-    space_path = cluster.tmp / "faults.yaml"
-    space_path.write_text(yaml.safe_dump({
-        # 2 CPUs a worker: one worker fits node3 (3 CPUs) and one node2 (2 CPUs), so each trial's
-        # two ranks run on two nodes, and one trial at a time (the faults' timing stays its own).
-        "name": "faults", "fixed": {**FIXED, "cpus_per_worker": 2},
-        "space": {"strategy": {"ddp": {}}, "micro_batch": [2],
-                  "env": {"PARATUNE_FAULT": ["hang:rank=0:step=1", "kill:rank=1:step=1", "none"]}},
-        "search": {"algorithm": "grid", "trials": 3, "top_k": 1, "remeasure_rounds": 0}}))
-    out = cluster.tmp / "sweep-faults"
-    args = ["jobs/sweep.py", str(space_path), "--out", str(out), "--tracking-uri", cluster.tracking_uri]
-    job, _ = cluster.submit(*args, wait=False)
-
-    # Kill the driver once the first trial (the hang) is in the ledger.
-    ledger_path = out / "ledger.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (ledger_path.exists() and ledger_path.read_text().strip()):
-        assert cluster.status(job) in ("PENDING", "RUNNING"), cluster.logs(job)
-        time.sleep(1)
-    first_lines = ledger_path.read_text().splitlines()
-    assert len(first_lines) >= 1, cluster.logs(job)
-    driver = subprocess.run(["pgrep", "-f", f"jobs/sweep.py {space_path}"], capture_output=True, text=True)
-    pids = [int(p) for p in driver.stdout.split()]
-    assert pids, "the sweep driver is not running"
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-    assert cluster.wait(job, timeout=120) == "FAILED"
-
-    resumed, proc = cluster.submit(*args, "--resume", timeout=600)
-    assert cluster.status(resumed) == "SUCCEEDED", cluster.logs(resumed)[-4000:]
-    log = cluster.logs(resumed)
-    assert "resuming:" in log and "finished trial(s) kept" in log
-
-    ledger = Ledger(ledger_path)
-    search = ledger.search_entries()
-    assert [e.number for e in search] == [1, 2, 3] and len({e.key for e in search}) == 3
-    assert ledger_path.read_text().splitlines()[: len(first_lines)] == first_lines  # nothing rewritten
-    by_fault = {e.result.plan["env"]["PARATUNE_FAULT"]: e.result for e in search}
-    hang = by_fault["hang:rank=0:step=1"]
-    assert hang.reason in ("hang", "comm_timeout"), hang.message
-    assert hang.wall_s < FIXED["trial_timeout_s"] + 60  # within the configured bound (+ teardown)
-    assert by_fault["kill:rank=1:step=1"].reason == "worker_died", by_fault["kill:rank=1:step=1"].message
-    assert by_fault["none"].ok  # ran after the faults: their workers had released the CPUs
-    assert len({p["node_id"] for p in by_fault["none"].placement}) == 2  # rank 0 on one node, rank 1 on the other
-    assert not _alive_train_workers(cluster)
-
-    client = MlflowClient(cluster.tracking_uri)
-    parent_id = json.loads((out / "sweep.json").read_text())["parent_run_id"]
-    experiment = client.get_run(parent_id).info.experiment_id
-    children = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent_id}'")
-    numbers = sorted(int(r.data.tags["paratune.trial_number"]) for r in children
-                     if r.data.tags["paratune.phase"] == "search")
-    assert numbers == [1, 2, 3]  # every trial once: none lost, none duplicated
-    reasons = {r.data.tags.get("paratune.failure_reason", "ok") for r in children}
-    assert {"worker_died", "ok"} <= reasons and reasons & {"hang", "comm_timeout"}
-    assert client.get_run(parent_id).data.tags["paratune.winner"].startswith("ddp")
-    assert (out / "winner" / "job.sh").read_text().count("ray job submit") == 1
-    _no_secret_in(client, [client.get_run(parent_id), *children])
-
-
 def test_training_job_checkpoints_and_resumes_after_a_worker_is_killed(cluster):
     """The winner's training job, submitted as users submit it: checkpoints every 2 steps; rank 1
     is SIGKILLed 3 s into step 3; Ray Train restarts the worker group from the step-2 checkpoint,
@@ -351,28 +288,58 @@ def test_a_tp_group_packed_across_nodes_is_invalid_placement_and_whole_nodes_kee
     assert not _alive_train_workers(cluster)
 
 
-def test_a_node_killed_mid_trial_is_node_lost_and_the_sweep_goes_on(cluster):
-    """Two 2-worker plans with gpus_per_node 2 on nodes of 3 and 2 CPUs: both run at once, each on
-    whole nodes of its own (never sharing one, though node3 could hold 3 workers), and each rank's
-    node is recorded in the ledger and in MLflow. Then the raylet of the node running the trial
-    that hangs is SIGKILLed (with its workers): that trial ends node_lost naming the node, the
-    sweep finishes on the node left, nothing leaks (train workers, placement groups, the sweep's
-    actors), and the finished result is kept. Runs last: the cluster is one node short after it."""
-    space_path = cluster.tmp / "nodeloss.yaml"
+def test_a_sweep_survives_a_dead_worker_a_killed_driver_and_a_lost_node(cluster):
+    """One sweep of three 2-worker plans with gpus_per_node 2 on nodes of 3 and 2 CPUs, through
+    every fault a cluster deals a sweep. Two trials run at once, each on a whole node of its own
+    (never sharing one, though node3 could hold 3 workers).
+    1. A worker of one trial is SIGKILLed mid-trial (worker_died); the trial waiting for a node
+       starts on the node it freed. While the other trial hangs in a collective, the sweep's
+       driver itself is SIGKILLed.
+    2. The sweep is resumed with --resume: the finished trial is kept, nothing is re-run, the two
+       unfinished trials run side by side on the two nodes (the dead trial's and the dead driver's
+       workers are gone). Once the healthy one is done, the raylet of the node running the hanging
+       one is SIGKILLed with its workers: that trial ends node_lost naming the node, and the sweep
+       finishes on the node left.
+    Every trial is in the ledger and in MLflow once, with where its ranks ran; nothing leaks
+    (train workers, placement groups, the sweep's actors). Runs last: the cluster is one node
+    short after it."""
+    space_path = cluster.tmp / "faults.yaml"
     space_path.write_text(yaml.safe_dump({
-        "name": "node-loss", "fixed": {**FIXED, "gpus_per_node": 2, "comm_timeout_s": 90, "trial_timeout_s": 240},
-        "space": {"strategy": {"ddp": {}}, "micro_batch": [2], "env": {"PARATUNE_FAULT": ["hang:rank=0:step=1", "none"]}},
-        "search": {"algorithm": "grid", "trials": 2, "top_k": 1, "remeasure_rounds": 0, "reuse_workers": False}}))
-    out = cluster.tmp / "sweep-nodeloss"
-    job, _ = cluster.submit("jobs/sweep.py", str(space_path), "--out", str(out), "--tracking-uri", cluster.tracking_uri,
-                            wait=False)
+        "name": "faults", "fixed": {**FIXED, "gpus_per_node": 2, "comm_timeout_s": 90, "trial_timeout_s": 240},
+        "space": {"strategy": {"ddp": {}}, "micro_batch": [2],
+                  "env": {"PARATUNE_FAULT": ["hang:rank=0:step=1", "kill:rank=1:step=1", "none"]}},
+        "search": {"algorithm": "grid", "trials": 3, "top_k": 1, "remeasure_rounds": 0}}))
+    out = cluster.tmp / "sweep-faults"
     ledger_path = out / "ledger.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline and not (ledger_path.exists() and '"none"' in ledger_path.read_text()):
-        assert cluster.status(job) in ("PENDING", "RUNNING"), cluster.logs(job)[-4000:]
-        time.sleep(1)
-    # The healthy trial is done (its idle worker group keeps its node); the hanging one holds the
-    # other node: kill that node.
+    args = ["jobs/sweep.py", str(space_path), "--out", str(out), "--tracking-uri", cluster.tracking_uri]
+
+    def faults_in_ledger() -> list[str]:
+        return [e.result.plan["env"]["PARATUNE_FAULT"] for e in Ledger(ledger_path).search_entries()] \
+            if ledger_path.exists() else []
+
+    def wait_for_in_ledger(fault: str, job: str, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline and fault not in faults_in_ledger():
+            assert cluster.status(job) in ("PENDING", "RUNNING"), cluster.logs(job)[-4000:]
+            time.sleep(1)
+        assert fault in faults_in_ledger(), cluster.logs(job)[-4000:]
+
+    # 1. The hanging trial and the killed one start together; kill the driver once the killed
+    #    one is in the ledger (the hanging one cannot finish: its collective times out after 90 s).
+    job, _ = cluster.submit(*args, wait=False)
+    wait_for_in_ledger("kill:rank=1:step=1", job, timeout=300)
+    first_lines = ledger_path.read_text().splitlines()
+    assert faults_in_ledger() == ["kill:rank=1:step=1"], first_lines
+    driver = subprocess.run(["pgrep", "-f", f"jobs/sweep.py {space_path}"], capture_output=True, text=True)
+    pids = [int(p) for p in driver.stdout.split()]
+    assert pids, "the sweep driver is not running"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    assert cluster.wait(job, timeout=120) == "FAILED"
+
+    # 2. Resumed: the healthy trial and the hanging one side by side; then the hanging one's node dies.
+    resumed, _ = cluster.submit(*args, "--resume", wait=False)
+    wait_for_in_ledger("none", resumed, timeout=300)
     healthy_node = next(e.result.placement[0]["node_id"] for e in Ledger(ledger_path).search_entries()
                         if e.result.plan["env"]["PARATUNE_FAULT"] == "none")
     names = _node_names(cluster)
@@ -381,25 +348,39 @@ def test_a_node_killed_mid_trial_is_node_lost_and_the_sweep_goes_on(cluster):
     workers = ray_list(cluster, "actors", "state=ALIVE")
     assert [a for a in workers if a["class_name"] == "RayTrainWorker" and a["node_id"] == victim_id], workers
     os.killpg(cluster.nodes[victim].pid, signal.SIGKILL)  # the module's last test: the node stays dead
-    assert cluster.wait(job, timeout=300) == "SUCCEEDED", cluster.logs(job)[-4000:]
-    by_fault = {e.result.plan["env"]["PARATUNE_FAULT"]: e.result for e in Ledger(ledger_path).search_entries()}
-    lost = by_fault["hang:rank=0:step=1"]
+    assert cluster.wait(resumed, timeout=300) == "SUCCEEDED", cluster.logs(resumed)[-4000:]
+    log = cluster.logs(resumed)
+    assert "resuming: 1 finished trial(s) kept, 2 to run" in log, log[-4000:]
+
+    ledger = Ledger(ledger_path)
+    search = ledger.search_entries()
+    assert [e.number for e in search] == [1, 2, 3] and len({e.key for e in search}) == 3
+    assert ledger_path.read_text().splitlines()[: len(first_lines)] == first_lines  # nothing rewritten
+    by_fault = {e.result.plan["env"]["PARATUNE_FAULT"]: e.result for e in search}
+    killed, lost, healthy = by_fault["kill:rank=1:step=1"], by_fault["hang:rank=0:step=1"], by_fault["none"]
+    assert killed.reason == "worker_died", killed.message
     assert lost.status == "failed" and lost.reason == "node_lost", lost.message
     assert victim_id[:8] in lost.message
-    healthy = by_fault["none"]
     assert healthy.ok, healthy.message
-    # Side by side (the hanging trial was running when the healthy one finished), on different nodes.
+    # Side by side (the hanging trial was running when the healthy one finished), on different
+    # whole nodes: the healthy trial's 2 ranks on one node, not the one that died.
     healthy_nodes = {p["node_id"] for p in healthy.placement}
     assert len(healthy.placement) == 2 and len(healthy_nodes) == 1 and victim_id not in healthy_nodes
+    assert all(p["local_world_size"] == 2 for p in healthy.placement)
     assert lost.started_at < healthy.started_at + healthy.wall_s < lost.started_at + lost.wall_s
+
     client = MlflowClient(cluster.tracking_uri)
     parent_id = json.loads((out / "sweep.json").read_text())["parent_run_id"]
-    children = {r.data.tags["paratune.status"]: r for r in client.search_runs(
-        [client.get_run(parent_id).info.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}' and tags.`paratune.phase` = 'search'")}
+    experiment = client.get_run(parent_id).info.experiment_id
+    children = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent_id}' and tags.`paratune.phase` = 'search'")
+    assert sorted(int(r.data.tags["paratune.trial_number"]) for r in children) == [1, 2, 3]  # once each
+    assert sorted(r.data.tags.get("paratune.failure_reason", "ok") for r in children) == ["node_lost", "ok", "worker_died"]
     node = healthy.placement[0]
-    assert children["ok"].data.tags["paratune.placement"] == f"node {node['node_ip']} ({node['node_id'][:8]}): ranks 0-1"
-    assert children["failed"].data.tags["paratune.failure_reason"] == "node_lost"
-    assert "paratune.winner" in client.get_run(parent_id).data.tags
+    ok_run = next(r for r in children if r.data.tags["paratune.status"] == "ok")
+    assert ok_run.data.tags["paratune.placement"] == f"node {node['node_ip']} ({node['node_id'][:8]}): ranks 0-1"
+    assert client.get_run(parent_id).data.tags["paratune.winner"].startswith("ddp")
+    assert (out / "winner" / "job.sh").read_text().count("ray job submit") == 1
+    _no_secret_in(client, [client.get_run(parent_id), *children])
     # Nothing leaks: no train worker, no placement group still holding resources, no sweep actor.
     time.sleep(2)
     assert not _alive_train_workers(cluster)
@@ -407,3 +388,7 @@ def test_a_node_killed_mid_trial_is_node_lost_and_the_sweep_goes_on(cluster):
     assert not [g for g in groups if g["state"] in ("CREATED", "PENDING", "RESCHEDULING")], groups
     alive = ray_list(cluster, "actors", "state=ALIVE")
     assert not [a for a in alive if a["class_name"] in ("NodeLeases", "PoolActor", "TrainController")], alive
+    # The pools of both drivers (and so their groups' Train controllers) ran on the head, the
+    # drivers' node: a 0-CPU actor on a worker node would have died with it, and the sweep with it.
+    pools = [a for a in ray_list(cluster, "actors", "class_name=PoolActor")]
+    assert len(pools) == 2 and {names.get(a["node_id"]) for a in pools} == {"head"}, pools

@@ -349,12 +349,21 @@ class NodeLeases:
         return dict(self.held)
 
 
+def on_this_node():
+    """A scheduling strategy that keeps an actor on the caller's node (the driver's), never on a
+    worker node that may die under it."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+
+
 def get_leases_actor(name: str):
-    """The sweep's named NodeLeases actor (created on first use, 0 CPUs)."""
+    """The sweep's named NodeLeases actor (created on first use, 0 CPUs, on the driver's node)."""
     import ray
 
-    return ray.remote(NodeLeases).options(name=name, get_if_exists=True, num_cpus=0,
-                                          lifetime=None).remote()
+    return ray.remote(NodeLeases).options(name=name, get_if_exists=True, num_cpus=0, lifetime=None,
+                                          scheduling_strategy=on_this_node()).remote()
 
 
 def acquire_nodes(leases_name: str, owner: str, demand: Demand, bound_s: float,

@@ -726,10 +726,13 @@ def get_pool_actor(name: str = DEFAULT_POOL_NAME, *, namespace: str | None = Non
     a trainable would go (and its groups with it) when that trial ends. Detached: it outlives
     every process (call close.remote(), then ray.kill it). Its methods: measure(plan_dict, stop_rule_dict
     or None) -> SessionTrialResult dict; run(plan_dict, function_path, payload, timeout_s=None) ->
-    dict (raises RequestFailed); groups() -> list[dict]; close()."""
+    dict (raises RequestFailed); groups() -> list[dict]; close().
+    It runs on the caller's node (the driver's: the head on a cluster), as Ray Train pins its
+    controller there: a 0-CPU actor may otherwise land on any node, and when that node dies, every
+    worker group of the sweep (whose Train controllers it runs) goes with it."""
     import ray
 
     return ray.remote(PoolActor).options(
         name=name, namespace=namespace, get_if_exists=True, lifetime="detached" if detached else None,
-        num_cpus=0, max_concurrency=max_concurrency,
+        num_cpus=0, max_concurrency=max_concurrency, scheduling_strategy=placement.on_this_node(),
     ).remote(max_groups, storage_path, max_requests_per_group)
