@@ -46,6 +46,7 @@ def test_a_fresh_trial_measures_fsdp_and_matches_reference(ray_local):
 
     assert MEASUREMENT_CONTROLLER_ENV == {ENABLE_PREEMPTION_WATCHER_ENV_VAR: "0", HEALTH_CHECK_INTERVAL_S_ENV_VAR: "0.5"}
     assert "PreemptionWatcher" not in _actor_classes()
+    assert "DatasetManager" not in _actor_classes()  # no datasets: no Ray Data actor per trial
     assert "TrainController" in _actor_classes()  # the check can see the run's actors
 
 

@@ -523,6 +523,15 @@ def _timed_trainer_class():
         controller = None
         start_timeout_s: float | None = None  # Ray Train's worker-group start timeout (None: its 60 s)
 
+        def _create_default_callbacks(self):
+            """Ray's callbacks, less the datasets callback when there are no datasets (a trial
+            has none): with none it still starts a DatasetManager actor per run, a process that
+            imports Ray Data (pandas, pyarrow: ~2.7 CPU-seconds) and serves nothing."""
+            from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+            callbacks = super()._create_default_callbacks()
+            return [c for c in callbacks if self.datasets or not isinstance(c, DatasetsCallback)]
+
         def _initialize_and_run_controller(self, **controller_init_kwargs):
             env_vars = dpt.get_env_vars_to_propagate()
             if self.start_timeout_s is not None:
