@@ -25,7 +25,9 @@ MEASURED = {"measure_steps": 3}
 ZERO2 = {**BASE_PLAN, **MEASURED, "track_memory": True, "strategy": "zero",
          "zero": {"stage": 2, "reduce_bucket_size": 100000, "allgather_bucket_size": 100000}}
 DDP = {**BASE_PLAN, **MEASURED, "track_memory": True, "strategy": "ddp"}
-FSDP = {**BASE_PLAN, **MEASURED, "track_memory": True, "strategy": "fsdp", "fsdp": {"sharding": "full"}}
+# FSDP2 with the communication share profiled (one extra step): run_trial's fresh trial and the reused group's.
+FSDP = {**BASE_PLAN, **MEASURED, "track_memory": True, "profile_comm": True, "strategy": "fsdp",
+        "fsdp": {"sharding": "full"}}
 FAULT = {"PARATUNE_FAULT": "kill:rank=1:step=1:seed=7"}  # in a plan's env: only its seed-7 plans die
 
 
@@ -74,7 +76,8 @@ def assert_same_measurement(fresh, reused) -> None:
 
 
 def test_a_reused_group_measures_a_plan_as_a_fresh_one_does(pool):
-    fresh_ddp = run_trial(load_plan_dict(DDP))  # its own group, torn down before the pool starts one
+    fresh = run_trial(load_plan_dict(FSDP))  # its own group, torn down before the pool starts one
+    assert_fresh_trial_figures(fresh, load_plan_dict(FSDP))
     # One group: ZeRO-2 (DeepSpeed's groups) first in fresh processes, then FSDP2 (a DeviceMesh),
     # DDP after both, ZeRO-2 after DDP.
     zero_first = pool.measure(ZERO2)
@@ -86,19 +89,55 @@ def test_a_reused_group_measures_a_plan_as_a_fresh_one_does(pool):
     assert [r.group_request for r in runs] == [1, 2, 3, 4]
     assert len({r.group_id for r in runs}) == 1 and all(r.worker_pids == zero_first.worker_pids for r in runs)
     assert len(set(zero_first.worker_pids)) == 2
-    assert_same_measurement(fresh_ddp, ddp)  # run_trial's figures, after ZeRO-2 and FSDP ran in its processes
-    assert_same_measurement(zero_first, zero_again)  # after DDP, as in its group's fresh processes
-    # ZeRO-2 and FSDP2 under Ray Train train what the single-process reference trains.
-    for request, plan_dict in ((zero_first, ZERO2), (fsdp, FSDP)):
+    assert_same_measurement(fresh, fsdp)  # run_trial's figures, after ZeRO-2 ran in its processes
+    assert_same_measurement(zero_first, zero_again)  # after FSDP2 and DDP, as in its group's fresh processes
+    assert 0 < fsdp.comm_share <= 1
+    # ZeRO-2 and DDP under Ray Train train what the single-process reference trains (FSDP2: above).
+    for request, plan_dict in ((zero_first, ZERO2), (ddp, DDP)):
         assert max_loss_difference(request.losses, reference_losses(load_plan_dict(plan_dict))) < 1e-5
-    plan = load_plan_dict(FSDP)
-    assert fsdp.local_parameter_counts == [pytest.approx(expected_parameter_share(plan), rel=0.01)] * 2
-    launch = {"run_trial ddp": fresh_ddp.launch_s, "fresh group zero2": zero_first.launch_s,
+    launch = {"run_trial fsdp": fresh.launch_s, "fresh group zero2": zero_first.launch_s,
               "reused fsdp": fsdp.launch_s, "reused ddp": ddp.launch_s, "reused zero2": zero_again.launch_s}
     print("\nlaunch_s:", {k: round(v, 2) for k, v in launch.items()})
     # A reused group's launch is the request's own, no worker start (speed targets: benchmarks).
     assert max(fsdp.launch_s, ddp.launch_s, zero_again.launch_s) < 10
-    assert ddp.wall_s < fresh_ddp.wall_s
+    assert fsdp.wall_s < fresh.wall_s
+
+
+def assert_fresh_trial_figures(result, plan) -> None:
+    """run_trial's own figures: parity with the reference, the throughput computed from the measured
+    steps only, where every rank ran, and Ray Train's run without the actors a measurement never
+    needs."""
+    import ray
+
+    assert result.ok, result.message
+    assert max_loss_difference(result.losses, reference_losses(plan)) < 1e-5
+    assert len(result.step_times_s) == plan.measure_steps and len(result.losses) == plan.total_steps
+    expected = plan.tokens_per_step * plan.measure_steps / (sum(result.step_times_s) * plan.num_workers)
+    assert result.tokens_per_s_per_gpu == pytest.approx(expected)
+    assert result.step_time_p10_s <= result.step_time_median_s <= result.step_time_p90_s
+    assert result.mfu is None and result.launch_s > 0  # no known peak for a CPU
+    assert 0 < result.comm_share <= 1
+    assert result.local_parameter_counts == [pytest.approx(expected_parameter_share(plan), rel=0.01)] * 2
+    node = ray.get_runtime_context().get_node_id()  # one node here; multi-node: test_cluster_jobs
+    assert [(p["rank"], p["node_id"], p["local_rank"], p["local_world_size"]) for p in result.placement] == \
+        [(0, node, 0, 2), (1, node, 1, 2)]
+    # A measurement is never retried: Ray Train's preemption watcher is not started for it; with no
+    # datasets, no DatasetManager either.
+    from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR, HEALTH_CHECK_INTERVAL_S_ENV_VAR
+
+    from paratune.trial import MEASUREMENT_CONTROLLER_ENV
+
+    assert MEASUREMENT_CONTROLLER_ENV == {ENABLE_PREEMPTION_WATCHER_ENV_VAR: "0", HEALTH_CHECK_INTERVAL_S_ENV_VAR: "0.5"}
+    classes = actor_classes()
+    assert "TrainController" in classes  # the check can see the run's actors
+    assert not {"PreemptionWatcher", "DatasetManager"} & classes, classes
+
+
+def actor_classes() -> set[str]:
+    """Every actor class this Ray instance has run (alive or dead)."""
+    import ray._private.state
+
+    return {a["ActorClassName"] for a in ray._private.state.actors().values()}
 
 
 def test_the_stop_rule_works_in_a_reused_group(pool):
