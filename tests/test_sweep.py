@@ -25,10 +25,11 @@ def _space(tmp_path, name, space, search, budget=None, estimate=None, fixed=None
 
 @pytest.fixture(scope="module")
 def sweep_pool(ray_local):
-    """One worker-group pool for the sweeps of this module after the grid sweep's first run (which
-    starts and closes its own, the default): they launch their 2 workers once (run_sweep(pool=...)), as
-    sweeps one after another in one Ray session do. Closed at the module's end, so the CPUs its
-    idle group holds go back before the next module's workers need them."""
+    """One worker-group pool for the sweeps of this module: they launch their 2 workers once
+    (run_sweep(pool=...)), as sweeps one after another in one Ray session do. (A sweep's own pool,
+    the default, started and closed with it: the sweep jobs of tests/test_cluster_jobs.py.) Closed
+    at the module's end, so the CPUs its idle group holds go back before the next module's workers
+    need them."""
     from paratune.session import get_pool_actor
 
     name = "paratune-test-sweep-pool"
@@ -55,7 +56,7 @@ def test_grid_sweep_logs_to_mlflow_and_resumes_without_rerunning(ray_local, tmp_
                    estimate={"skip_predicted_oom": False})
     uri = mlflow_uri
     out = tmp_path / "sweep"
-    first = run_sweep(space, out, tracking_uri=uri)
+    first = run_sweep(space, out, tracking_uri=uri, pool=sweep_pool)
     _assert_progress_without_tune_banner(capsys.readouterr(), total=2)
     client = MlflowClient(uri)
     # Grid order follows the prediction: micro-batch 4 (fewer micro-batches) before 2.
@@ -65,8 +66,7 @@ def test_grid_sweep_logs_to_mlflow_and_resumes_without_rerunning(ray_local, tmp_
     with pytest.raises(SweepError, match="use --resume"):
         run_sweep(space, out, tracking_uri=uri)
 
-    # "Interrupted" after 2 of 3 trials: resume runs only the missing one (the first run started
-    # and closed a pool of its own; the resumed one measures in the module's).
+    # "Interrupted" after 2 of 3 trials: resume runs only the missing one.
     report = run_sweep(space, out, trials=3, resume=True, tracking_uri=uri, pool=sweep_pool)
     assert report.parent_run_id == first.parent_run_id
     ledger = Ledger(out / "ledger.jsonl")
@@ -145,13 +145,13 @@ def test_sweep_over_parallel_degrees_logs_them(ray_local, tmp_path, mlflow_uri, 
     # One trial at a time on 2 CPUs, so one Tune trainable process served all three (reuse_actors).
     results = [json.loads(f.read_text().splitlines()[0]) for f in (tmp_path / "sweep" / "tune").rglob("result.json")]
     assert len(results) == 3 and len({r["pid"] for r in results}) == 1, [r["pid"] for r in results]
-    # The pool passed in served all three in one group, the one the module's earlier sweeps left
-    # (when there was one), and is still running.
+    # The pool passed in served all three in one group, the one the module's earlier sweeps left,
+    # and is still running.
     groups = _pool_groups(sweep_pool)
     assert len(groups) == 1 and not groups[0]["ended"], groups
     served_before = {g["group_id"]: g["requests_served"] for g in groups_before}
     assert groups[0]["requests_served"] == served_before.get(groups[0]["group_id"], 0) + 3
-    assert not groups_before or groups[0]["group_id"] in served_before
+    assert groups[0]["group_id"] in served_before
     runs = _children(MlflowClient(uri), report.parent_run_id, "search")
     degrees = {(r.data.params["tp"], r.data.params["pp"]) for r in runs}
     assert degrees == {("1", "1"), ("2", "1"), ("1", "2")}
