@@ -14,10 +14,10 @@ BASE_PLAN = {"model": "tiny-llama", "seq_len": 32, "global_batch": 8, "micro_bat
              "lr": 1e-2}
 
 # DeepSpeed's CPU Adam (what ZeRO offload steps with on GPU clusters) is JIT-compiled at first use:
-# ~100 CPU-seconds of C++ per fresh clone, inside whichever test needs it first. The suite leaves
-# ~20 % of its CPU idle (waits for processes, timeouts), so the op is built at the session's start
-# in a niced background process that only takes that idle time. torch's build lock makes a test
-# that needs the op wait for this build instead of starting another.
+# ~130 CPU-seconds of C++ per fresh clone (two files), inside whichever test needs it first. The
+# suite leaves ~20 % of its CPU idle (waits for processes, timeouts), so the op is built at the
+# session's start in a niced background process that only takes that idle time. torch's build
+# lock makes a test that needs the op wait for this build instead of starting another.
 _CPU_ADAM_BUILD = "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False)"
 _builder: subprocess.Popen | None = None
 
