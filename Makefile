@@ -9,10 +9,13 @@ STAMP   = $(VENV)/.installed
 .PHONY: demo test test-fast install bench clean
 
 # torch through pip (the machine's pip configuration finds the local CPU wheel); everything else
-# through uv (same pins, ~10x faster than pip here), bytecode compiled once for every process.
+# through uv (same pins, ~10x faster than pip here). Bytecode is compiled once, at install, for
+# everything (pip compiles torch and its dependencies, uv the rest): this environment sets
+# PYTHONDONTWRITEBYTECODE, so a module without a .pyc is compiled again in every process that
+# imports it (torch and sympy uncompiled: +1.5 CPU-s for every `import torch`, in every Ray worker).
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --no-compile -c constraints.txt uv torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt uv torch==2.13.0
 	$(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
