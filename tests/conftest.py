@@ -23,8 +23,11 @@ _builder: subprocess.Popen | None = None
 
 
 def pytest_collection_finish(session) -> None:
+    """Start the build once: in the only pytest process, or in the first of pytest-xdist's workers
+    (each collects every test)."""
     global _builder
-    if any(item.get_closest_marker("integration") for item in session.items) and _builder is None:
+    first_process = os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"
+    if first_process and any(item.get_closest_marker("integration") for item in session.items) and _builder is None:
         _builder = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", _CPU_ADAM_BUILD],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
