@@ -29,7 +29,7 @@ demo: $(STAMP)
 # works while the other waits (a launch, a timeout, a killed node). TEST_WORKERS=0: no xdist, one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -x --durations=15 -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -x --durations=15 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The edit-run loop: unit tests only (pure planning, estimates, parsing, configs; no Ray workers).
 test-fast: $(STAMP)

@@ -14,10 +14,12 @@ BASE_PLAN = {"model": "tiny-llama", "seq_len": 32, "global_batch": 8, "micro_bat
              "lr": 1e-2}
 
 # DeepSpeed's CPU Adam (what ZeRO offload steps with on GPU clusters) is JIT-compiled at first use:
-# ~130 CPU-seconds of C++ per fresh clone (two files), inside whichever test needs it first. The
-# suite leaves ~20 % of its CPU idle (waits for processes, timeouts), so the op is built at the
-# session's start in a niced background process that only takes that idle time. torch's build
-# lock makes a test that needs the op wait for this build instead of starting another.
+# ~125 CPU-seconds of C++ per fresh clone (two files), inside whichever test needs it first. It is
+# built in a background process from the session's start instead, beside the tests, so that it is
+# done by the time the first test needs it (a few minutes in). Not niced: with two test processes
+# the CPUs are rarely idle, and a niced build starved until a test blocked on it (a test that
+# takes ~20 s took 187 s). torch's build lock makes a test that needs the op wait for this build
+# instead of starting another.
 _CPU_ADAM_BUILD = "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False)"
 _builder: subprocess.Popen | None = None
 
@@ -28,8 +30,18 @@ def pytest_collection_finish(session) -> None:
     global _builder
     first_process = os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"
     if first_process and any(item.get_closest_marker("integration") for item in session.items) and _builder is None:
-        _builder = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", _CPU_ADAM_BUILD],
+        _builder = subprocess.Popen([sys.executable, "-c", _CPU_ADAM_BUILD],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Modules that start processes (integration) first, the quick unit modules after them. Under
+    pytest-xdist (`make test`: --dist loadfile --no-loadscope-reorder) a worker takes the next
+    module in this order when it is nearly done with its own, so the long modules (the cluster's
+    job tests: ~5 min) start early and the short ones fill the end. (xdist's own order, by number
+    of tests, started the job tests last, with one process idle for their last 2 minutes.)"""
+    integration = {item.path for item in items if item.get_closest_marker("integration")}
+    items.sort(key=lambda item: item.path not in integration)  # stable: file order otherwise
 
 
 def pytest_sessionfinish(session) -> None:
