@@ -136,9 +136,16 @@ def test_dead_actor_ids_are_found_in_every_layer():
     assert _dead_actor_ids([RuntimeError(text)]) == ["7c3b2f9a1d4e5f60718293a4b5c6d7e801000000"]
 
 
-def test_dead_worker_logs_need_a_running_ray():
+def test_dead_worker_logs_need_a_running_ray_with_a_dashboard(monkeypatch):
+    """No dead actor named, no Ray in this process, or a Ray without a dashboard: no logs to read.
+    Both Ray states are set here: whether this process runs Ray depends on the modules that ran
+    before in it (the tests' in-process Ray starts with the first module that needs it)."""
     import ray
+    import ray._private.worker
 
-    assert not ray.is_initialized()
-    assert dead_worker_logs(_dead_worker()) == ""
     assert dead_worker_logs(RuntimeError("no actor in here")) == ""
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    assert dead_worker_logs(_dead_worker()) == ""
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray._private.worker, "get_dashboard_url", lambda: "")
+    assert dead_worker_logs(_dead_worker()) == ""
