@@ -15,11 +15,9 @@ BASE_PLAN = {"model": "tiny-llama", "seq_len": 32, "global_batch": 8, "micro_bat
 
 # DeepSpeed's CPU Adam (what ZeRO offload steps with on GPU clusters) is JIT-compiled at first use:
 # ~125 CPU-seconds of C++ per fresh clone (two files), inside whichever test needs it first. It is
-# built in a background process from the session's start instead, beside the tests, so that it is
-# done by the time the first test needs it (a few minutes in). Not niced: with two test processes
-# the CPUs are rarely idle, and a niced build starved until a test blocked on it (a test that
-# takes ~20 s took 187 s). torch's build lock makes a test that needs the op wait for this build
-# instead of starting another.
+# built from the session's start by a niced background process instead: it takes the CPU the tests
+# leave idle, and a test that needs the op before it is done waits on torch's build lock (its
+# process idle, the build then has that core) instead of starting another build.
 _CPU_ADAM_BUILD = "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False)"
 _builder: subprocess.Popen | None = None
 
@@ -29,19 +27,35 @@ def pytest_collection_finish(session) -> None:
     (each collects every test)."""
     global _builder
     first_process = os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"
-    if first_process and any(item.get_closest_marker("integration") for item in session.items) and _builder is None:
-        _builder = subprocess.Popen([sys.executable, "-c", _CPU_ADAM_BUILD],
+    wanted = not session.config.option.collectonly and any(item.get_closest_marker("integration") for item in session.items)
+    if first_process and wanted and _builder is None:
+        _builder = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", _CPU_ADAM_BUILD],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+# The longest modules, longest first (fresh-clone seconds, one process): the job tests on the
+# three-raylet cluster (~300), the reused worker groups (~110), the sweeps (~80), the gloo parity
+# batch (~70), the fresh trials (~60).
+LONGEST_FIRST = ["test_cluster_jobs.py", "test_session.py", "test_sweep.py", "test_parity_gloo.py",
+                 "test_trial_ray.py"]
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """Modules that start processes (integration) first, the quick unit modules after them. Under
-    pytest-xdist (`make test`: --dist loadfile --no-loadscope-reorder) a worker takes the next
-    module in this order when it is nearly done with its own, so the long modules (the cluster's
-    job tests: ~5 min) start early and the short ones fill the end. (xdist's own order, by number
-    of tests, started the job tests last, with one process idle for their last 2 minutes.)"""
+    """Order modules longest first: the longest above, then the other modules that start processes
+    (integration), then the quick unit modules. Under pytest-xdist (`make test`: --dist loadfile
+    --no-loadscope-reorder) a worker takes the next module in this order when it is nearly done
+    with its own, so the long ones start at once and the short ones fill the end. (xdist's own
+    order, by number of tests, started the job tests last: one process idle for their last 2
+    minutes.)"""
     integration = {item.path for item in items if item.get_closest_marker("integration")}
-    items.sort(key=lambda item: item.path not in integration)  # stable: file order otherwise
+
+    def rank(item) -> tuple[int, int]:
+        name = item.path.name
+        if name in LONGEST_FIRST:
+            return (0, LONGEST_FIRST.index(name))
+        return (1, 0) if item.path in integration else (2, 0)
+
+    items.sort(key=rank)  # stable: file order within each rank
 
 
 def pytest_sessionfinish(session) -> None:
