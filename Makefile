@@ -24,12 +24,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/paratune tune search_spaces/local_cpu.yaml --out paratune_runs/demo-$$(date +%Y%m%d-%H%M%S)
 
-# Two test processes (pytest-xdist), one per core of the 2-core machine CI runs on: a test module
-# runs whole in one of them (its module fixtures: a Ray cluster, a worker pool), and one process
-# works while the other waits (a launch, a timeout, a killed node). TEST_WORKERS=0: no xdist, one process.
+# Two test processes (pytest-xdist), one per core of the 2-core machine CI runs on: one runs the
+# modules that start Ray, one after another (tests/conftest.py: RAY_MODULES), the other the gloo
+# and unit modules beside them, each module whole. TEST_WORKERS=0: no xdist, one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -x --durations=15 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -x --durations=15 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 # The edit-run loop: unit tests only (pure planning, estimates, parsing, configs; no Ray workers).
 test-fast: $(STAMP)

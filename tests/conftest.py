@@ -33,29 +33,31 @@ def pytest_collection_finish(session) -> None:
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-# The longest modules, longest first (fresh-clone seconds, one process): the job tests on the
-# three-raylet cluster (~300), the reused worker groups (~110), the sweeps (~80), the gloo parity
-# batch (~70), the fresh trials (~60).
-LONGEST_FIRST = ["test_cluster_jobs.py", "test_session.py", "test_sweep.py", "test_parity_gloo.py",
-                 "test_trial_ray.py"]
+# The modules whose tests start Ray: the in-process cluster (ray_local), `ray start` raylets, the
+# `paratune` command's own Ray. Under pytest-xdist (`make test`) they run one after another in one
+# process, as they do without xdist, while the other process runs the gloo and unit modules beside
+# them. Two of them at once (each with its controllers, pools and health checks polling on the
+# same 2 cores) measured slower than one after the other: 15 min 48 s against 15 min 22 s.
+RAY_MODULES = ["test_cli.py", "test_cluster_config.py", "test_cluster_jobs.py", "test_profile.py",
+               "test_session.py", "test_sweep.py", "test_tracking_server.py", "test_trial_ray.py"]
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Order modules longest first: the longest above, then the other modules that start processes
-    (integration), then the quick unit modules. Under pytest-xdist (`make test`: --dist loadfile
-    --no-loadscope-reorder) a worker takes the next module in this order when it is nearly done
-    with its own, so the long ones start at once and the short ones fill the end. (xdist's own
-    order, by number of tests, started the job tests last: one process idle for their last 2
-    minutes.)"""
-    integration = {item.path for item in items if item.get_closest_marker("integration")}
+    """The Ray modules first (under xdist, one process takes them at once), file order otherwise."""
+    items.sort(key=lambda item: item.path.name not in RAY_MODULES)  # stable
 
-    def rank(item) -> tuple[int, int]:
-        name = item.path.name
-        if name in LONGEST_FIRST:
-            return (0, LONGEST_FIRST.index(name))
-        return (1, 0) if item.path in integration else (2, 0)
 
-    items.sort(key=rank)  # stable: file order within each rank
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scheduling by scope (a scope runs whole in one process), with every Ray module in
+    one scope ("ray") and each other module its own."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayModulesInOneProcess(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "ray" if Path(module).name in RAY_MODULES else module
+
+    return RayModulesInOneProcess(config, log)
 
 
 def pytest_sessionfinish(session) -> None:
