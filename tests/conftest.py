@@ -34,17 +34,18 @@ def pytest_collection_finish(session) -> None:
 
 
 # The modules whose tests start Ray: the in-process cluster (ray_local), `ray start` raylets, the
-# `paratune` command's own Ray. Under pytest-xdist (`make test`) they run one after another in one
-# process, as they do without xdist, while the other process runs the gloo and unit modules beside
-# them. Two of them at once (each with its controllers, pools and health checks polling on the
-# same 2 cores) measured slower than one after the other: 15 min 48 s against 15 min 22 s.
+# `paratune` command's own Ray. Under pytest-xdist (`make test TEST_WORKERS=2`) they run one after
+# another in one process, as they do without xdist, while the other process runs the gloo and unit
+# modules beside them. Two of them at once (each with its controllers, pools and health checks on
+# the same 2 cores) measured slower than one after the other: 15 min 48 s against 15 min 22 s.
 RAY_MODULES = ["test_cli.py", "test_cluster_config.py", "test_cluster_jobs.py", "test_profile.py",
                "test_session.py", "test_sweep.py", "test_tracking_server.py", "test_trial_ray.py"]
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """The Ray modules first (under xdist, one process takes them at once), file order otherwise."""
-    items.sort(key=lambda item: item.path.name not in RAY_MODULES)  # stable
+    """Under xdist, the Ray modules first (one process takes them at once); file order otherwise."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: item.path.name not in RAY_MODULES)  # stable
 
 
 def pytest_xdist_make_scheduler(config, log):
