@@ -26,7 +26,7 @@ demo: $(STAMP)
 
 # One test process by default. TEST_WORKERS=2: two (pytest-xdist), one running the modules that
 # start Ray one after another (tests/conftest.py: RAY_MODULES), the other the gloo and unit modules
-# beside them. Not the default yet: measured 14-17 min from fresh clones (one process: ~16.7), and
+# beside them. Not the default yet: measured 14-17 min from fresh clones (one process: 14.6-16.7), and
 # one run lost a node of the job tests' cluster to its 1 s health checks under the load
 # (bench/results/test_suite_time.md).
 TEST_WORKERS ?= 0
