@@ -19,14 +19,19 @@ from paratune.trial import run_trial
 
 pytestmark = pytest.mark.integration
 
-# 3 measured steps (the base plan has 2): with 2, ZeRO-2's peak on rank 1 in a reused group came
-# out 155 KiB (5 %) above the same plan's first run in that group (3,294,812 vs 3,139,420 bytes).
-MEASURED = {"measure_steps": 3}
-ZERO2 = {**BASE_PLAN, **MEASURED, "track_memory": True, "strategy": "zero",
+# ZeRO-2's tracked CPU peak is not one figure: the same plan, in the same gloo processes, one run
+# after another, measured 3,155,548 bytes on rank 0 in most runs and 3,327,068 in some (rank 1:
+# 3,139,420 or 3,294,812), fresh processes or not, with Python's cycle collector on or off. The
+# peak falls at a different moment of the step (more gradient and temporary bytes, fewer
+# activations), so it follows when tensors are released during the bucketed gradient reduction,
+# which is not fixed from run to run. Reused and fresh must agree within that spread (+-5.4 %), to
+# 10 %; FSDP2 and DDP measure the same figure every time and must agree exactly.
+ZERO_PEAK_SPREAD = 0.10
+ZERO2 = {**BASE_PLAN, "track_memory": True, "strategy": "zero",
          "zero": {"stage": 2, "reduce_bucket_size": 100000, "allgather_bucket_size": 100000}}
-DDP = {**BASE_PLAN, **MEASURED, "track_memory": True, "strategy": "ddp"}
+DDP = {**BASE_PLAN, "track_memory": True, "strategy": "ddp"}
 # FSDP2 with the communication share profiled (one extra step): run_trial's fresh trial and the reused group's.
-FSDP = {**BASE_PLAN, **MEASURED, "track_memory": True, "profile_comm": True, "strategy": "fsdp",
+FSDP = {**BASE_PLAN, "track_memory": True, "profile_comm": True, "strategy": "fsdp",
         "fsdp": {"sharding": "full"}}
 FAULT = {"PARATUNE_FAULT": "kill:rank=1:step=1:seed=7"}  # in a plan's env: only its seed-7 plans die
 
@@ -59,10 +64,12 @@ def test_the_pool_actor_is_one_per_name_and_an_invalid_plan_never_reaches_the_wo
     assert pool.groups() == [] and ray_local.available_resources().get("CPU") == before
 
 
-def assert_same_measurement(fresh, reused) -> None:
+def assert_same_measurement(fresh, reused, peak_spread: float = 0.0) -> None:
     assert fresh.ok and reused.ok, (fresh.message, reused.message)
     assert reused.losses == fresh.losses  # deterministic: bit for bit
-    assert reused.peak_memory_bytes == fresh.peak_memory_bytes and min(fresh.peak_memory_bytes) > 0
+    assert min(fresh.peak_memory_bytes) > 0 and len(reused.peak_memory_bytes) == len(fresh.peak_memory_bytes)
+    for was, now in zip(fresh.peak_memory_bytes, reused.peak_memory_bytes):
+        assert abs(now - was) <= peak_spread * was, (fresh.peak_memory_bytes, reused.peak_memory_bytes)
     assert "MemTracker" in reused.memory_method and reused.memory_method == fresh.memory_method
     assert reused.construction_peak_bytes == fresh.construction_peak_bytes
     assert reused.local_parameter_counts == fresh.local_parameter_counts
@@ -90,7 +97,7 @@ def test_a_reused_group_measures_a_plan_as_a_fresh_one_does(pool):
     assert len({r.group_id for r in runs}) == 1 and all(r.worker_pids == zero_first.worker_pids for r in runs)
     assert len(set(zero_first.worker_pids)) == 2
     assert_same_measurement(fresh, fsdp)  # run_trial's figures, after ZeRO-2 ran in its processes
-    assert_same_measurement(zero_first, zero_again)  # after FSDP2 and DDP, as in its group's fresh processes
+    assert_same_measurement(zero_first, zero_again, ZERO_PEAK_SPREAD)  # after FSDP2 and DDP, as in its group's fresh processes
     assert 0 < fsdp.comm_share <= 1
     # ZeRO-2 and DDP under Ray Train train what the single-process reference trains (FSDP2: above).
     for request, plan_dict in ((zero_first, ZERO2), (ddp, DDP)):
