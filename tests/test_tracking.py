@@ -43,9 +43,13 @@ def test_resume_fills_what_the_killed_driver_missed_and_drops_partial_runs(track
     tracker.client.create_run(tracker.experiment_id, tags={"mlflow.parentRunId": parent, "paratune.phase": "search",
                                                            "paratune.trial_number": "2"})
     # Trial 2 and 3 reached the ledger, not MLflow.
-    entries = [LedgerEntry(n, f"k{n}", _result(ok=n != 3)) for n in (1, 2, 3)]
+    entries = [LedgerEntry(n, f"k{n}", _result(ok=n != 3), predicted={"predicted_step_time_s": 0.1 * n})
+               for n in (1, 2, 3)]
     assert tracker.sync_ledger(parent, entries) == 2
     assert _numbers(tracker, parent) == [("search", 1), ("search", 2), ("search", 3)]
+    # What the cost model predicted before the trial ran comes along, as the live sweep logs it.
+    filled = {int(r.data.tags["paratune.trial_number"]): r.data.metrics for r in tracker.child_runs(parent)}
+    assert filled[2]["predicted_step_time_s"] == pytest.approx(0.2) and "predicted_step_time_s" not in filled[1]
     assert tracker.sync_ledger(parent, entries) == 0
 
 

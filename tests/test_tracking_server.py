@@ -105,9 +105,12 @@ def _assert_each_trial_once(client: MlflowClient, parent_id: str, entries: list[
 
 
 # --------------------------------------------------------------------------- a real sweep
-def test_a_sweep_logs_through_the_server_each_of_two_concurrent_trials_once(ray_local, server, tmp_path, monkeypatch):
+def test_a_sweep_logs_through_the_server_each_of_two_concurrent_trials_once(ray_local, server, faulty, tmp_path,
+                                                                           monkeypatch, capsys):
     """Two plans, grid, one worker each: Tune runs both trials at once on the 2-CPU cluster. The
-    server then holds one parent for the sweep and one child per ledger entry."""
+    server then holds one parent for the sweep and one child per ledger entry. The server is down
+    (past MLflow's retries) while the first trial is logged: the sweep goes on, says so, and logs
+    that trial at its end, once."""
     space_path = tmp_path / "served.yaml"
     space_path.write_text(yaml.safe_dump({
         "name": "served", "fixed": FIXED, "space": {"strategy": {"ddp": {}}, "micro_batch": [2, 4]},
@@ -128,8 +131,15 @@ def test_a_sweep_logs_through_the_server_each_of_two_concurrent_trials_once(ray_
     monkeypatch.setattr(_LedgerCallback, "on_trial_start", on_trial_start, raising=False)
     monkeypatch.setattr(_LedgerCallback, "on_trial_complete", on_trial_complete)
 
+    # Through the faulty proxy: the first trial's last write ("paratune.logged") fails 3 times,
+    # MLflow's 1 + 2 retries (the `faulty` fixture); the start of the sweep sets no tag.
+    proxied = f"http://127.0.0.1:{faulty.server_address[1]}"
+    faulty.fail("/runs/set-tag", "503", times=3)
     out = tmp_path / "sweep"
-    report = run_sweep(space, out, tracking_uri=server, report_page=False)
+    report = run_sweep(space, out, tracking_uri=proxied, report_page=False)
+    said = capsys.readouterr().out
+    assert [how for _, how in faulty.seen].count("503") == 3, faulty.seen
+    assert "MLflow: search trial 1 not logged" in said and "logged 1 trial(s) to MLflow that it missed" in said, said
 
     entries = Ledger(out / "ledger.jsonl").entries
     assert sorted(e.result.plan["micro_batch"] for e in entries) == [2, 4]
@@ -148,7 +158,7 @@ def test_a_sweep_logs_through_the_server_each_of_two_concurrent_trials_once(ray_
     experiment = client.get_run(report.parent_run_id).info.experiment_id
     parents = client.search_runs([experiment], "tags.`paratune.kind` = 'sweep' and tags.`paratune.space` = 'served'")
     assert [p.info.run_id for p in parents] == [report.parent_run_id]
-    assert json.loads((out / "sweep.json").read_text())["tracking_uri"] == server
+    assert json.loads((out / "sweep.json").read_text())["tracking_uri"] == proxied
     _assert_each_trial_once(client, report.parent_run_id, entries)
     parent = client.get_run(report.parent_run_id)
     assert parent.info.status == "FINISHED" and parent.data.params["fixed.num_workers"] == "1"

@@ -977,7 +977,7 @@ class _LedgerCallback(Callback):
         metrics.update(predicted)  # the calibrated model's step time replaces the roofline's
         # The ledger first (the durable record), then MLflow (idempotent; a resume fills gaps).
         self.ledger.append(LedgerEntry(number, key, result, "search", predicted_only(metrics)))
-        self.tracker.log_trial(self.parent, number, result, extra_metrics=metrics)
+        log_trial_or_say(self.tracker, self.parent, number, result, self.console, extra_metrics=metrics)
         if result.ok:
             what = f"{result.tokens_per_s_per_gpu:,.0f} tokens/s/GPU"
         elif result.stopped_early:
@@ -1011,6 +1011,21 @@ class _LedgerCallback(Callback):
         self.progress.running.discard(trial.trial_id)
 
 
+def log_trial_or_say(tracker, parent: str, number: int, result: TrialResult, console: Console,
+                     phase: str = "search", extra_metrics: dict[str, float] | None = None) -> bool:
+    """Log a trial to MLflow, or say why not and go on. The ledger is the sweep's record and MLflow
+    its view: a tracking server down past MLflow's own retries must not end a sweep of hours. The
+    trial is logged when the sweep ends (sync_ledger), or by `--resume`."""
+    try:
+        tracker.log_trial(parent, number, result, phase=phase, extra_metrics=extra_metrics)
+        return True
+    except Exception as err:  # noqa: BLE001 - see the docstring
+        console.print(f"[yellow]MLflow: {phase} trial {number} not logged ({type(err).__name__}: "
+                      f"{escape(str(err))[:300]}); it is in the ledger, and is logged when the sweep ends "
+                      "or on --resume[/yellow]", soft_wrap=True)
+        return False
+
+
 def _finish(space: Space, report: SweepReport, ledger: Ledger, tracker, budget_gb: float | None, console: Console,
             calibration=None, pool: str | None = None) -> None:
     """Re-measure the top plans side by side, decide with the noise, check parity, export."""
@@ -1031,7 +1046,7 @@ def _finish(space: Space, report: SweepReport, ledger: Ledger, tracker, budget_g
                 result = apply_budget(measure_plan(s.plan, None, pool), budget_gb)
                 number = len(ledger.entries) + 1
                 ledger.append(LedgerEntry(number, s.key, result, "remeasure"))
-                tracker.log_trial(report.parent_run_id, number, result, phase="remeasure")
+                log_trial_or_say(tracker, report.parent_run_id, number, result, console, phase="remeasure")
                 s.results.append(result)
                 console.print(f"re-measure {round_ + 1}/{settings.remeasure_rounds} {s.label}: "
                               f"{result.tokens_per_s_per_gpu or 0:,.0f} tokens/s/GPU")
@@ -1091,6 +1106,13 @@ def _finish(space: Space, report: SweepReport, ledger: Ledger, tracker, budget_g
             Metric(f"calibration_{k}", float(v), 0, 0) for k, v in report.calibration.items() if isinstance(v, float)])
     from paratune.tracking import sweep_note
 
+    try:  # trials MLflow missed while it was down; runs left partial by a lost answer are dropped
+        filled = tracker.sync_ledger(report.parent_run_id, ledger.entries)
+        if filled:
+            console.print(f"logged {filled} trial(s) to MLflow that it missed during the sweep")
+    except Exception as err:  # noqa: BLE001 - the ledger holds them; --resume logs them
+        console.print(f"[yellow]MLflow: the trials it missed are still not logged ({type(err).__name__}: "
+                      f"{escape(str(err))[:300]}); `--resume` logs them from the ledger[/yellow]")
     tracker.finish_parent(report.parent_run_id, best_metrics, winner.plan if winner else None,
                           report.winner_dir, note=sweep_note(summary, report.winner_dir, report.parity_failures))
 

@@ -238,14 +238,14 @@ class SweepTracker:
         return run_id
 
     def sync_ledger(self, parent_id: str, entries: list[Any]) -> int:
-        """Make MLflow hold exactly the ledger's trials (a resumed sweep calls this first): log those
-        missing (the driver died between the ledger and MLflow), drop partial runs. Returns how
-        many were logged."""
+        """Make MLflow hold exactly the ledger's trials (a resumed sweep calls this first, every sweep
+        before it finishes): log those missing (the driver died between the ledger and MLflow, or
+        the server was down), drop partial runs. Returns how many were logged."""
         with self._lock:
             done = self._logged_children(parent_id)
             missing = [e for e in entries if (e.phase, e.number) not in done]
-            for e in missing:
-                self.log_trial(parent_id, e.number, e.result, phase=e.phase)
+            for e in missing:  # with what the cost model predicted for it (the live sweep logged that too)
+                self.log_trial(parent_id, e.number, e.result, phase=e.phase, extra_metrics=getattr(e, "predicted", None))
             return len(missing)
 
     def finish_parent(self, parent_id: str, best: dict[str, float], winner: dict[str, Any] | None,
