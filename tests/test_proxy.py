@@ -163,18 +163,25 @@ def tracker(tmp_path_factory):
     return SweepTracker(f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}")
 
 
-def _finish_with(tmp_path: Path, tracker, space_fixed: dict, measured: list[tuple[dict, float, list[float]]]):
+def _finish_space(space_fixed: dict):
+    from paratune.space import space_from_dict
+
+    return space_from_dict({"name": "finish", "fixed": space_fixed, "space": {"micro_batch": [2, 4]},
+                            "search": {"algorithm": "grid", "trials": 2, "remeasure_rounds": 0}})
+
+
+def _finish_with(tmp_path: Path, tracker, space_fixed: dict, measured: list[tuple[dict, float, list[float]]],
+                 finishing_tracker=None):
     """Run the sweep's last phase (verdict, parity, export) on a ledger of given measurements.
 
     No re-measuring (remeasure_rounds 0), so no trial runs and no Ray starts. Returns the report,
-    the MLflow parent run and what the console printed."""
+    the MLflow parent run and what the console printed. finishing_tracker: the tracker _finish
+    gets (default: `tracker`, which started the parent)."""
     from rich.console import Console
 
-    from paratune.space import space_from_dict
     from paratune.sweep import Ledger, LedgerEntry, SweepReport, _finish
 
-    space = space_from_dict({"name": "finish", "fixed": space_fixed, "space": {"micro_batch": [2, 4]},
-                             "search": {"algorithm": "grid", "trials": 2, "remeasure_rounds": 0}})
+    space = _finish_space(space_fixed)
     ledger = Ledger(tmp_path / "ledger.jsonl")
     for number, (plan, tokens_per_s, losses) in enumerate(measured, start=1):
         result = TrialResult(status="ok", plan=plan, world_size=plan["num_workers"], tokens_per_s_per_gpu=tokens_per_s,
@@ -184,7 +191,7 @@ def _finish_with(tmp_path: Path, tracker, space_fixed: dict, measured: list[tupl
     report = SweepReport(tmp_path / "sweep", parent, ledger.entries)
     report.out_dir.mkdir()  # run_sweep's folder
     console = Console(file=io.StringIO(), width=400)
-    _finish(space, report, ledger, tracker, None, console)
+    _finish(space, report, ledger, finishing_tracker or tracker, None, console)
     return report, tracker.client.get_run(parent), console.file.getvalue()
 
 
@@ -203,6 +210,41 @@ def test_finish_without_a_buildable_proxy_ends_with_no_winner_and_the_reasons(tm
     assert all("building the proxy" in f["reason"] and "short_factor" in f["reason"] for f in report.parity_failures)
     assert "short_factor" in parent.data.tags["paratune.parity_failures"]
     assert parent.info.status == "FINISHED"
+
+
+def test_finish_with_mlflow_down_keeps_the_winner_and_a_resume_logs_the_end_once(tmp_path, tracker, monkeypatch):
+    """The tracking server is gone when the last trial is done: the winner is still exported and
+    the sweep ends saying how to log it; the same _finish with MLflow back (what `--resume` runs)
+    logs the trials and the winner, once."""
+    import copy
+
+    from mlflow.tracking import MlflowClient
+    from procs import free_port
+    from rich.console import Console
+
+    from paratune.sweep import Ledger, SweepReport, _finish
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # a refused connection fails at once
+    down = copy.copy(tracker)
+    down.client = MlflowClient(f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    fixed = {"model": "tiny-llama", "seq_len": 32, "global_batch": 8, "num_workers": 2, "warmup_steps": 1,
+             "measure_steps": 2}
+    plans = [load_plan_dict({**fixed, "micro_batch": mb}) for mb in (2, 4)]
+    report, parent, printed = _finish_with(tmp_path, tracker, fixed, [(p.to_dict(), t, reference_losses(p))
+                                                                      for p, t in zip(plans, (900.0, 800.0))],
+                                           finishing_tracker=down)
+    assert report.verdict.winner.plan["micro_batch"] == 2 and (report.winner_dir / "plan.yaml").is_file()
+    assert "MLflow: the sweep's end is not logged" in printed and "with `--resume` logs them" in printed, printed
+    assert parent.info.status == "RUNNING" and "paratune.winner" not in parent.data.tags
+    assert tracker.child_runs(parent.info.run_id) == []
+
+    for _ in range(2):  # MLflow is back: `--resume` finishes again (a new report, the same ledger); twice: no change
+        ledger = Ledger(tmp_path / "ledger.jsonl")
+        again = SweepReport(report.out_dir, parent.info.run_id, ledger.entries)
+        _finish(_finish_space(fixed), again, ledger, tracker, None, Console(file=io.StringIO(), width=400))
+    parent = tracker.client.get_run(parent.info.run_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["paratune.winner"] == "ddp mb2x2"
+    assert sorted(int(r.data.tags["paratune.trial_number"]) for r in tracker.child_runs(parent.info.run_id)) == [1, 2]
 
 
 def test_finish_falls_back_to_the_next_plan_and_records_why(tmp_path, tracker):

@@ -1012,18 +1012,16 @@ class _LedgerCallback(Callback):
 
 
 def log_trial_or_say(tracker, parent: str, number: int, result: TrialResult, console: Console,
-                     phase: str = "search", extra_metrics: dict[str, float] | None = None) -> bool:
+                     phase: str = "search", extra_metrics: dict[str, float] | None = None) -> None:
     """Log a trial to MLflow, or say why not and go on. The ledger is the sweep's record and MLflow
     its view: a tracking server down past MLflow's own retries must not end a sweep of hours. The
     trial is logged when the sweep ends (sync_ledger), or by `--resume`."""
     try:
         tracker.log_trial(parent, number, result, phase=phase, extra_metrics=extra_metrics)
-        return True
     except Exception as err:  # noqa: BLE001 - see the docstring
         console.print(f"[yellow]MLflow: {phase} trial {number} not logged ({type(err).__name__}: "
                       f"{escape(str(err))[:300]}); it is in the ledger, and is logged when the sweep ends "
                       "or on --resume[/yellow]", soft_wrap=True)
-        return False
 
 
 def _finish(space: Space, report: SweepReport, ledger: Ledger, tracker, budget_gb: float | None, console: Console,
@@ -1071,9 +1069,6 @@ def _finish(space: Space, report: SweepReport, ledger: Ledger, tracker, budget_g
     # For the sweep report (paratune.sweep_report): every check, the losses it compared.
     (report.out_dir / "parity.json").write_text(json.dumps(report.parity_checks, indent=1) + "\n")
     report.winner_parity = parity.max_abs_loss_diff if parity is not None else None
-    if report.parity_failures:
-        tracker.client.set_tag(report.parent_run_id, "paratune.parity_failures",
-                               "\n".join(f"{f['label']}: {f['reason']}" for f in report.parity_failures)[:5000])
     launch = sum(e.result.launch_s or 0 for e in ledger.entries)
     measured = sum(sum(e.result.step_times_s) for e in ledger.entries)
     wall = sum(e.result.wall_s or 0 for e in ledger.entries)
@@ -1099,22 +1094,34 @@ def _finish(space: Space, report: SweepReport, ledger: Ledger, tracker, budget_g
                         **({"step_time_spread": first.step_time_spread} if first.step_time_spread is not None else {}),
                         **({"peak_memory_gib": max(first.peak_memory_bytes) / 2**30} if first.peak_memory_bytes else {})}
     if calibration is not None:
-        from mlflow.entities import Metric
-
         report.calibration = {"device": calibration.device.name, **calibration.summary()}
-        tracker.client.log_batch(report.parent_run_id, metrics=[
-            Metric(f"calibration_{k}", float(v), 0, 0) for k, v in report.calibration.items() if isinstance(v, float)])
     from paratune.tracking import sweep_note
 
-    try:  # trials MLflow missed while it was down; runs left partial by a lost answer are dropped
-        filled = tracker.sync_ledger(report.parent_run_id, ledger.entries)
-        if filled:
-            console.print(f"logged {filled} trial(s) to MLflow that it missed during the sweep")
-    except Exception as err:  # noqa: BLE001 - the ledger holds them; --resume logs them
-        console.print(f"[yellow]MLflow: the trials it missed are still not logged ({type(err).__name__}: "
-                      f"{escape(str(err))[:300]}); `--resume` logs them from the ledger[/yellow]")
-    tracker.finish_parent(report.parent_run_id, best_metrics, winner.plan if winner else None,
-                          report.winner_dir, note=sweep_note(summary, report.winner_dir, report.parity_failures))
+    note = sweep_note(summary, report.winner_dir, report.parity_failures)
+    try:
+        _log_sweep_end(tracker, report, ledger, best_metrics, winner.plan if winner else None, note, console)
+    except Exception as err:  # noqa: BLE001 - the results are on disk: MLflow down must not lose them
+        console.print(f"[yellow]MLflow: the sweep's end is not logged ({type(err).__name__}: {escape(str(err))[:300]}); "
+                      f"its results are in {report.out_dir}; the same command with `--resume` logs them[/yellow]",
+                      soft_wrap=True)
+
+
+def _log_sweep_end(tracker, report: SweepReport, ledger: Ledger, best_metrics: dict[str, float],
+                   winner: dict[str, Any] | None, note: str, console: Console) -> None:
+    """The parent run's last writes: what MLflow missed of the ledger (the server was down, or a
+    lost answer left a run half-written), parity failures, calibration, winner, status."""
+    from mlflow.entities import Metric
+
+    filled = tracker.sync_ledger(report.parent_run_id, ledger.entries)
+    if filled:
+        console.print(f"logged {filled} trial(s) to MLflow that it missed during the sweep")
+    if report.parity_failures:
+        tracker.client.set_tag(report.parent_run_id, "paratune.parity_failures",
+                               "\n".join(f"{f['label']}: {f['reason']}" for f in report.parity_failures)[:5000])
+    if report.calibration:
+        tracker.client.log_batch(report.parent_run_id, metrics=[
+            Metric(f"calibration_{k}", float(v), 0, 0) for k, v in report.calibration.items() if isinstance(v, float)])
+    tracker.finish_parent(report.parent_run_id, best_metrics, winner, report.winner_dir, note=note)
 
 
 def parity_tolerance(plan: Plan) -> float:

@@ -245,7 +245,7 @@ class SweepTracker:
             done = self._logged_children(parent_id)
             missing = [e for e in entries if (e.phase, e.number) not in done]
             for e in missing:  # with what the cost model predicted for it (the live sweep logged that too)
-                self.log_trial(parent_id, e.number, e.result, phase=e.phase, extra_metrics=getattr(e, "predicted", None))
+                self.log_trial(parent_id, e.number, e.result, phase=e.phase, extra_metrics=e.predicted)
             return len(missing)
 
     def finish_parent(self, parent_id: str, best: dict[str, float], winner: dict[str, Any] | None,
