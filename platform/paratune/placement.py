@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -54,10 +55,12 @@ class RankPlace:
 
 def this_rank_place(rank: int, local_world: int) -> RankPlace:
     """This rank's node (Ray's node id and IP) and local rank (Ray Train's), or, in a process
-    group started without Ray (the tests' gloo harness, the GPU bench), the host."""
-    import ray
+    group started without Ray (the tests' gloo harness, the GPU bench), the host.
 
-    if ray.is_initialized():
+    Ray is looked up, not imported: a process that runs under Ray has imported it already, and
+    one that has not (the GPU acceptance run, on an image without Ray) must not need it."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
         import ray.train
 
         try:
