@@ -154,3 +154,73 @@ def test_context_parallel_rules():
         load_plan_dict({**cp, "pp": 2, "global_batch": 4, "micro_batch": 1})
     with pytest.raises(PlanError, match=r"num_workers: 8 is not divisible by tp x pp x cp = 1 x 1 x 3; allowed cp: \[1, 2, 4, 8\]"):
         load_plan_dict({**cp, "cp": 3, "seq_len": 66})
+
+
+# ---- integer sizes as DeepSpeed users write them (issue 26) ----------------------------------
+ZERO_SIZES = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")
+
+
+@pytest.mark.parametrize("written", [5e8, 5.0e8, "5e8", "5.0e8", "5.0e+8", "5E8", 500_000_000, "500_000_000",
+                                     "500000000"])
+@pytest.mark.parametrize("field", ZERO_SIZES)
+def test_zero_sizes_take_e_notation(field, written):
+    plan = load_plan_dict({"strategy": "zero", "zero": {field: written}})
+    value = getattr(plan.zero, field)
+    assert value == 500_000_000 and type(value) is int
+    assert plan.to_dict()["zero"][field] == 500_000_000  # exported (deepspeed.json, plan.yaml) as an integer
+
+
+def test_the_readme_zero_line_loads_from_yaml(tmp_path):
+    # README "A plan", verbatim: PyYAML reads 5e8 and 5e7 as strings (YAML 1.1 floats need a dot
+    # and a signed exponent), which the integer fields refused before.
+    path = tmp_path / "zero.yaml"
+    path.write_text("strategy: zero\n"
+                    "zero: {stage: 2, reduce_bucket_size: 5e8, allgather_bucket_size: 5.0e+8, "
+                    "stage3_prefetch_bucket_size: 5e7,\n"
+                    "       overlap_comm: false, offload_optimizer: false, offload_param: false}\n"
+                    "seq_len: 1.28e2\nglobal_batch: 8\n")
+    plan = load_plan(path)
+    assert (plan.zero.reduce_bucket_size, plan.zero.allgather_bucket_size,
+            plan.zero.stage3_prefetch_bucket_size, plan.seq_len) == (500_000_000, 500_000_000, 50_000_000, 128)
+    again = tmp_path / "again.yaml"
+    again.write_text(plan.to_yaml())
+    assert "reduce_bucket_size: 500000000" in again.read_text() and load_plan(again) == plan
+
+
+@pytest.mark.parametrize("written, why", [
+    ("5.5e0", r"got '5.5e0', not a whole number"),
+    (5.5, r"got 5.5, not a whole number"),
+    ("1e-3", r"got '1e-3', not a whole number"),
+    (1e-3, r"got 0.001, not a whole number"),
+    (True, r"got True, a boolean"),
+    ("5e8 bytes", r"got '5e8 bytes', not a number"),
+    ("5__0", r"got '5__0', not a number"),
+    (float("inf"), r"got inf, not a whole number"),
+])
+def test_zero_sizes_refuse_what_is_not_a_whole_number(written, why):
+    with pytest.raises(PlanError, match=rf"plan: zero.reduce_bucket_size: {why}; allowed: an integer, written "
+                                        r"500000000, 500_000_000, 5e8 or 5.0e\+8"):
+        load_plan_dict({"strategy": "zero", "zero": {"reduce_bucket_size": written}})
+
+
+def test_size_bounds_still_apply_after_e_notation():
+    with pytest.raises(PlanError, match=r"zero.reduce_bucket_size: got 0; Input should be greater than or equal to 1"):
+        load_plan_dict({"strategy": "zero", "zero": {"reduce_bucket_size": "0e0"}})
+    with pytest.raises(PlanError, match=r"seq_len: got 2000000; Input should be less than or equal to 1048576"):
+        load_plan_dict({"seq_len": "2e6"})
+
+
+def test_ddp_bucket_takes_numbers_not_bools():
+    assert load_plan_dict({"ddp": {"bucket_cap_mb": "2.5e1"}}).ddp.bucket_cap_mb == 25.0
+    with pytest.raises(PlanError, match=r"ddp.bucket_cap_mb: got True, a boolean; allowed: a number"):
+        load_plan_dict({"ddp": {"bucket_cap_mb": True}})
+
+
+def test_an_indivisible_batch_says_which_degrees_would_split_it():
+    # dp 512 does not divide 256: no micro-batch helps; the message says what does instead.
+    with pytest.raises(PlanError) as err:
+        load_plan_dict({"model": "llama3-70b", "num_workers": 512, "global_batch": 256, "micro_batch": 1})
+    msg = str(err.value)
+    assert "global_batch: 256 is not divisible by micro_batch x dp_degree = 1 x 512 = 512" in msg
+    assert "dp_degree = num_workers / (tp x pp x cp) = 512 / 1 = 512 does not divide global_batch 256" in msg
+    assert "allowed: tp x pp x cp in [2, 4, 8, 16, 32, 64, 128, 256, 512]" in msg and "[]" not in msg

@@ -9,11 +9,12 @@ what is allowed.
 from __future__ import annotations
 
 import re
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 Strategy = Literal["ddp", "fsdp", "zero"]
 FsdpSharding = Literal["full", "grad_op", "hybrid", "no_shard"]
@@ -43,6 +44,49 @@ class PlanError(ValueError):
     """A plan (or plan file) that breaks a rule; the message names field, value and what is allowed."""
 
 
+WHOLE_NUMBER_FORMS = "an integer, written 500000000, 500_000_000, 5e8 or 5.0e+8"
+
+
+def _whole_number(value: Any) -> Any:
+    """An integer size as users write it: 5e8 (a string to PyYAML, which needs `5.0e+8` for a
+    float), 5.0e+8 (a float), "500_000_000" or 500000000. Refuses bools (pydantic's int takes
+    true as 1) and anything with a fractional part; the field's bounds are checked after."""
+    if isinstance(value, bool):
+        raise ValueError(f"got {value!r}, a boolean; allowed: {WHOLE_NUMBER_FORMS}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        text = repr(value)  # exact for what was written: Decimal('5e+08'), not the float's binary digits
+    elif isinstance(value, str):
+        text = value.strip()
+    else:
+        return value  # not a number at all: pydantic's int says so
+    try:
+        float(text)  # the grammar of a Python number literal (500_000_000; not 5__0 or _5, which Decimal takes)
+        number = Decimal(text)
+    except (ValueError, InvalidOperation):
+        raise ValueError(f"got {value!r}, not a number; allowed: {WHOLE_NUMBER_FORMS}") from None
+    if not number.is_finite() or number != number.to_integral_value():
+        raise ValueError(f"got {value!r}, not a whole number; allowed: {WHOLE_NUMBER_FORMS}")
+    return int(number)
+
+
+# An integer count or size (elements, bytes, tokens) that also takes e-notation: DeepSpeed users
+# write `reduce_bucket_size: 5e8`. Reusable: `x: WholeNumber = Field(..., ge=1)`.
+WholeNumber = Annotated[int, BeforeValidator(_whole_number)]
+
+
+def _real_number(value: Any) -> Any:
+    """A float field that refuses bools (pydantic's float takes true as 1.0 MiB)."""
+    if isinstance(value, bool):
+        raise ValueError(f"got {value!r}, a boolean; allowed: a number such as 25, 25.0 or 2.5e1")
+    return value
+
+
+# A real-valued size (e.g. DDP's bucket_cap_mb, in MiB): a number, never a bool.
+RealNumber = Annotated[float, BeforeValidator(_real_number)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -50,7 +94,7 @@ class _Strict(BaseModel):
 class DDPOptions(_Strict):
     """torch.nn.parallel.DistributedDataParallel knobs."""
 
-    bucket_cap_mb: float = Field(25.0, gt=0, le=4096)
+    bucket_cap_mb: RealNumber = Field(25.0, gt=0, le=4096)
     gradient_as_bucket_view: bool = True
     static_graph: bool = False
 
@@ -83,9 +127,10 @@ class ZeroOptions(_Strict):
     """DeepSpeed ZeRO knobs (names as in DeepSpeed's config)."""
 
     stage: Literal[0, 1, 2, 3] = 2
-    reduce_bucket_size: int = Field(500_000_000, ge=1)
-    allgather_bucket_size: int = Field(500_000_000, ge=1)
-    stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0)
+    # Elements (DeepSpeed's unit); 5e8 as DeepSpeed's docs write it is accepted (WholeNumber).
+    reduce_bucket_size: WholeNumber = Field(500_000_000, ge=1)
+    allgather_bucket_size: WholeNumber = Field(500_000_000, ge=1)
+    stage3_prefetch_bucket_size: WholeNumber = Field(50_000_000, ge=0)
     overlap_comm: bool = False
     offload_optimizer: bool = False
     offload_param: bool = False
@@ -115,8 +160,8 @@ class Plan(_Strict):
     model: str = "tiny-llama"  # a preset name (paratune.models.PRESETS) or a path to config.json
     model_overrides: dict[str, Any] = Field(default_factory=dict)
     data: DataSpec = Field(default_factory=DataSpec)
-    seq_len: int = Field(128, ge=8, le=1_048_576)
-    global_batch: int = Field(8, ge=1)
+    seq_len: WholeNumber = Field(128, ge=8, le=1_048_576)  # tokens (131072 may be written 1.31072e5)
+    global_batch: WholeNumber = Field(8, ge=1)  # sequences per optimizer step
     micro_batch: int = Field(2, ge=1)
     grad_accum: int | None = Field(None, ge=1)  # None: derived from the global batch
     num_workers: int = Field(2, ge=1, le=100_000)  # world size: dp x tp x pp
@@ -200,16 +245,15 @@ class Plan(_Strict):
             if self.global_batch % per_step:
                 raise ValueError(
                     f"global_batch: {self.global_batch} is not divisible by micro_batch x dp_degree "
-                    f"= {self.micro_batch} x {dp} = {per_step}; allowed micro_batch: "
-                    f"{_divisors(self.global_batch, dp)}"
+                    f"= {self.micro_batch} x {dp} = {per_step}; {_allowed_split(self, dp)}"
                 )
             object.__setattr__(self, "grad_accum", self.global_batch // per_step)
         elif self.micro_batch * self.grad_accum * dp != self.global_batch:
             raise ValueError(
                 f"grad_accum: micro_batch x grad_accum x dp_degree must equal global_batch, got "
                 f"{self.micro_batch} x {self.grad_accum} x {dp} = "
-                f"{self.micro_batch * self.grad_accum * dp} != {self.global_batch}; allowed "
-                f"micro_batch: {_divisors(self.global_batch, dp)} (grad_accum follows)"
+                f"{self.micro_batch * self.grad_accum * dp} != {self.global_batch}; "
+                f"{_allowed_split(self, dp)} (grad_accum follows)"
             )
         if self.pp > 1 and self.grad_accum < self.pp:
             raise ValueError(
@@ -390,6 +434,20 @@ def _check_fsdp_degrees(options: FSDPOptions, plan: "Plan") -> None:
                              "allowed: 'full' or 'grad_op', or set fsdp.shard_group_size")
 
 
+def _allowed_split(plan: "Plan", dp: int) -> str:
+    """What would make the global batch split: the micro-batches that do, or, when dp itself does
+    not divide the global batch, the model-parallel sizes that make it (an empty list helps nobody)."""
+    sizes = _divisors(plan.global_batch, dp)
+    if sizes:
+        return f"allowed micro_batch: {sizes}"
+    world = plan.num_workers
+    model_parallel = [m for m in range(1, world + 1) if world % m == 0 and plan.global_batch % (world // m) == 0]
+    return (f"no micro_batch can: dp_degree = num_workers / (tp x pp x cp) = {world} / "
+            f"{plan.tp * plan.pp * plan.cp} = {dp} does not divide global_batch {plan.global_batch}; allowed: "
+            f"tp x pp x cp in {model_parallel[:10]}{' ...' if len(model_parallel) > 10 else ''}, "
+            "or a global_batch divisible by dp")
+
+
 def _divisors(global_batch: int, dp: int) -> list[int]:
     if global_batch % dp:
         return []
@@ -455,10 +513,11 @@ def flatten_dict(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def format_validation_error(err: ValidationError, source: str = "plan") -> str:
-    """One line per broken rule: `source: field: got VALUE; what is allowed`."""
+def format_validation_error(err: ValidationError | list[dict[str, Any]], source: str = "plan") -> str:
+    """One line per broken rule: `source: field: got VALUE; what is allowed` (of all the error's
+    entries, or of those given: a caller may report some of them, e.g. the per-field ones)."""
     lines = []
-    for e in err.errors():
+    for e in err.errors() if isinstance(err, ValidationError) else err:
         loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-"))
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] in ("value_error", "assertion_error"):
