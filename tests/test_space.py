@@ -150,3 +150,104 @@ def test_the_sweep_searcher_never_repeats_and_finishes_when_the_space_is_spent(t
         result = TrialResult(status="ok", plan=plan.to_dict(), world_size=2, tokens_per_s_per_gpu=100.0 + i)
         searcher.on_trial_complete(f"t{i}", {"point": key, "trial_result": result.model_dump_json()})
     assert len(seen) == 4 and len(set(seen)) == 4  # 2 strategies x 2 micro-batches, then FINISHED
+
+
+# ---- integer sizes in value lists (issue 26) ---------------------------------------------------
+def test_space_size_choices_take_e_notation_and_hold_the_plan_value(tmp_path):
+    path = tmp_path / "sizes.yaml"
+    path.write_text("name: sizes\n"
+                    "fixed: {model: tiny-llama, seq_len: 32, global_batch: 8, num_workers: 2}\n"
+                    "space:\n"
+                    "  strategy:\n"
+                    "    zero:\n"
+                    "      stage: [2]\n"
+                    "      reduce_bucket_size: [1e8, 5e8, 500_000_000, 5.0e+8]\n"
+                    "      stage3_prefetch_bucket_size: ['5e7']\n"
+                    "  micro_batch: [2]\n")
+    space = load_space(path)
+    # 5e8, 500_000_000 and 5.0e+8 are one value: one candidate each, the choice as the plan holds it.
+    assert sorted(c.choices["zero.reduce_bucket_size"] for c in space.candidates) == [100_000_000, 500_000_000]
+    assert all(c.plan.zero.stage3_prefetch_bucket_size == 50_000_000 for c in space.candidates)
+    assert space.total_combinations == 2
+
+
+@pytest.mark.parametrize("choice, expected", [
+    ("5.5e0", r"space.strategy: .*zero.reduce_bucket_size: got '5.5e0', not a whole number; allowed: an integer"),
+    (True, r"space.strategy: .*zero.reduce_bucket_size: got True, a boolean; allowed: an integer"),
+    (0, r"space.strategy: .*zero.reduce_bucket_size: got 0; Input should be greater than or equal to 1"),
+])
+def test_space_size_choices_that_no_plan_can_take_are_refused(choice, expected):
+    data = {**SPACE, "space": {"strategy": {"zero": {"reduce_bucket_size": [5e8, choice]}}}}
+    with pytest.raises(SpaceError, match=expected):
+        space_from_dict(data)
+
+
+# ---- the fixed part is validated with the values it is swept with (issue 26) ------------------
+# Llama-3.1-405B's public shape (no preset ships it).
+LLAMA_405B = {"model_type": "llama", "hidden_size": 16384, "intermediate_size": 53248, "num_hidden_layers": 126,
+              "num_attention_heads": 128, "num_key_value_heads": 8, "vocab_size": 128256,
+              "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+              "tie_word_embeddings": False}
+
+
+def _llama_405b_space(tmp_path, tp: list[int], pp: list[int]):
+    import yaml
+
+    config = tmp_path / "llama-3.1-405b" / "config.json"
+    config.parent.mkdir(exist_ok=True)
+    config.write_text(json.dumps(LLAMA_405B))
+    path = tmp_path / f"llama405b_64x8_tp{'-'.join(map(str, tp))}_pp{'-'.join(map(str, pp))}.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "llama405b-64x8",
+        "fixed": {"model": str(config), "seq_len": 4096, "global_batch": 256, "num_workers": 512,
+                  "gpus_per_node": 8, "precision": "bf16", "device": "cuda"},
+        "space": {"strategy": {"fsdp": {"sharding": ["full"]}}, "micro_batch": [1], "tp": tp, "pp": pp,
+                  "activation_checkpointing": ["full"]},
+    }, sort_keys=False))
+    return path
+
+
+def test_fixed_valid_only_with_its_swept_degrees_is_a_space(tmp_path):
+    # global batch 256 on 512 GPUs: dp 512 alone cannot split it, dp = 512 / (tp 8 x pp 8) = 8 can.
+    space = load_space(_llama_405b_space(tmp_path, tp=[8], pp=[8]))
+    assert [(c.plan.tp, c.plan.pp, c.plan.dp_degree, c.plan.grad_accum) for c in space.candidates] == [(8, 8, 8, 32)]
+    # With tp/pp 1 swept too, the combinations that cannot split the batch are pruned, by rule.
+    space = load_space(_llama_405b_space(tmp_path, tp=[1, 8], pp=[1, 8]))
+    assert {(c.plan.tp, c.plan.pp) for c in space.candidates} == {(8, 1), (8, 8)}
+    report = space.pruning_report()
+    assert "4 combinations, 2 valid, 2 removed" in report and "1 x global_batch" in report
+    assert "1 x grad_accum: N micro-batches per step with pp N leaves stages idle" in report  # tp1 pp8: dp 64
+
+
+def test_paratune_plan_lists_plans_for_the_405b_space(tmp_path, capsys):
+    from paratune.cli import main
+
+    out = tmp_path / "plans.json"
+    code = main(["plan", str(_llama_405b_space(tmp_path, tp=[8], pp=[8])), "--device", "h100-80gb",
+                 "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "1 combinations, 1 valid, 0 removed" in printed and "fsdp:full mb1x32 tp8 pp8:1f1b dp8 ckpt bf16" in printed
+    rows = json.loads(out.read_text())
+    assert len(rows) == 1 and rows[0]["fits"]
+    assert (rows[0]["plan"]["num_workers"], rows[0]["plan"]["tp"], rows[0]["plan"]["pp"]) == (512, 8, 8)
+    assert 0 < rows[0]["predicted_peak_memory_gib"] < 80 and rows[0]["predicted_tokens_per_s_per_gpu"] > 0
+
+
+def test_a_space_with_no_valid_combination_says_which_rules_broke(tmp_path):
+    with pytest.raises(SpaceError) as err:
+        load_space(_llama_405b_space(tmp_path, tp=[1], pp=[1]))
+    msg = str(err.value)
+    assert "space: no valid plan among 1 combinations (the fixed part with each choice of strategy, micro_batch [1]" in msg
+    assert "1 x global_batch: 256 is not divisible by micro_batch x dp_degree = 1 x 512 = 512" in msg
+    assert "allowed: tp x pp x cp in [2, 4, 8, 16, 32, 64, 128, 256, 512]" in msg
+
+
+def test_fixed_fields_and_env_are_still_checked_alone(tmp_path):
+    # What does not depend on the space is reported as the fixed part's, before any plan is built.
+    with pytest.raises(SpaceError, match=r"space: fixed.global_batch: got '2.5e0', not a whole number"):
+        space_from_dict({**SPACE, "fixed": {**SPACE["fixed"], "global_batch": "2.5e0"}})
+    with pytest.raises(SpaceError, match=r"space: fixed.env.HOME: not a communication setting"):
+        space_from_dict({**SPACE, "fixed": {**SPACE["fixed"], "env": {"HOME": "/x"}}})
+    with pytest.raises(SpaceError, match=r"space: fixed.data: .*data.path: required when data.kind is 'text'"):
+        space_from_dict({**SPACE, "fixed": {**SPACE["fixed"], "data": {"kind": "text"}}})

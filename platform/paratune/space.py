@@ -87,6 +87,25 @@ class EstimateSettings(_Strict):
     start_from_predicted: int = Field(2, ge=0, le=20)
 
 
+def _knob_values(strategy: str, knob: str, choices: list[Any]) -> list[Any]:
+    """A knob's choices as its options model reads them (5e8 -> 500000000), duplicates dropped:
+    a choice no plan could take is the space's error, and the sweep's points, labels and MLflow
+    params carry the value the plan holds, not how it was written."""
+    options = STRATEGY_OPTIONS[strategy]
+    out: list[Any] = []
+    for choice in choices:
+        try:
+            value = getattr(options.model_validate({knob: choice}), knob)
+        except ValidationError as err:
+            e = err.errors()[0]
+            msg = e["msg"].removeprefix("Value error, ")
+            raise ValueError(f"{strategy}.{knob}: {msg}" if e["type"] == "value_error"
+                             else f"{strategy}.{knob}: got {choice!r}; {msg}") from None
+        if value not in out:
+            out.append(value)
+    return out
+
+
 class SpacePart(_Strict):
     strategy: dict[str, dict[str, list[Any]]] = Field(default_factory=lambda: {"ddp": {}})
     micro_batch: list[int] | None = None
@@ -115,7 +134,8 @@ class SpacePart(_Strict):
                     raise ValueError(f"{name}.{knob}: unknown knob; allowed: {', '.join(allowed)}")
                 if not isinstance(choices, list) or not choices:
                     raise ValueError(f"{name}.{knob}: must be a non-empty list of choices, got {choices!r}")
-        return {name: dict(knobs or {}) for name, knobs in value.items()}
+        return {name: {knob: _knob_values(name, knob, choices) for knob, choices in (knobs or {}).items()}
+                for name, knobs in value.items()}
 
     @model_validator(mode="after")
     def _non_empty_lists(self) -> "SpacePart":
@@ -212,9 +232,12 @@ def _rule_of(message: str) -> str:
     return re.sub(r"(?<![A-Za-z])-?\d+(\.\d+)?(e[+-]?\d+)?(?![A-Za-z])", "N", head)
 
 
-def enumerate_candidates(spec: SpaceFile) -> tuple[list[Candidate], int, Counter, dict[str, str]]:
-    """Every structural combination (strategy, its knobs, shared knobs), validated as a Plan and
-    checked against the model (paratune.preflight): what the family cannot do is pruned here."""
+def enumerate_candidates(spec: SpaceFile, details: dict[str, str] | None = None
+                         ) -> tuple[list[Candidate], int, Counter, dict[str, str]]:
+    """Every structural combination (strategy, its knobs, shared knobs) with the fixed part,
+    validated as one Plan and checked against the model (paratune.preflight): what the family
+    cannot do is pruned here. `details`, if given, gets each rule's first full message (with
+    what is allowed), for the error of a space with no valid plan."""
     from paratune.models import ModelError
     from paratune.preflight import check_plan_against_model
 
@@ -243,7 +266,10 @@ def enumerate_candidates(spec: SpaceFile) -> tuple[list[Candidate], int, Counter
                 except (PlanError, ModelError) as err:
                     rule = _rule_of(str(err))
                     removed[rule] += 1
-                    examples.setdefault(rule, str(err).splitlines()[0].removeprefix("plan: ").split(";")[0])
+                    first = str(err).splitlines()[0].removeprefix("plan: ")
+                    examples.setdefault(rule, first.split(";")[0])
+                    if details is not None:
+                        details.setdefault(rule, first)
     return candidates, total, removed, examples
 
 
@@ -254,24 +280,50 @@ def load_space(path: str | Path) -> Space:
 
 
 def space_from_dict(data: dict[str, Any], source: Path | None = None) -> Space:
+    """Validate a space: its sections, the fixed part's own fields, then every combination of
+    the fixed part with the swept values as one plan."""
     label = str(source) if source else "space"
     try:
         spec = SpaceFile.model_validate(data)
     except ValidationError as err:
         raise SpaceError(format_validation_error(err, label)) from None
-    # The fixed part alone must make a valid plan (micro_batch 1 always divides a valid batch).
-    try:
-        load_plan_dict({**spec.fixed, "micro_batch": 1})
-    except PlanError as err:
-        raise SpaceError(str(err).replace("plan: ", f"{label}: fixed.")) from None
+    _check_fixed_alone(spec.fixed, label)
     for key, choices in spec.space.env.items():
         for value in choices:
             try:
                 check_env(key, str(value))
             except ValueError as err:
                 raise SpaceError(f"{label}: space.{err}") from None
-    candidates, total, removed, examples = enumerate_candidates(spec)
+    details: dict[str, str] = {}
+    candidates, total, removed, examples = enumerate_candidates(spec, details)
     if not candidates:
-        reasons = "; ".join(f"{n} x {r}" for r, n in removed.most_common(3))
-        raise SpaceError(f"{label}: space: no valid plan among {total} combinations ({reasons})")
+        reasons = "\n".join(f"  - {n} x {details.get(r, r)}" for r, n in removed.most_common(3))
+        more = f"\n  - and {len(removed) - 3} more rule(s)" if len(removed) > 3 else ""
+        swept = ", ".join(f"{name} {getattr(spec.space, name)}" for name in SWEEPABLE
+                          if getattr(spec.space, name) is not None)
+        raise SpaceError(f"{label}: space: no valid plan among {total} combinations (the fixed part with each "
+                         f"choice of strategy{', ' + swept if swept else ''}, validated as one plan); the rules "
+                         f"they break:\n{reasons}{more}")
     return Space(source, spec, candidates, total, removed, examples)
+
+
+def _check_fixed_alone(fixed: dict[str, Any], label: str) -> None:
+    """What the fixed part says on its own: each field's type and bounds, and its env settings.
+
+    Rules between fields (the global batch over dp = num_workers / (tp x pp x cp), degrees
+    against the model's heads and layers, ...) are not checked here: they may hold only with the
+    swept values (global batch 256 on 512 GPUs needs tp x pp >= 2), so every combination is
+    validated as a whole plan instead, and a space with none valid says which rules broke."""
+    try:
+        Plan.model_validate(fixed)
+    except ValidationError as err:
+        # Field errors carry the field's location; the model's cross-field rules have none.
+        alone = [e for e in err.errors() if e["loc"]]
+        if alone:
+            lines = format_validation_error(alone).splitlines()
+            raise SpaceError("\n".join(line.replace("plan: ", f"{label}: fixed.", 1) for line in lines)) from None
+    for key, value in (fixed.get("env") or {}).items():
+        try:
+            check_env(key, str(value))
+        except ValueError as err:
+            raise SpaceError(f"{label}: fixed.{err}") from None
