@@ -3,7 +3,7 @@
 import pytest
 
 from paratune import measure
-from paratune.models import build_config, parameter_counts
+from paratune.models import build_config, parameter_counts, parameter_layout
 from paratune.plan import load_plan_dict
 from paratune.trial import summarize
 
@@ -47,6 +47,115 @@ def test_flops_per_token_by_hand_for_llama3_8b():
     n = 32 * per_layer + 4096 + 4096 * 128256
     expected = 6 * n + 12 * 32 * 32 * 128 * 8192
     assert measure.model_flops_per_token(build_config("llama3-8b"), 8192) == expected
+
+
+# ---- mixture of experts: N in 6N counts what a token goes through, memory counts everything ----
+def _config(tmp_path, name: str, **fields) -> str:
+    """A config.json from public shapes (never the hub), as a user points paratune at one."""
+    import json
+
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(fields))
+    return str(folder)
+
+
+def test_mixtral_8x7b_counts_the_top2_experts_for_flops_and_all_8_for_memory(tmp_path):
+    # mistralai/Mixtral-8x7B-v0.1 config.json: hidden 4096, 32 layers, 32 heads / 8 KV heads (head_dim
+    # 128), intermediate 14336, vocab 32000, untied, 8 local experts, top-2. Published: 46.7B, 12.9B active.
+    path = _config(tmp_path, "mixtral", model_type="mixtral", hidden_size=4096, num_hidden_layers=32,
+                   num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=32000,
+                   num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)
+    h, kv, inter, vocab = 4096, 8 * 128, 14336, 32000
+    attention = 2 * h * h + 2 * h * kv  # q, o; k, v (no biases)
+    expert = 3 * h * inter  # gate, up, down
+    norms, router = 2 * h, 8 * h
+    embedding = vocab * h
+    total = 32 * (attention + norms + router + 8 * expert) + h + 2 * embedding
+    active = 32 * (attention + norms + router + 2 * expert) + h + 2 * embedding
+    counts = parameter_counts(build_config(path))
+    assert (counts["total"], counts["active"]) == (total, active)
+    assert round(total / 1e9, 1) == 46.7 and round(active / 1e9, 1) == 12.9
+    assert counts["compute"] == active - embedding  # the head is a matmul, the embedding a lookup
+    # MFU was overstated by (total - embedding) / (active - embedding) on the 6N term:
+    assert (total - embedding) / counts["compute"] == pytest.approx(3.65, abs=0.01)
+    expected = 6 * (active - embedding) + 12 * 32 * 32 * 128 * 4096
+    assert measure.model_flops_per_token(build_config(path), 4096) == expected
+
+
+def test_qwen3_moe_counts_8_of_128_experts(tmp_path):
+    # Qwen/Qwen3-30B-A3B config.json: hidden 2048, 48 layers, 32 heads / 4 KV heads, head_dim 128, per-head
+    # q/k norms, moe_intermediate 768, 128 experts, top-8, vocab 151936, untied. Published: 30.5B, 3.3B active.
+    path = _config(tmp_path, "qwen3_moe", model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48,
+                   num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                   moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, vocab_size=151936,
+                   tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[])
+    h, q, kv = 2048, 32 * 128, 4 * 128
+    attention = 2 * h * q + 2 * h * kv + 2 * 128  # q, o; k, v; q_norm, k_norm over head_dim
+    expert, router, norms = 3 * h * 768, 128 * h, 2 * h
+    embedding = 151936 * h
+    total = 48 * (attention + norms + router + 128 * expert) + h + 2 * embedding
+    active = 48 * (attention + norms + router + 8 * expert) + h + 2 * embedding
+    counts = parameter_counts(build_config(path))
+    assert (counts["total"], counts["active"], counts["compute"]) == (total, active, active - embedding)
+    assert round(total / 1e9, 1) == 30.5 and round((total - 2 * embedding) / 1e9, 1) == 29.9  # non-embedding
+    assert round(active / 1e9, 2) == 3.35  # "A3B" (the model card: 3.3B activated)
+
+
+def test_deepseek_v3_counts_shared_experts_and_its_dense_first_layers(tmp_path):
+    # deepseek-ai/DeepSeek-V3 config.json: hidden 7168, 61 layers of which the first 3 dense (intermediate
+    # 18432), then 256 routed experts (moe_intermediate 2048, top-8) + 1 shared expert; MLA attention (q_lora
+    # 1536, kv_lora 512, 128 heads, nope/rope/v head dims 128/64/128); vocab 129280, untied. Published:
+    # 671B parameters, 37B activated (the multi-token-prediction module, which transformers does not build,
+    # excluded).
+    path = _config(tmp_path, "deepseek_v3", model_type="deepseek_v3", hidden_size=7168, num_hidden_layers=61,
+                   num_attention_heads=128, num_key_value_heads=128, intermediate_size=18432,
+                   moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
+                   first_k_dense_replace=3, n_group=8, topk_group=4, q_lora_rank=1536, kv_lora_rank=512,
+                   qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=129280,
+                   tie_word_embeddings=False)
+    h, heads = 7168, 128
+    attention = (h * 1536 + 1536 + 1536 * heads * (128 + 64)  # q_a, its norm, q_b
+                 + h * (512 + 64) + 512 + 512 * heads * (128 + 128)  # kv_a (+ rope key), its norm, kv_b
+                 + heads * 128 * h)  # o
+    norms, expert = 2 * h, 3 * h * 2048
+    dense_layer = attention + norms + 3 * h * 18432
+    moe_total = attention + norms + 256 * h + 256 * expert + expert  # router, routed, shared
+    moe_active = attention + norms + 256 * h + 8 * expert + expert
+    embedding = 129280 * h
+    total = 3 * dense_layer + 58 * moe_total + h + 2 * embedding
+    active = 3 * dense_layer + 58 * moe_active + h + 2 * embedding
+    config = build_config(path)
+    counts = parameter_counts(config)
+    assert (counts["total"], counts["active"], counts["compute"]) == (total, active, active - embedding)
+    assert round(total / 1e9) == 671 and round(active / 1e9, 1) == 37.6
+    # the blocks differ (dense, MoE): one "layer" is their mean, so layer x layers is what they hold
+    layout = parameter_layout(config)
+    assert layout["largest_layer"] == moe_total and layout["layers"] == 61
+    assert 0 <= layout["layer"] * 61 - (3 * dense_layer + 58 * moe_total) < 61
+
+
+def test_qwen2_moe_shared_expert_and_its_gate_are_always_active(tmp_path):
+    # Qwen1.5-MoE-shaped at hidden 64: 8 experts (moe_intermediate 32), top-2, one shared expert
+    # (shared_expert_intermediate 128) behind a sigmoid gate (1 x hidden), untied, vocab 512, 2 layers.
+    path = _config(tmp_path, "qwen2_moe", model_type="qwen2_moe", hidden_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=128, num_experts=8, num_experts_per_tok=2, vocab_size=512,
+                   tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[])
+    h = 64
+    attention = 4 * h * h + 3 * h  # q, k, v, o; q/k/v biases (Qwen2)
+    routed, shared = 3 * h * 32, 3 * h * 128 + h  # one expert; the shared expert and its gate
+    fixed = attention + 2 * h + 8 * h + shared  # + norms, router
+    embedding = 512 * h
+    counts = parameter_counts(build_config(path))
+    assert counts["total"] == 2 * (fixed + 8 * routed) + h + 2 * embedding
+    assert counts["active"] == 2 * (fixed + 2 * routed) + h + 2 * embedding
+
+
+def test_dense_models_have_every_parameter_active():
+    for name in ("llama3-8b", "qwen2.5-7b", "tiny-phi3", "tiny-gemma2"):
+        counts = parameter_counts(build_config(name))
+        assert counts["active"] == counts["total"]
 
 
 def test_mfu_against_the_dense_peak():

@@ -230,16 +230,20 @@ def tokens_per_second_per_gpu(tokens_per_step: int, step_times: list[float], wor
 
 
 def flops_per_token(compute_params: int, num_layers: int, num_heads: int, head_dim: int, seq_len: int) -> float:
-    """Training FLOPs per token of a dense decoder: 6N + 12·L·H·Q·T.
+    """Training FLOPs per token of a decoder: 6N + 12·L·H·Q·T.
 
     N counts every parameter a token's matmuls touch (GQA's smaller K/V and SwiGLU's three
-    matrices come from the real config); the second term is attention scores and values.
+    matrices come from the real config; of a mixture-of-experts layer only the router, the shared
+    experts and the top-k routed ones); the second term is attention scores and values.
     Recomputation from activation checkpointing is not counted (MFU, not HFU).
     """
     return 6.0 * compute_params + 12.0 * num_layers * num_heads * head_dim * seq_len
 
 
 def model_flops_per_token(config, seq_len: int) -> float:
+    """flops_per_token of a config, N from the architecture built on the meta device: its active
+    parameters (models.parameter_counts' `compute`), so an MoE's MFU is not inflated by the
+    experts a token never reaches (Mixtral-8x7B: 12.7B of 46.6B non-embedding parameters)."""
     from paratune.models import parameter_counts
 
     heads = config.num_attention_heads
