@@ -149,3 +149,24 @@ def test_dead_worker_logs_need_a_running_ray_with_a_dashboard(monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray._private.worker, "get_dashboard_url", lambda: "")
     assert dead_worker_logs(_dead_worker()) == ""
+
+
+def test_an_nccl_system_error_is_the_environments_not_the_plans():
+    """ncclSystemError (a /dev/shm too small for NCCL's shared-memory transport, a failed socket
+    call) says nothing about the plan: its own reason, one of the cluster's (never scored, measured
+    again on --resume), with what to do about it; a dead peer's survivors do not hide it."""
+    from paratune.failures import CLUSTER_REASONS, ENVIRONMENT_HINT
+
+    text = (GPU_CORPUS / "environment--nccl-system-error-dev-shm.txt").read_text()
+    reason, message = classify(WorkerGroupError("Training failed", {1: torch.distributed.DistBackendError(text)}))
+    assert reason == "environment" and "environment" in CLUSTER_REASONS
+    assert "failed to extend /dev/shm" in message and ENVIRONMENT_HINT in message
+    survivors = WorkerGroupError("x", {0: torch.distributed.DistBackendError(WATCHDOG),
+                                       1: torch.distributed.DistBackendError(text)})
+    assert classify(survivors)[0] == "environment"
+    shm_log = (GPU_CORPUS / "logs" / "environment--nccl-shm-warn.log").read_text()
+    reason, message = classify(_dead_worker(), worker_logs=shm_log)
+    assert reason == "environment" and "/dev/shm" in message
+    # A network failure of a remote peer is still a communication failure.
+    remote = (GPU_CORPUS / "comm_timeout--nccl-remote-error.txt").read_text()
+    assert classify_text(remote) == "comm_timeout"

@@ -1,9 +1,11 @@
 """Failures are data: classify an exception into a reason the sweep can learn from.
 
-Reasons: oom | comm_timeout | hang | worker_died | invalid_config | error, and three that are
+Reasons: oom | comm_timeout | hang | worker_died | invalid_config | error, and four that are
 the cluster's doing, not the plan's: node_lost (a node hosting the trial died), insufficient_resources
 (the cluster cannot hold the trial, or gave it no room in time), invalid_placement (ranks were
-placed where the plan cannot keep its node-local groups: paratune.placement). Ray wraps what the
+placed where the plan cannot keep its node-local groups: paratune.placement), environment (the
+node's environment failed a system call NCCL made: ncclSystemError, most often a /dev/shm too
+small for NCCL's shared-memory transport in a container). Ray wraps what the
 workers raised (WorkerGroupError.worker_failures, ControllerError.controller_failure, RayTaskError
 causes, WorkerHealthCheckFailedError.health_check_failure), so the classifier looks through every
 layer before deciding.
@@ -25,12 +27,24 @@ import threading
 from typing import Literal
 
 Reason = Literal["oom", "comm_timeout", "hang", "worker_died", "invalid_config", "error", "node_lost",
-                 "insufficient_resources", "invalid_placement"]
+                 "insufficient_resources", "invalid_placement", "environment"]
 REASONS: tuple[str, ...] = ("oom", "comm_timeout", "hang", "worker_died", "invalid_config", "error", "node_lost",
-                            "insufficient_resources", "invalid_placement")
+                            "insufficient_resources", "invalid_placement", "environment")
 # Outcomes that say nothing about the plan: a sweep records them but never scores them (the
-# searcher does not learn the plan is bad) and `--resume` measures the plan again.
-CLUSTER_REASONS: frozenset[str] = frozenset({"node_lost", "insufficient_resources", "invalid_placement"})
+# searcher does not learn the plan is bad) and `--resume` measures the plan again (once the
+# cluster or its environment is fixed).
+CLUSTER_REASONS: frozenset[str] = frozenset({"node_lost", "insufficient_resources", "invalid_placement",
+                                             "environment"})
+
+# NCCL could not make a system or external-library call (ncclSystemError; torch prints "unhandled
+# system error"): the node's environment, not the plan. Its "Last error" names the call, e.g.
+# shmutils.cc's "failed to extend /dev/shm/nccl-... to N bytes" when /dev/shm is full (Docker's
+# 64 MB default), or a socket call on a wrong NCCL_SOCKET_IFNAME.
+_NCCL_SYSTEM_ERROR = re.compile(r"ncclSystemError|unhandled system error|failed to extend /dev/shm|"
+                                r"Error while creating shared memory segment", re.I)
+ENVIRONMENT_HINT = ("the node's environment, not the plan: NCCL failed a system call; in containers the usual "
+                    "cause is a small /dev/shm (docker run --shm-size=..., a memory-backed emptyDir on /dev/shm "
+                    "in Kubernetes); run with NCCL_DEBUG=INFO for the failing call")
 
 # Ray's words when an actor's node died (GCS: "The actor died because its node has died. Node Id: ...").
 _NODE_DIED = re.compile(r"because its node has died|NodeDiedError|node (?:was )?marked dead", re.I)
@@ -63,6 +77,9 @@ _PATTERNS: list[tuple[str, re.Pattern[str]]] = [
     ("invalid_placement", re.compile(r"invalid_placement|PlacementError")),
     ("node_lost", _NODE_DIED),
     ("invalid_config", re.compile(r"PlanError|ModelError|DataError|invalid_config", re.I)),
+    # Before worker_died and comm_timeout: the rank whose system call failed says why; its peers
+    # then lose their connection or time out.
+    ("environment", _NCCL_SYSTEM_ERROR),
     ("worker_died", re.compile(
         r"ActorDiedError|actor died|actor is dead|WorkerHealthCheckFailedError|WorkerCrash|"
         r"worker died|died unexpectedly|"
@@ -79,7 +96,7 @@ _PATTERNS: list[tuple[str, re.Pattern[str]]] = [
     ("comm_timeout", _WATCHDOG_TEARDOWN),
     ("comm_timeout", re.compile(
         r"timed out|Timeout|timeout|watchdog|NCCLHangError|DistBackendError|communicator was aborted|"
-        r"ncclRemoteError|ncclSystemError", re.I)),
+        r"ncclRemoteError", re.I)),
 ]
 
 
@@ -118,7 +135,7 @@ def classify_dead_worker_log(log: str) -> tuple[Reason, str] | None:
     """Why a worker died, from the tail of its own stderr: (reason, the line that says so), or
     None when the log proves nothing. Only strong evidence counts (an OOM, the NCCL watchdog's
     teardown); a log is full of words like "timeout" that prove nothing."""
-    for reason, pattern in (("oom", _OOM), ("comm_timeout", _WATCHDOG_TEARDOWN)):
+    for reason, pattern in (("oom", _OOM), ("environment", _NCCL_SYSTEM_ERROR), ("comm_timeout", _WATCHDOG_TEARDOWN)):
         for line in log.splitlines():
             if pattern.search(line):
                 return reason, line.strip()[:500]  # type: ignore[return-value]
@@ -194,7 +211,9 @@ def classify(exc: BaseException, worker_logs: str | None = None) -> tuple[Reason
         logs = dead_worker_logs(exc) if worker_logs is None else worker_logs
         found = classify_dead_worker_log(logs) if logs else None
         if found is not None:
-            return found[0], f"worker died: {found[1]}"
+            return found[0], f"worker died: {found[1]}" + (f" ({ENVIRONMENT_HINT})" if found[0] == "environment" else "")
+    if reason == "environment":
+        return reason, f"{_headline(chain, reason)} ({ENVIRONMENT_HINT})"[:700]
     return reason, _headline(chain, reason)
 
 
