@@ -60,11 +60,10 @@ def run_variant(micro_batch: int, ckpt: str, track: Callable[[object], None] | N
 def release(device: torch.device) -> None:
     """Free a finished variant: reference cycles wait for the collector, and the CUDA caching
     allocator keeps freed blocks reserved (and the peak counters) unless told otherwise."""
+    from paratune.trial import release_cached_memory
+
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    release_cached_memory(device)
 
 
 def _measure_variant(micro_batch: int, ckpt: str, device: torch.device,

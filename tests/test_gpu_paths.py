@@ -93,3 +93,79 @@ def test_gpu_workers_raise_on_nccl_timeouts_unless_the_plan_says_otherwise():
     assert worker_env(plan, False) == {}
     own = plan.with_changes(env={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "NCCL_ALGO": "Ring"})
     assert worker_env(own, True) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "NCCL_ALGO": "Ring"}
+
+
+# --------------------------------------------------------------------------- what a reused group frees
+def _record_cuda_release(monkeypatch) -> list[str]:
+    """The CUDA calls a release makes, recorded in order (this build has no CUDA to call)."""
+    calls: list[str] = []
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats", "reset_peak_host_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name, **k: calls.append(_n))
+    for name in ("_cuda_clearCublasWorkspaces", "_host_emptyCache"):
+        monkeypatch.setattr(torch._C, name, lambda _n=name: calls.append(_n), raising=False)
+    return calls
+
+
+def test_release_gives_back_the_pinned_host_cache(monkeypatch):
+    """FSDP2 / ZeRO offload copy through pinned host buffers, which torch's CachingHostAllocator
+    keeps when freed: between two plans of a reused worker group the release empties it too, after
+    the device cache, and the session's release goes through it."""
+    from paratune import session
+    from paratune.trial import release_cached_memory
+
+    calls = _record_cuda_release(monkeypatch)
+    release_cached_memory(torch.device("cuda", 0))
+    assert "_host_emptyCache" in calls and calls.index("empty_cache") < calls.index("_host_emptyCache")
+    assert calls[0] == "synchronize" and "reset_peak_host_memory_stats" in calls
+    calls.clear()
+    session._release_memory(torch.device("cuda", 0))  # what _serve runs after every request
+    assert "_host_emptyCache" in calls
+    calls.clear()
+    release_cached_memory(torch.device("cpu"))
+    assert calls == []
+
+
+def test_release_falls_back_to_the_device_generic_host_cache(monkeypatch):
+    """A torch without the CUDA binding's name uses torch.accelerator's public form."""
+    from paratune.trial import release_cached_memory
+
+    calls = _record_cuda_release(monkeypatch)
+    monkeypatch.delattr(torch._C, "_host_emptyCache")
+    monkeypatch.setattr(torch.accelerator.memory, "empty_host_cache", lambda: calls.append("empty_host_cache"))
+    release_cached_memory(torch.device("cuda", 0))
+    assert "empty_host_cache" in calls
+
+
+# --------------------------------------------------------------------------- which GPU DeepSpeed takes
+def test_deepspeed_takes_the_gpu_ray_assigned_on_a_16_gpu_node(monkeypatch):
+    """On a 16-GPU node Ray Train numbers local ranks by GPU id as integers but lists
+    CUDA_VISIBLE_DEVICES sorted as strings, and gives each worker the device at its id's place in
+    that list: the worker of GPU 2 has local rank 2 and device cuda:8. DeepSpeed reads LOCAL_RANK
+    for its device; aligned, it takes cuda:8 (Ray's own code computes both sides here)."""
+    import os
+
+    import ray
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+    from ray.air._internal.device_manager.nvidia_gpu import CUDATorchDeviceManager
+    from ray.train.v2._internal.callbacks.accelerators import _get_visible_accelerator_ids_per_worker
+    from ray.train.v2._internal.execution.worker_group.worker import ActorMetadata
+
+    from paratune.parallel.zero import align_local_rank_with_device
+
+    workers = [ActorMetadata(hostname="n", node_id="n", node_ip="10.0.0.1", pid=i, accelerator_ids={"GPU": [str(i)]})
+               for i in range(16)]
+    visible = _get_visible_accelerator_ids_per_worker(workers, "GPU")[2]
+    assert visible.split(",")[:5] == ["0", "1", "10", "11", "12"]
+    local_rank = sorted(range(16)).index(2)  # Ray's worker order: lowest GPU id as an integer
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: ["2"])
+    (device,) = CUDATorchDeviceManager().get_devices()  # what ray.train.torch.get_device() returns
+    assert (local_rank, device) == (2, torch.device("cuda", 8))
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    assert CUDA_Accelerator().device_name(os.environ["LOCAL_RANK"]) != str(device)  # the defect
+    chosen: list = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    align_local_rank_with_device(device)
+    assert CUDA_Accelerator().device_name(os.environ["LOCAL_RANK"]) == "cuda:8" and chosen == [device]
+    align_local_rank_with_device(torch.device("cpu"))  # CPU workers: nothing to align
+    assert os.environ["LOCAL_RANK"] == "8"

@@ -51,6 +51,7 @@ from paratune.trial import (
     ensure_ray,
     node_lost_or,
     process_group_backend,
+    release_cached_memory,
     summarize,
     train_and_measure,
     wants_gpu,
@@ -236,17 +237,10 @@ def _init_process_group(mailbox, seq: int, rank: int, world: int, backend: str, 
 
 def _release_memory(device) -> None:
     """Free what the last request left and reset the peaks, as a fresh process would start."""
-    import torch
-
     gc.collect()
     _drop_process_groups()
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):  # held outside empty_cache's reach
-            torch._C._cuda_clearCublasWorkspaces()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    release_cached_memory(device)  # the device's caches and the pinned host cache of offload plans
     try:  # Linux: reset the process's peak RSS (ru_maxrss, read by the RSS fallbacks) to its current RSS
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")

@@ -96,6 +96,31 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def release_cached_memory(device: torch.device) -> None:
+    """Give back what the caching allocators keep after a plan's tensors are freed, and reset the
+    peak counters, so the next plan in this process starts as a fresh one would: the device's
+    caching allocator and cuBLAS workspaces, and the pinned host cache. FSDP2's CPU offload and
+    ZeRO's offload (pin_memory) copy through pinned host buffers; freed, they stay in torch's
+    CachingHostAllocator (page-locked: the OS cannot reclaim them), and every offload plan of a
+    reused worker group would add its own until the node runs out of host memory.
+
+    Call after the plan's objects are gone (gc.collect first): a cache frees only blocks no
+    tensor uses. A no-op on CPU devices (no caching allocator, no pinned memory)."""
+    if device.type != "cuda":
+        return
+    torch.cuda.synchronize(device)
+    if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):  # held outside empty_cache's reach
+        torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    if hasattr(torch._C, "_host_emptyCache"):  # CUDA builds: the CachingHostAllocator's emptyCache
+        torch._C._host_emptyCache()
+    else:  # a torch that has only the device-generic form
+        torch.accelerator.memory.empty_host_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    if hasattr(torch.cuda, "reset_peak_host_memory_stats"):
+        torch.cuda.reset_peak_host_memory_stats()
+
+
 def maybe_inject_fault(rank: int, step: int, seed: int | None = None) -> None:
     spec = os.environ.get(FAULT_ENV)
     if not spec or spec == "none":

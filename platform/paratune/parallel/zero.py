@@ -14,6 +14,7 @@ and an untied embedding stay partitioned over all ranks).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -202,11 +203,28 @@ def skip_shm_allreduce_on_cpu(device: torch.device) -> None:
     deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False  # a module-level dict DeepSpeed reads
 
 
+def align_local_rank_with_device(device: torch.device) -> None:
+    """Make LOCAL_RANK name the GPU this worker was given, before DeepSpeed reads it.
+
+    DeepSpeed takes its device from LOCAL_RANK (engine `_set_distributed_vars`, zero.Init's
+    `local_device`, zero/utils.py: `device_name(os.environ["LOCAL_RANK"])`), while Ray Train gives
+    a worker the device at the index of its GPU id in CUDA_VISIBLE_DEVICES, which Ray builds from
+    ids sorted as strings ("0,1,10,11,...,2,3"), and numbers local ranks by ids sorted as integers
+    (ray.train.v2 callbacks/accelerators.py, worker_group.py). On a node with more than 10 GPUs
+    they differ: on 16 GPUs the worker of GPU 2 has local rank 2 and device cuda:8, and DeepSpeed would put
+    it on cuda:2, the GPU of another worker. The device paratune was handed (Ray's) wins."""
+    if device.type != "cuda" or device.index is None:
+        return
+    os.environ["LOCAL_RANK"] = str(device.index)
+    torch.cuda.set_device(device)
+
+
 def parallelize_zero(model: nn.Module, init: ModelInit, plan: Plan, device: torch.device) -> StepRunner:
     from functools import partial
 
     import deepspeed
 
+    align_local_rank_with_device(device)  # before zero.Init and initialize read LOCAL_RANK
     skip_shm_allreduce_on_cpu(device)  # before zero.Init / initialize start DeepSpeed's comm backend
     forget_deepspeed_groups()  # before zero.Init too: it partitions over DeepSpeed's dp group
     on_gpu = device.type == "cuda"
