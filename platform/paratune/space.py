@@ -88,11 +88,12 @@ class EstimateSettings(_Strict):
 
 
 def _knob_values(strategy: str, knob: str, choices: list[Any]) -> list[Any]:
-    """A knob's choices as its options model reads them (5e8 -> 500000000), duplicates dropped:
-    a choice no plan could take is the space's error, and the sweep's points, labels and MLflow
-    params carry the value the plan holds, not how it was written."""
+    """A knob's choices checked by its options model, duplicates dropped: a choice no plan could
+    take is the space's error (not a pruned combination), a string is replaced by what the plan
+    reads ('5e8' -> 500000000, as PyYAML hands over `5e8`), so the sweep's points carry the number."""
     options = STRATEGY_OPTIONS[strategy]
     out: list[Any] = []
+    seen: list[Any] = []
     for choice in choices:
         try:
             value = getattr(options.model_validate({knob: choice}), knob)
@@ -101,8 +102,12 @@ def _knob_values(strategy: str, knob: str, choices: list[Any]) -> list[Any]:
             msg = e["msg"].removeprefix("Value error, ")
             raise ValueError(f"{strategy}.{knob}: {msg}" if e["type"] == "value_error"
                              else f"{strategy}.{knob}: got {choice!r}; {msg}") from None
-        if value not in out:
-            out.append(value)
+        if value in seen:
+            continue
+        seen.append(value)
+        # A number kept as written where it already equals the value (25 stays 25, not 25.0): the
+        # candidate keys of ledgers written before stay the same, so --resume still finds them.
+        out.append(value if isinstance(choice, str) or choice != value else choice)
     return out
 
 
