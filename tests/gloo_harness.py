@@ -38,13 +38,41 @@ def _function(name: str):
     return getattr(importlib.import_module(module), function)
 
 
+def record_group_creation(created: list[dict]) -> None:
+    """Every process group this process creates from now on (new_group, split_group, DeviceMesh's
+    groups, DeepSpeed's: all go through c10d's `_new_process_group_helper`) is appended to
+    `created` as {"ranks", "timeout_s", "desc"}: the timeout each group really got."""
+    import torch.distributed.distributed_c10d as c10d
+
+    create = c10d._new_process_group_helper
+
+    def recording(group_size, group_rank, global_ranks_in_group, backend, store, group_name, backend_options=None,
+                  timeout=None, *args, **kwargs):
+        created.append({"ranks": list(global_ranks_in_group), "desc": kwargs.get("group_desc"),
+                        "timeout_s": None if timeout is None else timeout.total_seconds()})
+        return create(group_size, group_rank, global_ranks_in_group, backend, store, group_name, backend_options,
+                      timeout, *args, **kwargs)
+
+    c10d._new_process_group_helper = recording
+
+
+def assert_groups_use_plan_timeout(plan, out: dict, expect_groups: bool = True) -> None:
+    """Every process group a plan's run created (rank 0's view: `groups_created`) times out after
+    the plan's comm_timeout_s, not the library default (30 min gloo, 10 min NCCL)."""
+    created = out["groups_created"]
+    assert created or not expect_groups, "the plan created no process group: nothing was checked"
+    wrong = [g for g in created if g["timeout_s"] != plan.comm_timeout_s]
+    assert not wrong, f"groups without the plan's comm_timeout_s {plan.comm_timeout_s}: {wrong}"
+
+
 def _worker(rank: int, world: int, port: int, plan_dicts: list[dict], queue, setup: str | None = None,
             measure: str | None = None) -> None:
     """Runs the plans one after another in one process group (one spawn and import for all).
     `setup` ('module:function') is called first, in every worker; `measure` replaces
     train_and_measure (same arguments). Rank 0 reports each plan's output as it finishes
-    (("ok", i, out)); any rank reports the first failure (("error", i, traceback); i is -1 before
-    the first plan) and stops; rank 0 ends with ("done", None, None)."""
+    (("ok", i, out), with `groups_created`: the process groups the plan made, see
+    `record_group_creation`); any rank reports the first failure (("error", i, traceback); i is -1
+    before the first plan) and stops; rank 0 ends with ("done", None, None)."""
     import torch
     import torch.distributed as dist
 
@@ -60,10 +88,13 @@ def _worker(rank: int, world: int, port: int, plan_dicts: list[dict], queue, set
             _function(setup)()
         run = train_and_measure if measure is None else _function(measure)
         dist.init_process_group("gloo", rank=rank, world_size=world)
+        created: list[dict] = []
+        record_group_creation(created)
         for index, plan in enumerate(plan_dicts):
+            created.clear()
             out = run(load_plan_dict(plan), rank, world, world, torch.device("cpu"))
             if rank == 0:
-                queue.put(("ok", index, out))
+                queue.put(("ok", index, {**out, "groups_created": list(created)}))
         if rank == 0:
             queue.put(("done", None, None))
     except Exception:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import BASE_PLAN, expected_parameter_share
 from gloo_harness import one_torch_thread  # noqa: F401 (fixture: in-process references on one thread)
-from gloo_harness import batch_result, run_named_batch, single_torch_thread, training_key
+from gloo_harness import assert_groups_use_plan_timeout, batch_result, run_named_batch, single_torch_thread, training_key
 
 from paratune.plan import CP_CPU_REASON, load_plan_dict
 from paratune.reference import max_loss_difference, reference_losses
@@ -258,6 +258,7 @@ def test_cp_matches_reference(name):
     reference_loss, reference = _reference(plan)
     assert max_loss_difference(out["losses"], reference_loss) < 1e-5, out["losses"]
     assert set(out["linear_matmul_dtypes"]) == {"float32"}
+    assert_groups_use_plan_timeout(plan, out)  # the cp, dp x cp (and tp) groups of the device mesh
     grads = out["gradients"]
     assert grads and set(grads) <= set(reference)
     if plan.tp == 1 or plan.strategy == "fsdp":

@@ -8,7 +8,7 @@ import functools
 import math
 
 import pytest
-from gloo_harness import batch_result, one_torch_thread, reference_for, run_named_batch  # noqa: F401 (fixture)
+from gloo_harness import assert_groups_use_plan_timeout, batch_result, one_torch_thread, reference_for, run_named_batch  # noqa: F401 (fixture)
 from conftest import BASE_PLAN, expected_parameter_share
 
 from paratune.plan import load_plan_dict
@@ -61,6 +61,8 @@ def test_fp32_loss_parity(name):
     assert max_loss_difference(out["losses"], reference) < 1e-5, (out["losses"], reference)
     assert out["losses"][-1] < out["losses"][0]  # it trains
     assert set(out["linear_matmul_dtypes"]) == {"float32"}  # fp32 plans compute in fp32
+    if plan.fsdp is not None and plan.fsdp.sharding == "hybrid":  # its replicate and shard groups
+        assert_groups_use_plan_timeout(plan, out)
 
 
 @pytest.mark.parametrize("name", BF16_CASES)
@@ -114,6 +116,7 @@ def _runs(world: int) -> dict:
 def test_model_parallel_loss_parity(name):
     plan, out = batch_result(_runs(MODEL_PARALLEL[name]["num_workers"])[("model-parallel", name)])
     assert max_loss_difference(out["losses"], reference_for(plan)) < 1e-5
+    assert_groups_use_plan_timeout(plan, out)  # the tp / pp / dp sub-groups of the device mesh
     share = expected_parameter_share(plan)
     # Replicated norm weights under tp and layer counts that do not split evenly leave a few percent.
     assert 0.9 * share <= min(out["local_parameter_counts"]) <= max(out["local_parameter_counts"]) <= 1.1 * share, \

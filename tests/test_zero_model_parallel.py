@@ -8,7 +8,7 @@ parity also proves that DeepSpeed's clip takes the global norm over the tp shard
 
 import pytest
 from conftest import BASE_PLAN
-from gloo_harness import one_torch_thread, reference_for  # noqa: F401 (fixture)
+from gloo_harness import assert_groups_use_plan_timeout, one_torch_thread, reference_for  # noqa: F401 (fixture)
 
 from paratune.plan import PlanError, load_plan_dict
 from paratune.reference import max_loss_difference
@@ -29,6 +29,7 @@ def _check_parity(plans, outs):
         total = parameter_counts(build_config(plan.model, plan.model_overrides))["total"]
         if plan.tp > 1:  # AutoTP sharded the layers: no rank optimizes the whole model
             assert max(out["local_parameter_counts"]) < 0.75 * total, (label, out["local_parameter_counts"])
+            assert_groups_use_plan_timeout(plan, out)  # DeepSpeed's (dp, tp) mesh
 
 
 @pytest.mark.integration

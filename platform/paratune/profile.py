@@ -35,6 +35,7 @@ import math
 import os
 import statistics
 import time
+from datetime import timedelta
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -42,6 +43,9 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from paratune.plan import Checkpointing, Plan, Precision
+
+# A profile's collectives (world group and the sub-groups it measures) time out after this.
+PROFILE_COMM_TIMEOUT_S = 300.0
 
 PROFILE_FUNCTION = "paratune.profile:collect_profile"
 Runner = Callable[[str, dict], dict]  # (function path, payload) -> rank 0's result
@@ -503,7 +507,8 @@ def _profile_collectives(request: ProfileRequest, rank: int, world: int, device,
         if spec.size == world:
             pg = None  # the default group
         else:
-            made = [dist.new_group(ranks=g) for g in groups]  # every rank creates every group
+            # Every rank creates every group, with the world group's timeout (c10d's default is 30 min).
+            made = [dist.new_group(ranks=g, timeout=timedelta(seconds=PROFILE_COMM_TIMEOUT_S)) for g in groups]
             pg = made[groups.index(mine_ranks)]
         me = mine_ranks.index(rank)
         n = spec.size
@@ -695,7 +700,7 @@ def _run_with_ray(request: ProfileRequest, ray_address: str | None, storage_path
         scaling_config=ScalingConfig(num_workers=request.world_size, use_gpu=use_gpu,
                                      resources_per_worker=worker_resources(plan, use_gpu,
                                                                            ray.nodes() if use_gpu else None)),
-        torch_config=TorchConfig(backend=process_group_backend(plan, use_gpu), timeout_s=300),
+        torch_config=TorchConfig(backend=process_group_backend(plan, use_gpu), timeout_s=int(PROFILE_COMM_TIMEOUT_S)),
         run_config=RunConfig(name=f"profile-{uuid.uuid4().hex[:8]}", storage_path=storage_path or default_storage(),
                              failure_config=FailureConfig(max_failures=0, controller_failure_limit=0),
                              # In place before the process group starts, as for a trial.

@@ -143,13 +143,37 @@ class StepRunner:
         return self.model if isinstance(self.model, nn.Module) else nn.ModuleList(self.model)
 
 
+def use_comm_timeout(seconds: float) -> None:
+    """Every process group this process creates from now on times out after `seconds`.
+
+    The world group gets the plan's timeout from whoever starts it (Ray Train's TorchConfig, a
+    reused group's own init), but the sub-groups are created later without one: DeviceMesh's tp,
+    cp, pp, dp x cp and hybrid-shard groups (`new_group` / `split_group` with timeout=None) and
+    DeepSpeed's AutoTP mesh (deepspeed.comm's `new_group(ranks)`). c10d then takes its library
+    default, read at creation time from these two module globals (`_get_default_timeout`): 10 min
+    for NCCL, 30 min for gloo, so a hang inside a tp group was seen late and ended as `hang`
+    instead of `comm_timeout`. Setting the globals reaches every creator, paratune's and the
+    libraries'. They stay set until the next plan of the process sets its own (groups created
+    lazily, during the steps, get the timeout too)."""
+    from datetime import timedelta
+
+    import torch.distributed.distributed_c10d as c10d
+
+    timeout = timedelta(seconds=seconds)
+    c10d.default_pg_timeout = timeout
+    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):  # None in builds without NCCL
+        c10d.default_pg_nccl_timeout = timeout
+
+
 def build_runner(config, plan: Plan, device: torch.device, local_world_size: int,
                  meter: ConstructionMeter | None = None) -> StepRunner:
     """The model of `config`, laid out by the plan, with only this rank's part materialized.
 
     Built on the meta device, then `parallelize` applies the plan and allocates what this rank
     holds, with the reference's values (the same seed gives the same weights on every rank and
-    every device). `meter` (started by the caller) is stopped once the model exists."""
+    every device). `meter` (started by the caller) is stopped once the model exists. Every
+    process group the layout creates takes the plan's comm_timeout_s (`use_comm_timeout`)."""
+    use_comm_timeout(plan.comm_timeout_s)
     model = build_meta(config)
     model.train()
     init = ModelInit(model, config, plan.seed)
