@@ -5,13 +5,21 @@ DeepSpeed's CPU Adam), a bf16 trial on the Llama-3.2-1B shape through the very w
 trial runs (`paratune.trial.train_and_measure` on a one-rank process group: the device image has
 no Ray), with: tokens/s/GPU and MFU, peak memory against the cost model's prediction,
 construction memory, the compute dtype of every linear layer's matmul (must be bf16), the
-communication-share parser's output on a real CUDA profile (with the NCCL kernel names seen),
-then a deliberately oversized plan that must come back `oom`, and the single-GPU bench.
+collective event names a real CUDA profile shows (a one-rank all-reduce runs no NCCL kernel: no
+communication share is measurable on one GPU, and the report says so), then a deliberately
+oversized plan that must come back `oom`, and the single-GPU bench.
+
+Each part runs on its own: a family (or the probe, the oversized plan, the single-GPU bench) that
+fails is recorded with its classified reason and the run goes on. The versions it ran under are
+printed first and written into the report. Exit status 0 only if every check passed.
 
 Writes bench/results/gpu_acceptance.{md,json} (or $OUT/ when set). Without a GPU it smoke-runs the
-same code on a tiny model (CPU, gloo) and writes to a temporary folder (tests/test_gpu_acceptance.py).
+same code on a tiny model (CPU, gloo) and writes to a temporary folder (tests/test_gpu_acceptance.py
+runs it where Ray, MLflow and Optuna cannot be imported, with the image's transformers).
 
-On the device machine (no Ray, DeepSpeed or pydantic there: carry wheels, see gpu_wheels.sh):
+On the device machine (no Ray, MLflow, Optuna, DeepSpeed or pydantic there: nothing on the worker
+path imports the first three, and the others travel as wheels, 4.7 MB: `bash bench/gpu_wheels.sh`
+here, then a run that carries `.whl`):
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \\
       PYTHONPATH=/tmp/site:platform python3 bench/gpu_acceptance.py
 """
@@ -79,10 +87,12 @@ def _plan(family: dict[str, Any]):
 
 
 def _release() -> None:
+    """What a reused worker group does between plans (paratune.session): collect, then give back
+    the device's and the pinned host caches (the offload families fill the latter)."""
+    from paratune.trial import release_cached_memory
+
     gc.collect()
-    if ON_GPU:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    release_cached_memory(_device())
 
 
 def run_family(name: str, family: dict[str, Any]) -> dict[str, Any]:
@@ -123,13 +133,18 @@ def run_family(name: str, family: dict[str, Any]) -> dict[str, Any]:
 
 
 def comm_share_probe() -> dict[str, Any]:
-    """The parser on a real profile: one FSDP2 step and one all-reduce under torch.profiler,
-    with the distinct kernel names that look like collectives (so the parser's input is seen)."""
+    """The parser on a real profile: an all-reduce loop under torch.profiler, with the distinct
+    event names that look like collectives (so the parser's input is seen).
+
+    On one rank there is nothing to measure: NCCL runs no kernel for a one-rank all-reduce (and
+    gloo returns at once), so a share would be a number about nothing. It is reported as not
+    measurable; the names are still recorded."""
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
     from paratune import measure
 
+    world = dist.get_world_size()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ON_GPU else [])
     x = torch.ones(64 * 2**20 if ON_GPU else 2**16, device=_device())
     with profile(activities=activities) as prof:
@@ -140,10 +155,15 @@ def comm_share_probe() -> dict[str, Any]:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
     names = sorted({e.name for e in prof.events() if any(k in e.name.lower() for k in ("nccl", "gloo", "allreduce"))})
-    share = measure.comm_share_from_profile(prof, seconds, _device().type)
+    if world == 1:
+        share, note = None, (f"not measurable on one rank ({'NCCL runs no kernel' if ON_GPU else 'gloo moves nothing'} "
+                             "for a one-rank all-reduce)")
+    else:
+        share, note = measure.comm_share_from_profile(prof, seconds, _device().type), f"{world} ranks"
     del x
     _release()
-    return {"share_of_all_reduce_loop": share, "collective_event_names": names[:40]}
+    return {"status": "ok", "world_size": world, "share_of_all_reduce_loop": share, "note": note,
+            "collective_event_names": names[:40]}
 
 
 def oversized() -> dict[str, Any]:
@@ -162,56 +182,102 @@ def oversized() -> dict[str, Any]:
         _release()
 
 
-def _gib(x: float | None) -> str:
-    return "" if x is None else f"{x / 2**30:.2f}"
+def _size(x: float | None) -> str:
+    """Bytes as GiB, or MiB below 0.1 GiB (the smoke run's tiny model is a few MiB)."""
+    if x is None:
+        return ""
+    return f"{x / 2**30:.2f} GiB" if x >= 0.1 * 2**30 else f"{x / 2**20:.1f} MiB"
+
+
+def checks_failed(rows: list[dict], probe: dict, too_big: dict, single: list[dict] | None) -> list[str]:
+    """What did not pass, one line each (empty: the acceptance run passed)."""
+    failed = [f"family {r['family']}: {r.get('reason')}: {r.get('message')}" for r in rows if r["status"] != "ok"]
+    failed += [f"family {r['family']}: linear matmuls {r['linear_matmul_dtypes']}, not all bf16"
+               for r in rows if r["status"] == "ok" and not r["compute_dtype_ok"]]
+    if probe.get("status") != "ok":
+        failed.append(f"communication probe: {probe.get('message')}")
+    if too_big.get("reason") != "oom":
+        failed.append(f"oversized plan: {too_big.get('reason')} (must be oom): {too_big.get('message')}")
+    if single is not None:
+        failed += [f"single-GPU bench: {s.get('message') or s.get('status')}" for s in single
+                   if s.get("status") not in ("ok",) and not str(s.get("status", "")).startswith("oom")]
+    return failed
 
 
 def write_report(out_dir: Path, rows: list[dict], probe: dict, too_big: dict, single: list[dict] | None,
                  machine: dict) -> Path:
+    from machine import versions_line
+
+    warmup, measured = WARMUP, MEASURED
     lines = [f"# GPU acceptance ({MODEL}, seq {SEQ}, global batch {GLOBAL_BATCH}, micro-batch {MICRO}, bf16, 1 GPU)", "",
-             f"- date: {machine.get('date')}; device: {machine.get('gpu') or 'cpu (smoke run)'}; torch {machine.get('torch')}",
-             f"- 2 warm-up + 4 measured whole optimizer steps per family; MFU vs dense bf16 peak; prediction: "
-             f"`{DEVICE_ENTRY}` in the device table", "",
-             "| family | optimizer | tokens/s/GPU | MFU | step ms (spread) | peak GiB | predicted GiB (error) | "
-             "construction GiB (predicted) | linear matmuls | bf16 ok |", "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
+             f"- date: {machine.get('date')}; device: {machine.get('gpu') or 'cpu (smoke run)'}; {machine.get('machine')}",
+             f"- versions: {versions_line(machine)}",
+             f"- {warmup} warm-up + {measured} measured whole optimizer steps per family; MFU vs dense bf16 peak "
+             f"(n/a without a GPU peak); prediction: `{DEVICE_ENTRY}` in the device table", "",
+             "| family | optimizer | tokens/s/GPU | MFU | step ms (spread) | peak | predicted (error) | "
+             "construction (predicted) | linear matmuls | bf16 ok |", "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['family']} | | {r['reason']}: {r['message'][:120]} | | | | | | | no |")
+            lines.append(f"| {r['family']} | | {r['reason']}: {str(r['message'])[:120]} | | | | | | | no |")
             continue
         err = f" ({r['memory_error']:+.0%})" if r["memory_error"] is not None else ""
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
         lines.append(
-            f"| {r['family']} | {r['optimizer_class']} | {r['tokens_per_s_per_gpu']:,.0f} | {(r['mfu'] or 0):.1%} | "
-            f"{r['step_time_median_s'] * 1e3:.0f} ({r['step_time_spread']:.0%}) | {_gib(r['peak_memory_bytes'])} | "
-            f"{_gib(r['predicted_memory_bytes'])}{err} | {_gib(r['construction_peak_bytes'])} "
-            f"({_gib(r['predicted_construction_bytes'])}) | {r['linear_matmul_dtypes']} | "
+            f"| {r['family']} | {r['optimizer_class']} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | "
+            f"{r['step_time_median_s'] * 1e3:.0f} ({r['step_time_spread']:.0%}) | {_size(r['peak_memory_bytes'])} | "
+            f"{_size(r['predicted_memory_bytes'])}{err} | {_size(r['construction_peak_bytes'])} "
+            f"({_size(r['predicted_construction_bytes'])}) | {r['linear_matmul_dtypes']} | "
             f"{'yes' if r['compute_dtype_ok'] else 'NO'} |")
+    lines.append("")
+    lines += [f"- peak memory: {r['family']}: {r['memory_method']}" for r in rows[:1] if r["status"] == "ok"]
+    share = probe.get("share_of_all_reduce_loop")
     lines += ["", "## Communication-share parser on a real profile",
-              f"- share of a 5 x all-reduce loop in flight: {probe.get('share_of_all_reduce_loop')}",
+              f"- share of a 5 x all-reduce loop in flight: "
+              f"{f'{share:.1%}' if share is not None else probe.get('note') or probe.get('message')}",
               f"- collective event names seen: {', '.join(probe.get('collective_event_names', [])) or '(none)'}",
-              "", "## Oversized plan", f"- `{json.dumps(OVERSIZED)}`: {too_big['status']}, reason "
-              f"**{too_big['reason']}** ({'as required' if too_big['reason'] == 'oom' else 'WRONG: must be oom'})",
-              f"- message: {too_big['message']}"]
+              "", "## Oversized plan", f"- `{json.dumps(OVERSIZED)}`: {too_big.get('status')}, reason "
+              f"**{too_big.get('reason')}** ({'as required' if too_big.get('reason') == 'oom' else 'WRONG: must be oom'})",
+              f"- message: {too_big.get('message')}"]
     if single is not None:
         lines += ["", "## Single-GPU bench (bench/gpu_single.py)", "",
                   "| micro-batch | checkpointing | tokens/s | MFU | peak alloc GiB |", "|---|---|---:|---:|---:|"]
         for s in single:
             if s.get("status") != "ok":
-                lines.append(f"| {s['micro_batch']} | {s['checkpointing']} | {s.get('status')} | | |")
+                lines.append(f"| {s.get('micro_batch')} | {s.get('checkpointing')} | {s.get('status')} | | |")
             else:
                 lines.append(f"| {s['micro_batch']} | {s['checkpointing']} | {s['tokens_per_s']:,.0f} | "
                              f"{(s['mfu'] or 0):.1%} | {s['peak_allocated_gib']:.1f} |")
+    failed = checks_failed(rows, probe, too_big, single)
+    lines += ["", "## Verdict", "- every check passed" if not failed else "- FAILED:"]
+    lines += [f"  - {f}" for f in failed]
     path = out_dir / "gpu_acceptance.md"
     path.write_text("\n".join(lines) + "\n")
     (out_dir / "gpu_acceptance.json").write_text(json.dumps(
-        {"machine": machine, "families": rows, "comm_share_probe": probe, "oversized": too_big, "single_gpu": single},
-        indent=1, default=str))
+        {"machine": machine, "families": rows, "comm_share_probe": probe, "oversized": too_big, "single_gpu": single,
+         "failed": failed}, indent=1, default=str))
     return path
 
 
-def main(run_single_gpu_bench: bool = True) -> Path:
-    from machine import describe
+def guarded(part: str, fn, *args) -> Any:
+    """Run one part of the acceptance run; a crash becomes that part's failed result, not the run's end."""
+    from paratune.failures import classify
+
+    try:
+        return fn(*args)
+    except Exception as err:  # noqa: BLE001 - every part is a finding, the next part still runs
+        reason, message = classify(err)
+        print(f"{part} failed: {reason}: {message}", flush=True)
+        return {"status": "failed", "reason": reason, "message": message, "traceback": traceback.format_exc()[-2000:]}
+    finally:
+        _release()
+
+
+def main(run_single_gpu_bench: bool = True) -> int:
+    from machine import describe, versions_line
 
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    machine = describe()
+    print(f"versions: {versions_line(machine)}", flush=True)
     out_dir = Path(os.environ.get("OUT") or ROOT / "bench" / "results")
     if SMOKE:  # never overwrite real GPU figures with a smoke run
         out_dir = Path(os.environ.get("PARATUNE_ACCEPT_DIR") or Path(os.environ.get("TMPDIR", "/tmp")) / "paratune_gpu_smoke")
@@ -220,23 +286,28 @@ def main(run_single_gpu_bench: bool = True) -> Path:
     started = time.perf_counter()
     rows = []
     for name, family in FAMILIES.items():
-        row = run_family(name, family)
+        row = guarded(f"family {name}", run_family, name, family)
+        row.setdefault("family", name)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "traceback")}, default=str), flush=True)
-    probe = comm_share_probe()
-    print(json.dumps(probe), flush=True)
-    too_big = oversized()
-    print(json.dumps(too_big), flush=True)
+    probe = guarded("communication probe", comm_share_probe)
+    print(json.dumps(probe, default=str), flush=True)
+    too_big = guarded("oversized plan", oversized)
+    print(json.dumps(too_big, default=str), flush=True)
     single = None
     if run_single_gpu_bench:
-        import gpu_single
+        def single_gpu() -> list[dict]:
+            import gpu_single
 
-        single = gpu_single.run_all()
-    path = write_report(out_dir, rows, probe, too_big, single, describe())
+            return gpu_single.run_all()
+
+        single = guarded("single-GPU bench", single_gpu)
+        single = single if isinstance(single, list) else [single]
+    path = write_report(out_dir, rows, probe, too_big, single, machine)
     print(path.read_text())
     print(f"acceptance run took {time.perf_counter() - started:.0f} s; report: {path}")
-    return path
+    return 1 if checks_failed(rows, probe, too_big, single) else 0
 
 
 if __name__ == "__main__":
-    main(run_single_gpu_bench="--no-single" not in sys.argv)
+    sys.exit(main(run_single_gpu_bench="--no-single" not in sys.argv))

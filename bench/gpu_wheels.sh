@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Fetch the wheels bench/gpu_single.py and bench/gpu_acceptance.py need beyond the GPU image
 # (pydantic and its parts; DeepSpeed, which PyPI ships as source only, built here into a pure-Python
-# wheel, and hjson) into .whl/ (git-ignored), for carrying to a device machine with Python 3.12.
+# wheel with no prebuilt ops, and hjson) into .whl/ (git-ignored), for carrying to a device machine
+# with Python 3.12. The image's own transformers (5.17) serves: the acceptance smoke runs against it
+# in the tests (bench/gpu_image.txt). At most 64 MiB travel with a run, the working tree included:
+# this checks the total.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
@@ -11,4 +14,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 python3 -m pip download -q --no-deps --only-binary=:all: -d .whl hjson==3.1.0
 # DeepSpeed's setup.py imports torch: build with the project's venv (make install), no isolation.
 DS_BUILD_OPS=0 .venv/bin/pip wheel -q --no-deps --no-build-isolation -w .whl deepspeed==0.19.8
-ls .whl
+ls -l .whl
+wheels=$(du -cb .whl/*.whl | tail -1 | cut -f1)
+tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 du -cb 2>/dev/null | awk '/total$/ {s+=$1} END {print s}')
+echo "wheels $((wheels / 1024)) KiB + working tree $((tree / 1024)) KiB of the 64 MiB a run carries"
+test $((wheels + tree)) -lt $((64 * 1024 * 1024)) || { echo "over the 64 MiB limit" >&2; exit 1; }

@@ -1,0 +1,24 @@
+"""TEST-ONLY: a Python shaped like the lent GPU machine's image (see bench/gpu_image.txt).
+
+That image has torch, transformers, accelerate, peft and safetensors, and no Ray, MLflow or
+Optuna. Put this folder first on PYTHONPATH and those three cannot be imported, whatever this
+venv has: `import ray` raises ModuleNotFoundError as it would there. (tests/test_gpu_acceptance.py
+runs bench/gpu_acceptance.py's smoke mode so, with the image's transformers from the overlay
+`make install` builds.)
+"""
+
+import sys
+
+ABSENT_ON_THE_GPU_IMAGE = frozenset({"ray", "mlflow", "optuna"})
+
+
+class _NotOnTheImage:
+    """A meta-path finder that refuses the packages the image lacks (and everything under them)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ABSENT_ON_THE_GPU_IMAGE:
+            raise ModuleNotFoundError(f"No module named '{name}' (not on the GPU image)", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _NotOnTheImage())
