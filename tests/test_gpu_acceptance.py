@@ -57,3 +57,24 @@ def test_acceptance_script_smoke_runs_as_on_the_gpu_image(tmp_path):
     assert "| zero-3-offload-cpu-adam |" in text and "not measurable on one rank" in text
     assert f"transformers {_image_versions()['transformers']}" in text and "ray not importable" in text
     assert "versions: python" in proc.stdout  # printed first, before any family runs
+
+
+# What a worker imports (the acceptance run and the GPU bench import these without Ray): every
+# module of the worker path, the model-parallel layouts the five families do not reach included.
+WORKER_PATH = ["paratune.trial", "paratune.placement", "paratune.measure", "paratune.failures", "paratune.plan",
+               "paratune.data", "paratune.models", "paratune.materialize", "paratune.precision",
+               "paratune.reference", "paratune.preflight", "paratune.estimate", "paratune.parallel",
+               "paratune.parallel.ddp", "paratune.parallel.fsdp", "paratune.parallel.zero", "paratune.parallel.tp",
+               "paratune.parallel.pp", "paratune.parallel.cp", "paratune.parallel.nd", "paratune.parallel.dims"]
+
+
+def test_the_worker_path_imports_without_ray_mlflow_or_optuna():
+    code = ("import importlib, sys\n"
+            f"for name in {WORKER_PATH!r}:\n"
+            "    importlib.import_module(name)\n"
+            "try:\n    import ray\nexcept ModuleNotFoundError:\n    print('ray refused')\n"
+            "print(sorted(m for m in sys.modules if m.partition('.')[0] in ('ray', 'mlflow', 'optuna')))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(IMAGE_SHAPED), str(ROOT / "platform")])}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:2] == ["ray refused", "[]"], proc.stdout
