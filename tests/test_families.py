@@ -200,3 +200,127 @@ def test_tp_refuses_a_family_without_a_plan(tmp_path):
 def test_data_parallel_plans_need_no_model_check():
     # dp-only plans keep every layer whole: no family rule applies (and nothing is built)
     check_plan_against_model(load_plan_dict({**BASE_PLAN, "model": "tiny-gemma2", "strategy": "zero"}))
+
+
+# ---- every causal-LM family transformers ships: its blocks are found generically ---------------
+# Each family is built from its own default config class, shrunk (hidden 64, 2 layers, 4 heads, vocab
+# 512, 4 experts top-2 ...; per-layer lists cut with the layers), on the meta device: no memory, the
+# real module tree. Where the shrunk config is refused, the family's defaults with full layers, then
+# as shipped.
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
+
+TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+        "vocab_size": 512, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4, "num_local_experts": 4,
+        "n_routed_experts": 4, "num_experts_per_tok": 2}
+# Default config classes that do not build as shipped in transformers 5.23 (reason: the error they raise).
+UNBUILDABLE = {
+    "cohere_compass_text": "KeyError: 'full_attention'",
+    "dbrx": "AttributeError: 'DbrxAttentionConfig' object has no attribute 'rope_theta'",
+    "dots1": "TypeError: empty() takes 1 positional argument but 3 were given",
+    "gemma3n": "ImportError: \nTimmWrapperModel requires the timm library",
+    "gemma4_assistant": "StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture'",
+    "gemma4_unified_assistant": "ValueError: The set of layer types producing a cache is different",
+    "hunyuan_v1_dense": "TypeError: unsupported operand type(s) for ** or pow(): 'NoneType' and 'float'",
+    "hunyuan_v1_moe": "TypeError: unsupported operand type(s) for ** or pow(): 'NoneType' and 'float'",
+    "lfm2_moe": "TypeError: 'NoneType' object is not subscriptable",
+    "ministral": "TypeError: unsupported operand type(s) for ** or pow(): 'NoneType' and 'float'",
+    "nemotron": "TypeError: unsupported operand type(s) for //: 'int' and 'NoneType'",
+    "reformer": "AssertionError: If you want to use `ReformerModelWithLMHead` make sure that `is_decoder=True`",
+}
+# Families with no block module to shard: paratune says so (the message names what it looked for).
+NO_BLOCKS = {
+    "git": r"cannot tell the decoder blocks of GitForCausalLM apart: it names no block class \(_no_split_modules\) "
+           r"and 2 ModuleLists hold num_hidden_layers \(2\) modules of one class: git\.image_encoder",
+    "xlm": r"cannot tell the decoder blocks of XLMWithLMHeadModel apart: .* 4 ModuleLists .*transformer\.attentions",
+}
+SEVERAL_STACKS = {"blt": 6, "hrm_text": 2}  # (stacks): byte-level local/global transformers, HRM's two modules
+BLOCK_COUNT = {"longcat_flash": "num_layers"}  # a LongCat layer holds two attention/MLP sublayers
+
+
+def _int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _tiny_fields(config, cut_layers: bool) -> dict:
+    """TINY's sizes for the fields this config has, its per-layer lists cut to 2 layers, token ids
+    inside the smaller vocabulary, and the same for its sub-configs (a multimodal model's text part)."""
+    out: dict = {}
+    own = vars(config)
+    for key, value in TINY.items():
+        try:
+            current = getattr(config, key, None)
+        except Exception:  # noqa: BLE001 - heterogeneous configs refuse global per-layer reads
+            continue
+        if (_int(current) and (key != "head_dim" or key in own)) or (key == "num_experts_per_tok" and key in own):
+            out[key] = value
+    layers = own.get("num_hidden_layers")
+    if cut_layers and _int(layers) and layers > 2:
+        out["num_hidden_layers"] = 2
+        out.update({k: list(v[:2]) for k, v in own.items()
+                    if isinstance(v, (list, tuple)) and len(v) == layers and not k.startswith("_")})
+    vocab = out.get("vocab_size", own.get("vocab_size"))
+    out.update({k: vocab - 1 for k, v in own.items() if k.endswith("token_id") and _int(v) and _int(vocab) and v >= vocab})
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = own.get(key)
+        if hasattr(sub, "to_dict"):
+            out[key] = {**sub.to_dict(), **_tiny_fields(sub, cut_layers)}
+    return out
+
+
+def _tiny_meta_model(model_type: str):
+    """The family's model on the meta device, as small as its config class allows."""
+    from transformers import AutoConfig
+
+    try:
+        default = AutoConfig.for_model(model_type)
+    except Exception as err:  # noqa: BLE001 - the config class itself refuses its defaults
+        raise RuntimeError(f"{type(err).__name__}: {err}") from None
+    error = ""
+    for fields in (_tiny_fields(default, True), _tiny_fields(default, False), {}):
+        try:
+            return build_meta(AutoConfig.for_model(model_type, **fields))
+        except Exception as err:  # noqa: BLE001 - the last one (as shipped) is the family's own
+            error = f"{type(err).__name__}: {err}"
+    raise RuntimeError(error)
+
+
+def _is_encoder_decoder(model_type: str) -> bool:
+    from transformers import AutoConfig
+
+    try:
+        return bool(AutoConfig.for_model(model_type).is_encoder_decoder)
+    except Exception:  # noqa: BLE001 - a config class that cannot even be made is UNBUILDABLE's
+        return False
+
+
+@pytest.mark.parametrize("model_type", sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+def test_every_causal_lm_family_has_its_blocks_found(model_type):
+    from paratune.models import block_stacks, count_parameters, decoder_blocks, decoder_parts, routed_experts
+
+    if _is_encoder_decoder(model_type):  # its *ForCausalLM is the decoder half; build_config refuses it
+        pytest.skip(f"{model_type}: encoder-decoder, not a decoder-only LM (paratune refuses it)")
+    try:
+        model = _tiny_meta_model(model_type)
+    except RuntimeError as err:
+        assert model_type in UNBUILDABLE, f"{model_type} does not build on the meta device: {err}"
+        assert str(err).replace("\n", " ").startswith(UNBUILDABLE[model_type].replace("\n", " ")), str(err)
+        pytest.skip(f"{model_type}: its default config does not build ({UNBUILDABLE[model_type]})")
+    assert model_type not in UNBUILDABLE, f"{model_type} builds now: remove it from UNBUILDABLE"
+    if model_type in NO_BLOCKS:
+        with pytest.raises(ModelError, match=NO_BLOCKS[model_type]):
+            decoder_blocks(model)
+        return
+    blocks = decoder_blocks(model)
+    config = model.config.get_text_config()
+    if model_type in SEVERAL_STACKS:
+        assert len(block_stacks(model)) == SEVERAL_STACKS[model_type]
+        with pytest.raises(ModelError, match="paratune splits one stack only"):
+            decoder_parts(model)
+    else:
+        assert len(blocks) == getattr(config, BLOCK_COUNT.get(model_type, "num_hidden_layers"))
+        parts = decoder_parts(model)
+        assert list(parts.blocks) == blocks and parts.embedding is model.get_input_embeddings()
+        assert parts.stack_path.split(".")[-1] == parts.stack_attr
+    counts = count_parameters(model)
+    assert counts["total"] == sum(p.numel() for p in model.parameters())
+    assert counts["active"] < counts["total"] if routed_experts(model) else counts["active"] == counts["total"]

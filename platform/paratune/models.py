@@ -107,36 +107,36 @@ def block_stacks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
 
     transformers names a family's block class(es) in `_no_split_modules` (LlamaDecoderLayer,
     GPTNeoXLayer, GPT2Block, ...): the blocks are the ModuleLists whose children are all of those
-    classes, outermost only, inside the decoder (`get_decoder()`: a multimodal model's vision
-    tower has blocks of its own). A family that names none (BioGPT, CTRL, OpenAI-GPT): the one
-    ModuleList of `num_hidden_layers` modules of one class that hold parameters. Almost every
-    family has one stack; a few (HRM) have several, returned in order."""
+    classes (outermost only); where there are several, those inside the decoder (`get_decoder()`:
+    a multimodal model's vision tower has blocks of its own). A family that names none (BioGPT,
+    CTRL, OpenAI-GPT): the one ModuleList of `num_hidden_layers` modules of one class that hold
+    parameters. Almost every family has one stack; a few (HRM, BLT) have several, in order."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    inside = {id(m) for m in decoder.modules()} if isinstance(decoder, nn.Module) else None
-    lists = [(name, mod) for name, mod in model.named_modules()
-             if isinstance(mod, nn.ModuleList) and len(mod) and (inside is None or id(mod) in inside)]
+    lists = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.ModuleList) and len(mod)]
     found: list[tuple[str, nn.ModuleList]] = []
     if names:
         for name, mod in lists:
             if all(_is_block(child, names) for child in mod) and not any(
                     name.startswith(outer + ".") for outer, _ in found):
                 found.append((name, mod))
+    layers = _text_layers(model.config)
     if not found:
-        layers = _text_layers(model.config)
         found = [(name, mod) for name, mod in lists
                  if len(mod) == layers and len({type(c) for c in mod}) == 1
                  and any(True for _ in mod[0].parameters())]
-        if len(found) > 1:
-            raise ModelError(f"cannot tell the decoder blocks of {type(model).__name__} apart: it names no block class "
-                             f"(_no_split_modules) and {len(found)} ModuleLists have num_hidden_layers {layers} "
-                             f"modules of one class ({', '.join(n for n, _ in found)})")
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    if len(found) > 1 and isinstance(decoder, nn.Module) and decoder is not model:
+        inside = {id(m) for m in decoder.modules()}
+        found = [(name, mod) for name, mod in found if id(mod) in inside] or found
+    if len(found) > 1 and not names:
+        raise ModelError(f"cannot tell the decoder blocks of {type(model).__name__} apart: it names no block class "
+                         f"(_no_split_modules) and {len(found)} ModuleLists hold num_hidden_layers ({layers}) "
+                         f"modules of one class: {', '.join(n for n, _ in found)}")
     if not found:
         looked = (f"a ModuleList of {' / '.join(sorted(names))} (its _no_split_modules)" if names
-                  else "no _no_split_modules; a ModuleList of num_hidden_layers "
-                       f"({_text_layers(model.config)}) same-class modules with parameters")
-        raise ModelError(f"cannot find decoder blocks in {type(model).__name__}: looked for {looked} inside "
-                         f"{type(decoder).__name__}, found none")
+                  else f"a ModuleList of num_hidden_layers ({layers}) modules of one class with parameters (it "
+                       "names no block class in _no_split_modules)")
+        raise ModelError(f"cannot find decoder blocks in {type(model).__name__}: looked for {looked}, found none")
     return found
 
 
@@ -203,8 +203,8 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
     base_path = next((n for n, m in model.named_modules() if m is base), "")
     stack_path = path.removeprefix(base_path + ".") if base_path else path
     names = list(body._modules)
-    norms = [(i, child) for i, (n, child) in enumerate(body.named_children())
-             if child is not None and _is_norm(child) and any(True for _ in child.parameters())]
+    norms = [(i, child) for i, (n, child) in enumerate(body.named_children())  # OLMo's has no weights
+             if child is not None and _is_norm(child)]
     after = [child for i, child in norms if i > names.index(attr)]
     norm = (after or [child for _, child in norms] or [None])[-1]
     rotary = next((child for n, child in body.named_children()
@@ -259,18 +259,33 @@ def routed_experts(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
     """(path, module, number of experts) of every routed-experts module: a module with an int
     `num_experts` >= 2 that holds the experts' weights packed, expert first (transformers 5:
     MixtralExperts.gate_up_proj [E, 2I, H], JetMoe's ParallelExperts [E, out, in]), or a
-    transformers *Experts class (DBRX keeps them flattened in a child). Routers ([E, H], 2-D)
-    and shared experts (ordinary MLPs, *SharedExperts) are not routed: every token uses them."""
+    transformers *Experts class (DBRX keeps them flattened in a child; LongCat-Flash names no
+    count: E is its packed weights' first dimension). Routers ([E, H], 2-D) and shared experts
+    (ordinary MLPs, *SharedExperts) are not routed: every token uses them."""
     found: list[tuple[str, nn.Module, int]] = []
     for name, module in model.named_modules():
-        experts = _own_int(module, "num_experts")
-        if not isinstance(experts, int) or experts < 2 or any(name.startswith(f + ".") for f, _, _ in found):
+        if any(name.startswith(f + ".") for f, _, _ in found):
             continue
-        packed = any(p.ndim >= 3 and p.shape[0] == experts for p in module.parameters(recurse=False))
+        count = _own_int(module, "num_experts")
+        packed = [p.shape[0] for p in module.parameters(recurse=False) if p.ndim >= 3]
         kind = type(module).__name__
-        if packed or (kind.endswith("Experts") and "Shared" not in kind):
-            found.append((name, module, experts))
+        named = kind.endswith("Experts") and "Shared" not in kind
+        if isinstance(count, int) and count >= 2 and (count in packed or named):
+            found.append((name, module, count))
+        elif named and not isinstance(count, int) and packed and packed[0] >= 2:
+            found.append((name, module, packed[0]))
     return found
+
+
+def _idle_parameters(experts: nn.Module, count: int, k: int) -> float:
+    """Parameters of a routed-experts module that a token does not go through: of each packed
+    tensor [E_p, ...] all but k / E_p (E_p is the tensor's own expert axis: LongCat-Flash packs its
+    zero-computation experts into one tensor only), of anything else all but k / count."""
+    idle = 0.0
+    for p in experts.parameters():
+        per = p.shape[0] if p.ndim >= 3 else count
+        idle += p.numel() * (per - min(k, per)) / per
+    return idle
 
 
 def _config_top_k(config, layer: int | None) -> int | None:
@@ -329,8 +344,7 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
             lookups += module.weight.numel()
     idle = 0.0  # the routed experts' parameters a token does not go through
     for path, experts, n_experts in routed_experts(model):
-        k = routed_top_k(model, path, experts)
-        idle += sum(p.numel() for p in experts.parameters()) * (n_experts - min(k, n_experts)) / n_experts
+        idle += _idle_parameters(experts, n_experts, routed_top_k(model, path, experts))
     active = total - round(idle)
     sizes = [sum(p.numel() for p in block.parameters()) for block in decoder_blocks(model)]
     return {"total": total, "embedding": embedding, "head": 0 if tied else head, "tied_head": head if tied else 0,
