@@ -293,8 +293,10 @@ for device in ("cpu", "cuda"):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     scale = configure_gradient_reduction(model, "fsdp", dp=2, cp=2, device=torch.device(device))
-    # every FSDP unit that holds parameters (the two layers; the root holds none)
-    groups = [g for m in model.modules() if hasattr(m, "_get_fsdp_state") for g in m._get_fsdp_state()._fsdp_param_groups]
+    # every FSDP unit that holds parameters (the two layers; the root holds none). `_fsdp_param_group`:
+    # torch 2.11 (the GPU image's) has only that one; 2.13 keeps it beside its list `_fsdp_param_groups`.
+    groups = [g for m in model.modules() if hasattr(m, "_get_fsdp_state")
+              for g in [m._get_fsdp_state()._fsdp_param_group] if g is not None]
     out[device] = {"scale": scale, "units": len(groups), "factors": sorted({g.gradient_divide_factor for g in groups}),
                    "force_sum": sorted({bool(g.force_sum_reduction_for_comms) for g in groups})}
 print(json.dumps(out))
