@@ -7,17 +7,20 @@ its attention is masked. Those rules are checked here on the model built on the 
 memory, any size), so an unsupported family/plan combination is an `invalid_config` with its
 reason instead of a crash, or worse a silently different training, inside the workers.
 
-Pipeline stages (paratune.parallel.pp) run embed_tokens -> layers(h, positions, no attention
-mask) -> norm -> lm_head, as Llama does. That is the same model only where SDPA applies the
-causal mask itself, no layer's sliding window is shorter than the sequence, the input embedding
-and the LM head are separate weights (they live on different stages), and the family's
-*ForCausalLM adds nothing between the head and the loss. PIPELINE_FAMILIES are those whose
-stages match the single-process reference in the loss-parity tests (tests/test_families.py).
+Pipeline stages (paratune.parallel.pp) run token embedding -> blocks(h, positions, no attention
+mask) -> final norm -> head, as Llama does (the pieces found whatever the family calls them).
+That is the same model only where SDPA applies the causal mask itself, no layer's sliding window
+is shorter than the sequence, the input embedding and the LM head are separate weights (they live
+on different stages), nothing but the token embedding comes before the first block (GPT-2's and
+OPT's learned positions do), and the family's *ForCausalLM adds nothing between the head and the
+loss. PIPELINE_FAMILIES are those whose stages match the single-process reference in the
+loss-parity tests (tests/test_families.py).
 
 Tensor parallelism (paratune.parallel.tp) follows transformers' plan for the family: only the
-styles it implements, on the modules the plan names, with evenly split dimensions. ZeRO with tp
-is DeepSpeed's AutoTP, which implements fewer of transformers' styles (Phi-3's fused
-projections are refused by DeepSpeed itself, inside every worker, so here first). Sequence and
+styles it implements, on the modules the plan names (under the blocks' stack: "layers.*." for
+Llama and GPT-NeoX), with evenly split dimensions. ZeRO with tp is DeepSpeed's AutoTP, which
+implements fewer of transformers' styles (Phi-3's fused projections are refused by DeepSpeed
+itself, inside every worker, so here first). Sequence and
 context parallelism need SDPA's mask-free causal path (no window shorter than the sequence).
 """
 
@@ -30,7 +33,7 @@ from torch import nn
 from paratune.plan import Plan, PlanError
 
 # Families whose pipeline stages train exactly like the reference (measured, fp32 < 1e-5).
-PIPELINE_FAMILIES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
+PIPELINE_FAMILIES = ("gpt_neox", "llama", "mistral", "phi3", "qwen2", "qwen3")
 # Why a known family is not among them (what its stages would get wrong).
 PIPELINE_REFUSALS = {
     "gemma2": "Gemma2ForCausalLM soft-caps the logits after lm_head (final_logit_softcapping) and its "
@@ -97,6 +100,16 @@ def _family(config) -> str:
     return f"model_type '{config.model_type}'"
 
 
+def _parts(config, model: nn.Module, field: str, value: object, allowed: str):
+    """models.decoder_parts, or the plan refused with its reason (blocks in several stacks)."""
+    from paratune.models import ModelError, decoder_parts
+
+    try:
+        return decoder_parts(model)
+    except ModelError as err:
+        raise PlanError(f"{field}: {value} with {_family(config)}: {err}; allowed: {allowed}") from None
+
+
 def _check_tp(plan: Plan, config, model: nn.Module) -> None:
     from paratune.models import decoder_blocks
     from paratune.parallel.tp import LINEAR_STYLES, SUPPORTED_STYLES
@@ -107,28 +120,30 @@ def _check_tp(plan: Plan, config, model: nn.Module) -> None:
     if not hf_plan:
         raise PlanError(f"tp: {tp} with {_family(config)}, which has no tensor-parallel plan in transformers "
                         "(base_model_tp_plan); allowed: tp 1")
-    base = getattr(model, "model", None)
-    if not isinstance(getattr(base, "embed_tokens", None), nn.Embedding) or not isinstance(
-            getattr(model, "lm_head", None), nn.Linear):
-        raise PlanError(f"tp: {tp} with {_family(config)}: paratune shards model.embed_tokens (nn.Embedding) and "
-                        f"lm_head (nn.Linear) itself and {type(model).__name__} has not both; allowed: tp 1")
+    parts = _parts(config, model, "tp", tp, "tp 1")
+    embedding, head = parts.embedding, parts.head
+    if not isinstance(embedding, nn.Embedding) or not isinstance(head, nn.Linear):
+        raise PlanError(f"tp: {tp} with {_family(config)}: paratune shards the input embedding (nn.Embedding) and "
+                        f"the LM head (nn.Linear) itself, and {type(model).__name__} has a "
+                        f"{type(embedding).__name__} and a {type(head).__name__}; allowed: tp 1")
     replicas = plan.num_workers // (tp * plan.pp)  # the ranks DDP averages over (dp, x cp if any)
-    if plan.strategy == "ddp" and plan.pp == 1 and replicas > 1 and model.lm_head.weight is base.embed_tokens.weight:
+    if plan.strategy == "ddp" and plan.pp == 1 and replicas > 1 and head.weight is embedding.weight:
         raise PlanError(f"strategy: 'ddp' over {replicas} replicas with tp {tp} and tie_word_embeddings true: torch's "
                         "DDP over DTensor weights (_pre_dp_module_transform) swaps a tied weight in one of its two "
                         "modules only, and DDP's first broadcast fails on the mix of Tensor and DTensor; allowed: "
                         "strategy 'fsdp' (FSDP2 x TP keeps the tie), or ddp with dp 1")
     blocks = decoder_blocks(model)
+    prefix = f"{parts.stack_path}.*."
     for pattern, style in hf_plan.items():
-        if not pattern.startswith("layers.*."):
+        if not pattern.startswith(prefix):
             raise PlanError(f"tp: {tp} with {_family(config)}: transformers' plan entry '{pattern}': '{style}' is "
-                            "outside the decoder blocks, where paratune shards only the embedding and the LM head; "
-                            "allowed: tp 1")
+                            f"outside the decoder blocks ({prefix}), where paratune shards only the embedding and the "
+                            "LM head; allowed: tp 1")
         if style not in SUPPORTED_STYLES:
             raise PlanError(f"tp: {tp} with {_family(config)}: transformers' plan shards {pattern} with '{style}' "
                             f"(packed/fused or expert layouts are not sharded by paratune); allowed: tp 1, or "
                             f"families whose plans use only {allowed_styles}")
-        name = pattern.removeprefix("layers.*.")
+        name = pattern.removeprefix(prefix)
         for index, block in enumerate(blocks):
             try:
                 module = block.get_submodule(name)
@@ -184,6 +199,9 @@ def _check_sequence_parallel(plan: Plan, config, model: nn.Module) -> None:
     if short:
         raise PlanError(f"sequence_parallel: true with {short}: the sliding-window mask would be built from one "
                         "rank's slice of the sequence; allowed: false, or seq_len <= the window")
+    if _parts(config, model, "sequence_parallel", "true", "false").norm is None:
+        raise PlanError(f"sequence_parallel: true with {_family(config)}: {type(model).__name__} has no final norm "
+                        "before the LM head, where the sequence shards are gathered; allowed: false")
     for index, block in enumerate(decoder_blocks(model)):
         extra = sorted(name for name, child in block.named_children()
                        if name not in ("self_attn", "mlp", *SEQUENCE_PARALLEL_NORMS)
@@ -207,15 +225,35 @@ def _check_cp(plan: Plan, config, cp: int) -> None:
                         "tensor); allowed: cp 1, or seq_len <= the window")
 
 
+def _stage_mismatch(model: nn.Module) -> str | None:
+    """What Llama-style stages would leave out of a family's forward, where the model shows it:
+    blocks in several stacks, or an embedding besides the token embedding in the decoder body
+    (GPT-2's wpe, OPT's embed_positions: learned positions added before the first block; OPT's
+    stages measured 3e-2 off the reference)."""
+    from paratune.models import ModelError, decoder_parts
+
+    try:
+        parts = decoder_parts(model)
+    except ModelError as err:
+        return str(err)
+    extra = [name for name, child in parts.body.named_children()
+             if isinstance(child, nn.Embedding) and child is not parts.embedding]
+    if extra:
+        return (f"{type(parts.body).__name__} adds {', '.join(extra)} to the token embedding before the first block "
+                "(learned positions), which pipeline stages do not apply")
+    return None
+
+
 def _check_pp(plan: Plan, config, model: nn.Module) -> None:
     pp = plan.pp
     family = config.model_type
     if family not in PIPELINE_FAMILIES:
-        why = PIPELINE_REFUSALS.get(family, f"{type(model).__name__} has not been verified to train the same model "
-                                            "when cut into Llama-style stages")
+        why = PIPELINE_REFUSALS.get(family) or _stage_mismatch(model) or (
+            f"{type(model).__name__} has not been verified to train the same model when cut into Llama-style stages")
         raise PlanError(f"pp: {pp} with {_family(config)}: {why}; allowed: pp 1, or pp > 1 with model_type "
                         f"{', '.join(PIPELINE_FAMILIES)}")
-    if model.lm_head.weight is model.model.embed_tokens.weight:
+    parts = _parts(config, model, "pp", pp, "pp 1")
+    if parts.head is not None and parts.head.weight is parts.embedding.weight:
         raise PlanError(f"pp: {pp} with tie_word_embeddings true: the input embedding (first stage) and the LM head "
                         "(last stage) would train as two separate weights; allowed: pp 1, or model_overrides "
                         "{\"tie_word_embeddings\": false} (a different model)")

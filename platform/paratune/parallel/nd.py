@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from paratune.materialize import ModelInit, materialize, move_buffers
-from paratune.models import decoder_blocks
+from paratune.models import decoder_blocks, decoder_parts
 from paratune.parallel import StepRunner, apply_activation_checkpointing, make_optimizer
 from paratune.parallel.dims import ParallelDims
 from paratune.parallel.tp import apply_tp, clip_grad_norm
@@ -181,8 +181,8 @@ def _parallelize_pipeline(model: nn.Module, init: ModelInit, plan: Plan, device:
                          seq_shards=dims.tp if plan.sequence_parallel else 1)
     num_stages = dims.pp * (2 if plan.pp_schedule == "interleaved_1f1b" else 1)
     # Drop the original model's hold on what other stages own, so this rank keeps only its part.
-    model.model.layers, model.model.embed_tokens, model.model.norm, model.lm_head = (
-        nn.ModuleList(), None, None, None)
+    for key, (parent, attr) in decoder_parts(model).slots(model).items():
+        setattr(parent, attr, nn.ModuleList() if key == "blocks" else None)
     for _, module in owned:
         _apply_dp_on_meta(module, list(module.layers), plan, dims, layout)
     # Only this rank's stages are allocated and filled; the rest of the model never exists here.

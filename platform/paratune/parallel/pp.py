@@ -3,15 +3,23 @@
 The model is cut into stages (embedding with the first, final norm and LM head with the last,
 layers balanced: stage sizes differ by at most one). Schedules: GPipe, 1F1B, interleaved 1F1B
 (two stages per rank). The step's micro-batches (grad_accum of them) are the pipeline's.
+
+The pieces are found whatever the family calls them (models.decoder_parts: Llama's embed_tokens /
+norm / lm_head, GPT-NeoX's embed_in / final_layer_norm / lm_head), and each block is called with
+the arguments its forward takes (positions; rotary tables where the family has them). Which
+families' stages train exactly like the whole model is preflight's rule (PIPELINE_FAMILIES);
+profiling (paratune.profile) times one block, the embedding and the head of any family this way.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paratune.models import decoder_blocks
+from paratune.models import decoder_parts
 
 
 def stage_layer_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
@@ -25,21 +33,32 @@ def stage_layer_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]
     return ranges
 
 
+def _block_arguments(block: nn.Module) -> tuple[set[str], list[str]]:
+    """(keyword arguments a block's forward accepts, those it requires after the hidden states):
+    Llama's and GPT-NeoX's take position_ids and position_embeddings; Falcon's requires alibi and
+    attention_mask (None: rotary positions, SDPA's own causal mask)."""
+    params = list(inspect.signature(type(block).forward).parameters.values())[2:]  # self, hidden_states
+    accepts = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    required = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return accepts, required
+
+
 class StageModule(nn.Module):
     """One pipeline stage of a transformers decoder: [embedding] + layers[a:b] + [norm + head]."""
 
     def __init__(self, model: nn.Module, layers: tuple[int, int], first: bool, last: bool, seq_shards: int = 1):
         super().__init__()
-        base = model.model
-        self.embed_tokens = base.embed_tokens if first else None
-        self.layers = nn.ModuleList(decoder_blocks(model)[layers[0] : layers[1]])
-        self.norm = base.norm if last else None
-        self.lm_head = model.lm_head if last else None
-        self.rotary_emb = base.rotary_emb  # no parameters: recomputed on every stage
+        parts = decoder_parts(model)
+        self.embed_tokens = parts.embedding if first else None
+        self.layers = nn.ModuleList(list(parts.blocks)[layers[0] : layers[1]])
+        self.norm = parts.norm if last else None
+        self.lm_head = parts.head if last else None
+        self.rotary_emb = parts.rotary  # no parameters: recomputed on every stage
         self.autocast = False  # bf16 autocast inside the stage (set when no FSDP2 mixed precision)
         # Under sequence parallelism the residual stream between blocks (and between stages) is a
         # sequence shard of 1/seq_shards of the tokens; positions are those of the whole sequence.
         self.seq_shards = seq_shards
+        self._accepts, self._required = _block_arguments(self.layers[0]) if len(self.layers) else (set(), [])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.autocast:
@@ -49,14 +68,20 @@ class StageModule(nn.Module):
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
-        seq_len = x.shape[1] if self.embed_tokens is not None else h.shape[1] * self.seq_shards
-        position_ids = torch.arange(seq_len, device=h.device).unsqueeze(0)
-        position_embeddings = self.rotary_emb(h, position_ids)
-        for layer in self.layers:  # attention_mask=None: SDPA applies the causal mask itself
-            h = layer(h, position_ids=position_ids, position_embeddings=position_embeddings)
+        if self.layers:
+            seq_len = x.shape[1] if self.embed_tokens is not None else h.shape[1] * self.seq_shards
+            position_ids = torch.arange(seq_len, device=h.device).unsqueeze(0)
+            kwargs: dict = dict.fromkeys(self._required)  # attention_mask=None: SDPA applies the causal mask
+            if "position_ids" in self._accepts:
+                kwargs["position_ids"] = position_ids
+            if self.rotary_emb is not None and "position_embeddings" in self._accepts:
+                kwargs["position_embeddings"] = self.rotary_emb(h, position_ids)
+            for layer in self.layers:
+                h = layer(h, **kwargs)
+                h = h[0] if isinstance(h, tuple) else h  # families whose blocks still return tuples
         if self.lm_head is None:
             return h
-        return self.lm_head(self.norm(h))
+        return self.lm_head(self.norm(h) if self.norm is not None else h)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -70,7 +95,7 @@ def build_stages(model: nn.Module, pp: int, pp_rank: int, schedule: str,
     `seq_shards`: the tp degree under sequence parallelism (stage inputs are sequence shards)."""
     per_rank = 2 if schedule == "interleaved_1f1b" else 1
     num_stages = pp * per_rank
-    ranges = stage_layer_ranges(len(decoder_blocks(model)), num_stages)
+    ranges = stage_layer_ranges(len(decoder_parts(model).blocks), num_stages)
     indices = [pp_rank + k * pp for k in range(per_rank)]  # round-robin, as interleaving expects
     return [(i, StageModule(model, ranges[i], i == 0, i == num_stages - 1, seq_shards)) for i in indices]
 

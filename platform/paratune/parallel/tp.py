@@ -9,10 +9,14 @@ qkv_proj and gate_up_proj: the gather reassembles q|k|v before the attention spl
 naive column split is right; the attention itself then runs on every head on every tp rank);
 `replicated_with_grad_allreduce` keeps a parameter whole on every rank and sums its gradient over
 the tp group (Qwen3's per-head q/k norms only see this rank's heads). Any other style is refused
-before launch (paratune.preflight). The embedding is sharded over the vocabulary (row-wise) and
-the LM head column-wise with the logits gathered, so the loss is the ordinary one; a tied head
-stays tied to the sharded embedding. With sequence parallelism the norms and the residual stream
-are sharded along the sequence between the attention/MLP blocks.
+before launch (paratune.preflight). The plan's keys name modules under the base model
+("layers.*.self_attn.q_proj"; GPT-NeoX "layers.*.attention.query_key_value"): the blocks' stack
+is found generically (models.decoder_parts), as are the input embedding and the head, whatever
+the family calls them (embed_tokens, GPT-NeoX's embed_in, GPT-2's wte). The embedding is sharded
+over the vocabulary (row-wise) and the LM head column-wise with the logits gathered, so the loss
+is the ordinary one; a tied head stays tied to the sharded embedding. With sequence parallelism
+the norms and the residual stream are sharded along the sequence between the attention/MLP
+blocks.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from paratune.models import decoder_blocks
+from paratune.models import decoder_blocks, decoder_parts
 
 # The transformers styles implemented here (name -> what it does). paratune.preflight refuses a
 # plan whose family uses any other style, before a worker starts.
@@ -93,14 +97,21 @@ def _style(name: str, pattern: str, sequence_parallel: bool) -> ParallelStyle:
                      f"allowed: {', '.join(SUPPORTED_STYLES)}")
 
 
+def block_prefix(model: nn.Module) -> str:
+    """How transformers' TP plan keys of the family start for a block's module: the blocks'
+    stack under the base model, then '*' ('layers.*.' for Llama and GPT-NeoX, 'h.*.' for GPT-2)."""
+    return f"{decoder_parts(model).stack_path}.*."
+
+
 def block_plan(model: nn.Module, sequence_parallel: bool) -> dict:
-    """Per-block plan from transformers' `base_model_tp_plan` ('layers.*.' stripped)."""
+    """Per-block plan from transformers' `base_model_tp_plan` (the blocks' prefix stripped)."""
     hf_plan = getattr(model.config, "base_model_tp_plan", None) or {}
+    prefix = block_prefix(model)
     plan: dict = {}
     for pattern, style in hf_plan.items():
-        if not pattern.startswith("layers.*."):
+        if not pattern.startswith(prefix):
             continue
-        plan[pattern.removeprefix("layers.*.")] = _style(style, pattern, sequence_parallel)
+        plan[pattern.removeprefix(prefix)] = _style(style, pattern, sequence_parallel)
     if not plan:
         raise ValueError(f"tp: {type(model).__name__} has no tensor-parallel plan in transformers")
     if sequence_parallel:
@@ -113,16 +124,17 @@ def block_plan(model: nn.Module, sequence_parallel: bool) -> dict:
 
 
 def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> None:
-    base = model.model
-    tied = model.lm_head.weight is base.embed_tokens.weight
+    parts = decoder_parts(model)
+    embedding, head = parts.embedding, parts.head
+    tied = head.weight is embedding.weight
     sp_out = Shard(1) if sequence_parallel else Replicate()
-    parallelize_module(base.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=sp_out))
+    parallelize_module(embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=sp_out))
     if sequence_parallel:
-        parallelize_module(base.norm, tp_mesh, SequenceParallel())
-    parallelize_module(model.lm_head, tp_mesh,
+        parallelize_module(parts.norm, tp_mesh, SequenceParallel())
+    parallelize_module(head, tp_mesh,
                        ColwiseParallel(input_layouts=sp_out, output_layouts=Replicate(), use_local_output=True))
     if tied:  # both are sharded over the vocabulary (Shard(0)): one parameter again, as in the reference
-        model.lm_head.weight = base.embed_tokens.weight
+        head.weight = embedding.weight
     plan = block_plan(model, sequence_parallel)
     for block in decoder_blocks(model):
         parallelize_module(block, tp_mesh, plan)
