@@ -135,6 +135,25 @@ def test_deepseek_v3_counts_shared_experts_and_its_dense_first_layers(tmp_path):
     assert 0 <= layout["layer"] * 61 - (3 * dense_layer + 58 * moe_total) < 61
 
 
+def test_dbrx_flattened_experts_count_4_of_16(tmp_path):
+    # databricks/dbrx-base config.json: d_model 6144, 40 layers, 48 heads / 8 KV heads (head_dim 128, one
+    # fused Wqkv), 16 experts of ffn_hidden_size 10752, top-4, vocab 100352, untied, LayerNorms without bias.
+    # Published: 132B total, 36B active. transformers keeps the experts flattened ([16 x 10752, 6144] per
+    # matrix) in DbrxExperts' child: no per-expert axis to read, the module's count is used.
+    path = _config(tmp_path, "dbrx", model_type="dbrx", d_model=6144, n_layers=40, n_heads=48, vocab_size=100352,
+                   max_seq_len=32768, tie_word_embeddings=False,
+                   attn_config={"kv_n_heads": 8, "rope_theta": 500000, "clip_qkv": 8},
+                   ffn_config={"ffn_hidden_size": 10752, "moe_num_experts": 16, "moe_top_k": 4})
+    d = 6144
+    fixed = (d + 2 * 8 * 128) * d + d * d + 2 * d + 16 * d  # Wqkv, out_proj, 2 norms, router
+    expert = 3 * 10752 * d
+    embedding = 100352 * d
+    counts = parameter_counts(build_config(path))
+    assert counts["total"] == 40 * (fixed + 16 * expert) + d + 2 * embedding
+    assert counts["active"] == 40 * (fixed + 4 * expert) + d + 2 * embedding
+    assert round(counts["total"] / 1e9) == 132 and round(counts["active"] / 1e9) == 36
+
+
 def test_qwen2_moe_shared_expert_and_its_gate_are_always_active(tmp_path):
     # Qwen1.5-MoE-shaped at hidden 64: 8 experts (moe_intermediate 32), top-2, one shared expert
     # (shared_expert_intermediate 128) behind a sigmoid gate (1 x hidden), untied, vocab 512, 2 layers.
