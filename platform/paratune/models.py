@@ -164,7 +164,7 @@ def _is_norm(module: nn.Module) -> bool:
 class DecoderParts:
     """Where a decoder-only model keeps its pieces, whatever the family calls them: Llama's
     model.{embed_tokens, layers, norm, rotary_emb} + lm_head, GPT-NeoX's gpt_neox.{embed_in,
-    layers, final_layer_norm, rotary_emb} + embed_out, GPT-2's transformer.{wte, h, ln_f} +
+    layers, final_layer_norm, rotary_emb} + lm_head, GPT-2's transformer.{wte, h, ln_f} +
     lm_head, OPT's model.decoder.{embed_tokens, layers, final_layer_norm} + lm_head."""
 
     body: nn.Module  # the module that holds the block stack (LlamaModel, GPTNeoXModel, OPTDecoder)
