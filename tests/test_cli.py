@@ -28,6 +28,18 @@ def test_validate_reports_field_value_and_allowed(tmp_path):
     assert good.returncode == 0 and "grad_accum: 2" in good.stdout
 
 
+def test_models_lists_every_preset_whatever_its_family(capsys):
+    """GPT-NeoX and OPT configs have no num_key_value_heads (no GQA): their heads are their KV heads."""
+    from paratune.cli import main
+    from paratune.models import preset_names
+
+    assert main(["models"]) == 0
+    listed = capsys.readouterr().out
+    assert all(f"│ {name} " in listed for name in preset_names()), listed
+    row = next(line for line in listed.splitlines() if "│ tiny-gptneox " in line)
+    assert "│ 4/4 " in row  # tiny-gptneox: 4 heads, each its own KV head
+
+
 @pytest.mark.integration  # the `paratune` command in its own process
 def test_tune_rejects_a_bad_space_before_starting_anything(tmp_path):
     space = tmp_path / "space.yaml"

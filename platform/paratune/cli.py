@@ -424,13 +424,15 @@ def _cmd_models(args: argparse.Namespace, console: Console) -> int:
     from paratune.models import build_config, parameter_counts, preset_names
 
     table = Table(title="model presets (random init from config; never downloaded)")
-    for col in ("preset", "type", "layers", "hidden", "heads/kv", "params", "compute params"):
+    # "active params": N in 6N, what a token's matmuls touch (MoE: the routed top-k experts only).
+    for col in ("preset", "type", "layers", "hidden", "heads/kv", "params", "active params"):
         table.add_column(col)
     for name in preset_names():
         cfg = build_config(name)
         counts = parameter_counts(cfg)
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads  # GPT-NeoX, OPT: no GQA
         table.add_row(name, cfg.model_type, str(cfg.num_hidden_layers), str(cfg.hidden_size),
-                      f"{cfg.num_attention_heads}/{cfg.num_key_value_heads}",
+                      f"{cfg.num_attention_heads}/{kv_heads}",
                       f"{counts['total'] / 1e6:,.1f}M", f"{counts['compute'] / 1e6:,.1f}M")
     console.print(table)
     return 0
