@@ -130,6 +130,34 @@ def test_attention_is_sdpa_where_supported_else_eager():
     assert build_meta(gemma2).config._attn_implementation == "eager"
 
 
+def test_soft_capped_attention_never_runs_on_sdpa(monkeypatch):
+    """transformers 5.17 (the GPU image's) marks Gemma-2 `_supports_sdpa` and its SDPA path drops
+    the logit soft-capping without a word: a soft-capped config is built with eager all the same."""
+    from transformers import Gemma2ForCausalLM
+
+    monkeypatch.setattr(Gemma2ForCausalLM, "_supports_sdpa", True)
+    assert build_config("tiny-gemma2")._attn_implementation == "eager"
+    with pytest.raises(ModelError, match=r"got 'sdpa'; SDPA has no attention logit soft-capping"):
+        build_config("tiny-gemma2", {"attn_implementation": "sdpa"})
+    assert build_config("tiny-gemma2", {"attn_logit_softcapping": None})._attn_implementation == "sdpa"
+
+
+def test_tp_accepts_the_tied_embedding_entry_transformers_5_17_adds():
+    """transformers 5.17 adds "embed_tokens": "embedding_rowwise" to the TP plan of every model with
+    tied embeddings; paratune shards that embedding itself (vocab-wise), so the entry is no reason
+    to refuse tp (it was: "outside the decoder blocks"). Other entries outside the blocks still are."""
+    from paratune.preflight import _check_tp
+
+    plan = load_plan_dict({**BASE_PLAN, "model": "tiny-llama3", "tp": 2, "strategy": "fsdp"})
+    config = build_config(plan.model)
+    assert config.tie_word_embeddings
+    config.base_model_tp_plan = {**config.base_model_tp_plan, "embed_tokens": "embedding_rowwise"}
+    _check_tp(plan, config, build_meta(config))
+    config.base_model_tp_plan = {**config.base_model_tp_plan, "norm": "rowwise"}
+    with pytest.raises(PlanError, match=r"plan entry 'norm': 'rowwise' is outside the decoder blocks"):
+        _check_tp(plan, config, build_meta(config))
+
+
 def test_attention_override_is_kept_or_refused_with_the_reason():
     eager = build_config("tiny-llama3", {"attn_implementation": "eager"})
     assert build_meta(eager).config._attn_implementation == "eager"

@@ -188,9 +188,16 @@ def causal_lm_class(config) -> type:
 
 
 def supported_attn_implementations(config) -> list[str]:
-    """The ATTENTION_IMPLEMENTATIONS the family's model class supports (eager: every family)."""
+    """The ATTENTION_IMPLEMENTATIONS the family's model class supports (eager: every family).
+
+    SDPA has no logit soft-capping: a config with `attn_logit_softcapping` (Gemma-2) gets eager
+    only. transformers 5.17 (the GPU image's) still marks Gemma-2 `_supports_sdpa` and its
+    sdpa_attention_forward drops `softcap` without a word (5.2x refuses it): other math than the
+    model's, which parity against a reference on the same path cannot see."""
     cls = causal_lm_class(config)
-    return [name for name in ATTENTION_IMPLEMENTATIONS if name == "eager" or getattr(cls, f"_supports_{name}", False)]
+    softcapped = getattr(config, "attn_logit_softcapping", None) is not None
+    return [name for name in ATTENTION_IMPLEMENTATIONS if name == "eager" or (
+        getattr(cls, f"_supports_{name}", False) and not (name == "sdpa" and softcapped))]
 
 
 def attn_implementation(config) -> str:

@@ -75,8 +75,13 @@ def _checked_attn_implementation(config) -> str:
     requested = getattr(config, "_attn_implementation", None)
     allowed = supported_attn_implementations(config)
     if requested is not None and requested not in allowed:
-        why = (f"{causal_lm_class(config).__name__} does not support it" if requested in ATTENTION_IMPLEMENTATIONS
-               else f"paratune builds with {' or '.join(ATTENTION_IMPLEMENTATIONS)}")
+        cls = causal_lm_class(config)
+        if requested not in ATTENTION_IMPLEMENTATIONS:
+            why = f"paratune builds with {' or '.join(ATTENTION_IMPLEMENTATIONS)}"
+        elif getattr(cls, f"_supports_{requested}", False):  # the class would, the config's math would not
+            why = f"SDPA has no attention logit soft-capping, which {cls.__name__}'s config sets (attn_logit_softcapping)"
+        else:
+            why = f"{cls.__name__} does not support it"
         raise ModelError(f"model_overrides.attn_implementation: got '{requested}'; {why}; allowed: {', '.join(allowed)}")
     return attn_implementation(config)
 

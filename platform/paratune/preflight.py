@@ -110,6 +110,14 @@ def _parts(config, model: nn.Module, field: str, value: object, allowed: str):
         raise PlanError(f"{field}: {value} with {_family(config)}: {err}; allowed: {allowed}") from None
 
 
+def _is_module(root: nn.Module, path: str, module: nn.Module) -> bool:
+    """Whether `path` (a plan key, no wildcard) names `module` under `root`."""
+    try:
+        return root.get_submodule(path) is module
+    except AttributeError:
+        return False
+
+
 def _check_tp(plan: Plan, config, model: nn.Module) -> None:
     from paratune.models import decoder_blocks
     from paratune.parallel.tp import LINEAR_STYLES, SUPPORTED_STYLES
@@ -135,6 +143,10 @@ def _check_tp(plan: Plan, config, model: nn.Module) -> None:
     blocks = decoder_blocks(model)
     prefix = f"{parts.stack_path}.*."
     for pattern, style in hf_plan.items():
+        if style == "embedding_rowwise" and _is_module(model.base_model, pattern, embedding):
+            # transformers 5.1x (the GPU image's 5.17) adds the tied input embedding to every plan as
+            # "embed_tokens": "embedding_rowwise"; paratune shards that embedding itself, the same way.
+            continue
         if not pattern.startswith(prefix):
             raise PlanError(f"tp: {tp} with {_family(config)}: transformers' plan entry '{pattern}': '{style}' is "
                             f"outside the decoder blocks ({prefix}), where paratune shards only the embedding and the "
