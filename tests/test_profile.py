@@ -85,3 +85,20 @@ def test_run_profile_through_a_runner():
 def test_bad_request_fields_are_named():
     with pytest.raises(ValueError, match="reps"):
         profile_requests_for(_plans(), reps=0)
+
+
+def test_a_tp_slice_shrinks_the_widths_where_each_family_keeps_them():
+    """A rank's tp slice of OPT halves ffn_dim (its feed-forward width); families without KV heads
+    (OPT, GPT-NeoX) get no num_key_value_heads of paratune's making; Llama-likes lose both halves."""
+    from paratune.profile import _local_config
+
+    def sliced(model: str):
+        [request] = profile_requests_for([load_plan_dict({**TINY, "model": model, "micro_batch": 1, "tp": 2})])
+        return _local_config(request, 2, 1)[0]
+
+    opt = sliced("tiny-opt")
+    assert opt.ffn_dim == 256 // 2 and opt.num_attention_heads == 2 and "num_key_value_heads" not in opt.to_dict()
+    neox = sliced("tiny-gptneox")
+    assert neox.intermediate_size == 256 // 2 and "num_key_value_heads" not in neox.to_dict()
+    llama = sliced("tiny-llama")
+    assert (llama.num_key_value_heads, llama.intermediate_size) == (1, 176 // 2)

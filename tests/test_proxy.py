@@ -260,3 +260,17 @@ def test_finish_falls_back_to_the_next_plan_and_records_why(tmp_path, tracker):
     summary = json.loads((report.winner_dir / "summary.json").read_text())
     assert summary["parity_failed_above"] == report.parity_failures and summary["parity_proxy"] is None
     assert parent.data.tags["paratune.winner"] == "ddp mb4x1"
+
+
+@pytest.mark.parametrize("model, width", [("tiny-opt", {"ffn_dim": 16384, "hidden_size": 4096}),
+                                          ("tiny-gptneox", {"intermediate_size": 16384, "hidden_size": 4096})])
+def test_proxy_shrinks_families_that_name_their_widths_otherwise(model, width):
+    """OPT keeps its feed-forward width in ffn_dim and neither it nor GPT-NeoX has KV heads: the
+    proxy shrinks the width where the family keeps it and adds no key the family lacks."""
+    plan = load_plan_dict({"model": model, "model_overrides": width, "num_workers": 2, "global_batch": 8,
+                           "micro_batch": 2, "strategy": "ddp"})
+    shape = proxy_shape(plan)
+    assert "num_key_value_heads" not in shape
+    proxy = _check_proxy(plan)
+    config = load_config_dict(proxy.model, proxy.model_overrides)
+    assert config[next(iter(width))] == 2 * config["hidden_size"]

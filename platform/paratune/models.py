@@ -219,6 +219,16 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
                         head=head, norm=norm, rotary=rotary)
 
 
+# Where families keep the feed-forward width (Llama-likes and GPT-NeoX, OPT, GPT-2 / GPT-J).
+FFN_WIDTH_KEYS = ("intermediate_size", "ffn_dim", "n_inner")
+
+
+def ffn_width_key(config: dict[str, Any]) -> str:
+    """The config key that holds the family's feed-forward width (a config.json dict); the first of
+    FFN_WIDTH_KEYS the config has, else intermediate_size."""
+    return next((k for k in FFN_WIDTH_KEYS if k in config), FFN_WIDTH_KEYS[0])
+
+
 def config_key(config) -> str:
     """A config as canonical JSON (model_type and attention kernel included): a cache key, and
     enough to rebuild it."""

@@ -419,7 +419,7 @@ def _median_time(fn: Callable[[], None], device, warmup: int, reps: int, statist
 def _local_config(request: ProfileRequest, tp: int, layers: int):
     """The config of one rank's tp slice: heads, kv heads, intermediate and vocab over tp, the same
     hidden size and head dim, `layers` decoder blocks."""
-    from paratune.models import build_config
+    from paratune.models import build_config, ffn_width_key
 
     full = build_config(request.model, request.model_overrides)
     heads = full.num_attention_heads
@@ -428,9 +428,13 @@ def _local_config(request: ProfileRequest, tp: int, layers: int):
     overrides = dict(request.model_overrides)
     overrides["num_hidden_layers"] = layers
     if tp > 1:
-        overrides.update(num_attention_heads=max(1, heads // tp), num_key_value_heads=max(1, kv // tp),
-                         intermediate_size=max(1, full.intermediate_size // tp),
-                         vocab_size=math.ceil(full.vocab_size / tp), head_dim=head_dim)
+        ffn = ffn_width_key(full.to_dict())  # intermediate_size, OPT's ffn_dim, GPT-2's n_inner
+        overrides.update(num_attention_heads=max(1, heads // tp), vocab_size=math.ceil(full.vocab_size / tp),
+                         head_dim=head_dim)
+        if getattr(full, ffn, None):
+            overrides[ffn] = max(1, getattr(full, ffn) // tp)
+        if hasattr(full, "num_key_value_heads"):
+            overrides["num_key_value_heads"] = max(1, kv // tp)
     return build_config(request.model, overrides), full.vocab_size
 
 

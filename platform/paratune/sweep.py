@@ -1176,7 +1176,7 @@ def proxy_shape(plan: Plan) -> dict[str, Any]:
     to the plan's degrees: heads and KV heads multiples of tp, vocab divisible by tp, at least as
     many layers as pipeline stages, hidden = heads x a small head dim.
     """
-    from paratune.models import load_config_dict
+    from paratune.models import ffn_width_key, load_config_dict
 
     config = load_config_dict(plan.model, plan.model_overrides)
     heads = int(config.get("num_attention_heads") or 1)
@@ -1193,8 +1193,10 @@ def proxy_shape(plan: Plan) -> dict[str, Any]:
     # Tokens from a tokenizer can be any id of the model's vocab (already divisible by tp).
     vocab = int(config["vocab_size"]) if plan.data.tokenizer is not None else _round_up(PROXY_VOCAB, tp)
     shape: dict[str, Any] = {"num_hidden_layers": proxy_layers, "hidden_size": hidden,
-                             "intermediate_size": 2 * hidden, "num_attention_heads": proxy_heads,
-                             "num_key_value_heads": proxy_kv, "vocab_size": vocab}
+                             ffn_width_key(config): 2 * hidden, "num_attention_heads": proxy_heads,
+                             "vocab_size": vocab}
+    if "num_key_value_heads" in config or grouped:  # families without GQA (GPT-NeoX, OPT) have no such key
+        shape["num_key_value_heads"] = proxy_kv
     if "head_dim" in config:
         shape["head_dim"] = PROXY_HEAD_DIM
     for key in PER_LAYER_KEYS:
