@@ -108,7 +108,8 @@ def _worker(rank: int, world: int, port: int, plan_dicts: list[dict], queue, set
 # (8 processes importing torch and transformers on 2 cores took ~85 s; forked, ~13 s). DeepSpeed
 # too (~1.5 s of CPU per rank of every set of processes that runs a ZeRO plan; it starts no thread).
 PRELOAD = ["torch", "torch.distributed", "paratune.trial", "paratune.parallel", "transformers",
-           "transformers.models.llama.modeling_llama", "deepspeed"]
+           "transformers.models.llama.modeling_llama", "transformers.models.gpt_neox.modeling_gpt_neox",
+           "transformers.models.opt.modeling_opt", "deepspeed"]
 
 
 def _context():

@@ -79,7 +79,8 @@ class StepPrediction:
 # --------------------------------------------------------------------------- model pieces
 @lru_cache(maxsize=32)
 def _module_sizes(config_json: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Parameter counts of the modules that own parameters directly: one block's, the rest's."""
+    """Parameter counts of the modules that own parameters directly: the largest block's (MoE
+    models with dense first layers, DeepSeek-V3: a dense block is not the typical one), the rest's."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -89,7 +90,8 @@ def _module_sizes(config_json: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     blocks = decoder_blocks(model)
-    in_block = {id(m) for m in blocks[0].modules()}
+    largest = max(blocks, key=lambda b: sum(p.numel() for p in b.parameters()))
+    in_block = {id(m) for m in largest.modules()}
     in_any_block = {id(m) for b in blocks for m in b.modules()}
     block, rest, seen = [], [], set()
     for module in model.modules():
