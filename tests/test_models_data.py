@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from paratune.data import DataError, TokenBatches, pack_rows
-from paratune.models import ModelError, build_config, build_model, preset_names
+from paratune.models import ModelError, build_config, build_model, parameter_counts, preset_names
 from paratune.plan import DataSpec
 
 
@@ -14,6 +14,15 @@ def test_presets_include_cpu_and_real_shapes():
     assert {"tiny-llama", "llama3-8b", "llama3-70b", "qwen2.5-7b"} <= set(preset_names())
     cfg = build_config("qwen2.5-7b")
     assert cfg.model_type == "qwen2" and cfg.num_key_value_heads == 4
+
+
+def test_llama_3_1_405b_has_its_published_size():
+    """By hand from the public shape: per layer q and o 16384^2 each, k and v 16384 x 8 x 128 each,
+    the SwiGLU MLP 3 x 16384 x 53248, two norms; 126 layers, untied embedding and head 128256 x 16384."""
+    layer = 2 * 16384**2 + 2 * 16384 * 8 * 128 + 3 * 16384 * 53248 + 2 * 16384
+    embedding = 128256 * 16384
+    counts = parameter_counts(build_config("llama3.1-405b"))
+    assert counts["total"] == 126 * layer + 16384 + 2 * embedding == 405_853_388_800
 
 
 def test_every_listed_preset_builds():
