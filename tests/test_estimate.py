@@ -371,3 +371,45 @@ def test_zero_with_autotp_as_deepspeed_lays_it_out():
     assert construction_bytes(zero3) == pytest.approx(578_240, rel=0.01)
     # Llama-3-70B: ZeRO-2 with tp 8 still builds 282 GB per rank before AutoTP cuts it: refused.
     assert construction_bytes(_plan_70b(strategy="zero", tp=8, zero={"stage": 2})) > 4 * P_70B
+
+
+# --------------------------------------------------------------------------- the device table file (issue 26 item 7a)
+def test_a_yaml_device_file_as_the_readme_writes_it(tmp_path, capsys):
+    """README: `paratune plan SPACE --devices my_gpus.yaml` adds or overrides entries (it crashed:
+    the YAML reader was called without its error type). A new entry, and a partial override of a
+    shipped one."""
+    from paratune.cli import main
+
+    path = tmp_path / "my_gpus.yaml"
+    path.write_text("# two of ours\nmy-h100:\n  memory_gib: 80\n  tflops: {bf16: 989, fp32: 67}\n"
+                    "  intra_node_gbps: 450\n  inter_node_gbps: 50\nh100-80gb:\n  inter_node_gbps: 100\n")
+    devices = load_devices(path)
+    assert devices["my-h100"].memory_gib == 80 and devices["my-h100"].gpus_per_node == 8
+    assert devices["h100-80gb"].inter_node_gbps == 100 and devices["h100-80gb"].memory_gib == 80
+    assert main(["plan", "search_spaces/llama3_8b_1x8.yaml", "--device", "my-h100", "--devices", str(path)]) == 0
+    assert "plans estimated in" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("body, message", [
+    ("x:\n  memory_gib: lots\n  tflops: {bf16: 1}\n  intra_node_gbps: 1\n  inter_node_gbps: 1\n",
+     "device 'x': memory_gib: got 'lots'; allowed: a number > 0"),
+    ("x:\n  memory_gib: 8\n  tflops: {bf16: 1}\n  intra_node_gbps: 1\n  inter_node_gbps: 1\n  memory: 8\n",
+     "device 'x': unknown field 'memory' (value 8); allowed fields: memory_gib, tflops"),
+    ("x:\n  memory_gib: 8\n  tflops: {bf16: 1}\n", "device 'x': missing intra_node_gbps, inter_node_gbps"),
+    ("x:\n  memory_gib: 8\n  tflops: 989\n  intra_node_gbps: 1\n  inter_node_gbps: 1\n",
+     "device 'x': tflops: got 989; allowed: a mapping of precision to dense peak TFLOP/s > 0"),
+    ("x:\n  memory_gib: 8\n  tflops: {fp8: 1}\n  intra_node_gbps: 1\n  inter_node_gbps: 1\n",
+     "it must give a peak for at least one of fp32, bf16"),
+    ("x:\n  memory_gib: 8\n  tflops: {bf16: 1}\n  intra_node_gbps: 1\n  inter_node_gbps: 1\n  gpus_per_node: 2.5\n",
+     "device 'x': gpus_per_node: got 2.5; allowed: a whole number >= 1"),
+    ("x:\n  memory_gib: 8\n  tflops: {bf16: 1}\n  intra_node_gbps: 1\n  inter_node_gbps: 1\n  gpu: h100\n",
+     "device 'x': gpu: got 'h100'; allowed: a10"),
+    ("x: 80\n", "device 'x': got 80; allowed: a mapping of fields"),
+    ("- just\n- a list\n", "a device table file must be a mapping of fields, got list"),
+])
+def test_a_bad_device_file_names_the_field_the_value_and_what_is_allowed(tmp_path, body, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(body)
+    with pytest.raises(ValueError) as err:
+        load_devices(path)
+    assert message in str(err.value) and str(path) in str(err.value)

@@ -73,22 +73,72 @@ class Device:
         return self.memory_gib * GiB
 
 
+DEVICE_FIELDS = ("memory_gib", "tflops", "intra_node_gbps", "inter_node_gbps", "gpus_per_node", "host_link_gbps", "gpu")
+_REQUIRED_DEVICE_FIELDS = ("memory_gib", "tflops", "intra_node_gbps", "inter_node_gbps")
+
+
+def _positive_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _device_from_spec(name: str, spec: object, source: str, base: dict | None = None) -> Device:
+    """One device table entry, checked field by field: a wrong one is named with its value and
+    what is allowed. An entry of a user file that names a shipped device overrides only the fields
+    it gives (`base`: the shipped entry)."""
+    where = f"{source}: device '{name}'"
+    if not isinstance(spec, dict):
+        raise ValueError(f"{where}: got {spec!r}; allowed: a mapping of fields ({', '.join(DEVICE_FIELDS)})")
+    unknown = [k for k in spec if k not in DEVICE_FIELDS]
+    if unknown:
+        raise ValueError(f"{where}: unknown field {unknown[0]!r} (value {spec[unknown[0]]!r}); allowed fields: "
+                         f"{', '.join(DEVICE_FIELDS)}")
+    merged = {**(base or {}), **spec}
+    missing = [k for k in _REQUIRED_DEVICE_FIELDS if k not in merged]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(missing)} (required: {', '.join(_REQUIRED_DEVICE_FIELDS)}; "
+                         f"optional: gpus_per_node, host_link_gbps, gpu)")
+    for field_name in ("memory_gib", "intra_node_gbps", "inter_node_gbps", "host_link_gbps"):
+        if field_name in merged and not _positive_number(merged[field_name]):
+            raise ValueError(f"{where}: {field_name}: got {merged[field_name]!r}; allowed: a number > 0")
+    tflops = merged["tflops"]
+    if (not isinstance(tflops, dict) or not tflops
+            or any(not isinstance(k, str) or not _positive_number(v) for k, v in tflops.items())):
+        raise ValueError(f"{where}: tflops: got {tflops!r}; allowed: a mapping of precision to dense peak "
+                         f"TFLOP/s > 0, e.g. {{bf16: 989, fp32: 67}}")
+    if not set(tflops) & set(BYTES):
+        raise ValueError(f"{where}: tflops: got {tflops!r}; it must give a peak for at least one of "
+                         f"{', '.join(BYTES)} (the precisions a plan trains in)")
+    gpus = merged.get("gpus_per_node", 8)
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+        raise ValueError(f"{where}: gpus_per_node: got {gpus!r}; allowed: a whole number >= 1")
+    gpu = merged.get("gpu")
+    if gpu is not None:
+        from paratune.measure import GPU_PEAK_TFLOPS
+
+        if gpu not in GPU_PEAK_TFLOPS:
+            raise ValueError(f"{where}: gpu: got {gpu!r}; allowed: {', '.join(sorted(GPU_PEAK_TFLOPS))} "
+                             "(or leave it out: the entry is then found by name only)")
+    return Device(name=name, memory_gib=float(merged["memory_gib"]), tflops={k: float(v) for k, v in tflops.items()},
+                  intra_node_gbps=float(merged["intra_node_gbps"]), inter_node_gbps=float(merged["inter_node_gbps"]),
+                  gpus_per_node=gpus, host_link_gbps=float(merged.get("host_link_gbps", 25.0)), gpu=gpu)
+
+
 def load_devices(extra: str | Path | None = None) -> dict[str, Device]:
     """The shipped device table (presets/devices.json), extended or overridden by a user file
-    (JSON or YAML, same fields)."""
+    (JSON or YAML: device name -> fields, as README's `--devices my_gpus.yaml`). A user entry with
+    a shipped name overrides the fields it gives; a new name needs memory_gib, tflops and the two
+    link bandwidths."""
     text = resources.files("paratune").joinpath("presets/devices.json").read_text()
-    table = {k: v for k, v in json.loads(text).items() if not k.startswith("_")}
+    shipped = {k: v for k, v in json.loads(text).items() if not k.startswith("_")}
+    devices = {name: _device_from_spec(name, spec, "presets/devices.json") for name, spec in shipped.items()}
     if extra is not None:
         from paratune.plan import read_yaml_mapping
 
-        table.update(read_yaml_mapping(Path(extra), "device table"))
-    devices = {}
-    for name, spec in table.items():
-        try:
-            devices[name] = Device(name=name, **spec)
-        except TypeError as err:
-            raise ValueError(f"device {name}: {err}; fields: memory_gib, tflops, intra_node_gbps, "
-                             "inter_node_gbps, gpus_per_node, host_link_gbps, gpu") from err
+        path = Path(extra)
+        for name, spec in read_yaml_mapping(path, "device table", ValueError).items():
+            if str(name).startswith("_"):  # comments, as in the shipped table
+                continue
+            devices[str(name)] = _device_from_spec(str(name), spec, str(path), shipped.get(str(name)))
     return devices
 
 
