@@ -14,6 +14,7 @@ from paratune.estimate import (
     estimate_memory,
     fit_time_constants,
     get_device,
+    memory_moments,
     model_shape,
     model_states,
 )
@@ -57,9 +58,12 @@ def test_zero3_model_states_match_deepspeeds_estimator_but_for_the_live_paramete
                                                          cpu_offload=False, cpu_offload_params=False, zero_init=True)
     # Both: 18P/N (bf16 weights 2, fp32 gradients 4, fp32 master 4, moments 8). DeepSpeed's
     # estimator then adds 4 bytes x its largest layer in flight; paratune the bf16 parameters the
-    # runtime keeps gathered (up to stage3_max_live_parameters = 1e9, plus the module in use).
+    # runtime keeps gathered (up to stage3_max_live_parameters = 1e9, plus the module in use), and
+    # 2P/N more: DeepSpeed 0.19.8 accumulates the gradient partitions in the model dtype
+    # (stage3.py `grad_partitions_flat_buffer`, gradient_accumulation_dtype = bf16 by default) and
+    # makes the fp32 partition the estimator counts from it at the step.
     live = min(P_8B, 1_000_000_000 + largest)
-    assert _at_step(model_states(plan)) == pytest.approx(ds_gpu - 4 * largest + 2 * live, abs=8)
+    assert _at_step(model_states(plan)) == pytest.approx(ds_gpu - 4 * largest + 2 * live + 2 * P_8B / gpus, abs=8)
 
 
 def test_model_states_worked_by_hand_from_the_design():
@@ -73,9 +77,11 @@ def test_model_states_worked_by_hand_from_the_design():
     shape = model_shape(_plan())
     gathered = 2 * (2 * shape.layer + shape.embedding + shape.head + shape.rest)  # bf16: block + prefetched + root
     assert fsdp.weights + fsdp.gradients + fsdp.optimizer == pytest.approx(16 * P_8B / 8 + gathered)
-    # 16P = 128 GB: DDP of an 8B model cannot fit an 80 GB GPU, whatever the batch.
+    # 16P = 128 GB: DDP of an 8B model cannot fit an 80 GB GPU, whatever the batch. With 8
+    # micro-batches a step it holds 20P (160.6 GB) at once: the no_sync micro-batches' gradients
+    # beside the buckets (memory_moments), and autocast's bf16 weight copies on top in forward.
     e = estimate(_plan(strategy="ddp", activation_checkpointing="full"), get_device("h100-80gb"))
-    assert not e.fits and "weights+grads+optimizer 119.7 GiB alone" in e.overflow
+    assert not e.fits and "weights+grads+optimizer 149.6 GiB alone" in e.overflow
 
 
 def test_traced_activations_match_what_checkpointing_keeps():
@@ -87,8 +93,8 @@ def test_traced_activations_match_what_checkpointing_keeps():
     assert activation_coefficients(plan).per_layer == 4 * hidden
     no_ckpt = activation_coefficients(plan.with_changes(activation_checkpointing="none"))
     assert no_ckpt.per_layer > 15 * hidden
-    # Activations grow with micro-batch tokens, model states do not.
-    small, big = estimate_memory(plan), estimate_memory(plan.with_changes(micro_batch=2, global_batch=2))
+    # Activations grow with micro-batch tokens, model states do not (at the start of backward).
+    small, big = memory_moments(plan)["loss"], memory_moments(plan.with_changes(micro_batch=2, global_batch=2))["loss"]
     assert small.activations == pytest.approx(2 * big.activations, rel=0.02)
     assert small.weights == big.weights and small.optimizer == big.optimizer
 
@@ -371,6 +377,153 @@ def test_zero_with_autotp_as_deepspeed_lays_it_out():
     assert construction_bytes(zero3) == pytest.approx(578_240, rel=0.01)
     # Llama-3-70B: ZeRO-2 with tp 8 still builds 282 GB per rank before AutoTP cuts it: refused.
     assert construction_bytes(_plan_70b(strategy="zero", tp=8, zero={"stage": 2})) > 4 * P_70B
+
+
+# --------------------------------------------------------------------------- memory moments (issue 26 item 8)
+def _tiny(**kw):
+    base = {"model": "tiny-llama", "seq_len": 64, "global_batch": 8, "micro_batch": 2, "num_workers": 2,
+            "device": "cpu"}
+    return load_plan_dict({**base, **kw})
+
+
+def test_the_trace_is_what_a_real_micro_batch_holds():
+    """The fake-tensor trace, against the same micro-batch run on real tensors under the same
+    tracker: equal at every phase. Before, transformers built a 2 x s x s causal mask and repeated
+    GQA's keys and values under fake tensors (it takes them for tracing), memory a real run never
+    allocates."""
+    from paratune.estimate import PHASES, _trace_micro_batch, _traced_coefficients
+    from paratune.models import build_config, config_from_key, config_key
+
+    key = config_key(build_config("tiny-llama"))
+    traced = _traced_coefficients(key, "none", "fp32", 2, 64)
+    real = _trace_micro_batch(config_from_key(key), 128, "none", "fp32", sequences=2, fake=False)[1]
+    for phase in PHASES:
+        assert sum(traced.phases[phase].at(128, 2)) == pytest.approx(real[phase], abs=64), phase
+
+
+def test_moe_experts_are_traced_not_guessed(tmp_path):
+    """transformers' grouped_mm experts (a Mixtral with 4 experts, top 2) are traced: torch's meta
+    kernel takes bf16 only, so the trace routes them to transformers' own equivalent op for its
+    duration (before, the trace failed and the formula stood in)."""
+    import torch
+
+    from paratune.estimate import activation_coefficients
+
+    config = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "num_local_experts": 4,
+              "num_experts_per_tok": 2, "max_position_embeddings": 512, "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    grouped_mm = torch.nn.functional.grouped_mm
+    coeff = activation_coefficients(_tiny(model=str(path)))
+    assert coeff.method == "traced (fake tensors)"
+    assert coeff.per_layer > 0 and coeff.phases["loss"].per_token > coeff.per_layer
+    assert torch.nn.functional.grouped_mm is grouped_mm  # put back
+
+
+def test_ddp_buckets_and_the_no_sync_gradients_as_the_reducer_holds_them():
+    """DDP's reducer allocates its buckets when it is built (4 bytes a parameter, the gradients'
+    home, in bucket_cap_mb pieces); zero_grad(set_to_none) drops the gradient views, so micro-
+    batches under no_sync() accumulate into fresh tensors, another 4 bytes a parameter, until the
+    synchronised backward copies them into the buckets. Measured on a real DDP (1 gloo process):
+    the buckets' bytes from the reducer's own buffers, the gradients' outside them at the start of
+    the last micro-batch's backward; the cost model counts both."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    from paratune.models import build_config, build_model
+
+    plan = _tiny(strategy="ddp", ddp={"bucket_cap_mb": 0.05})
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = build_model(build_config("tiny-llama"), seed=0)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=0.05, gradient_as_bucket_view=True,
+                                      process_group=dist.new_group([0]))
+        buckets: dict[int, torch.Tensor] = {}
+
+        def remember(state, bucket):
+            buckets[bucket.index()] = bucket.buffer()
+            return allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, remember)
+        optimizer = torch.optim.AdamW(ddp.parameters())
+        ids = torch.randint(0, 512, (2, 64))
+        outside = []
+        for step in range(2):
+            with ddp.no_sync():  # the first micro-batch: no all-reduce
+                ddp(input_ids=ids, labels=ids).loss.backward()
+            loss = ddp(input_ids=ids, labels=ids).loss
+            views = {b.untyped_storage().data_ptr() for b in buckets.values()}
+            outside.append(sum(p.grad.untyped_storage().nbytes() for p in model.parameters()
+                               if p.grad is not None and p.grad.untyped_storage().data_ptr() not in views))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    finally:
+        if started:
+            dist.destroy_process_group()
+    p = model_shape(plan).total
+    assert sum(b.numel() * b.element_size() for b in buckets.values()) == 4 * p
+    largest = max(q.numel() for q in model.parameters()) * 4  # a bucket closes once it reaches bucket_cap_mb
+    assert len(buckets) > 1 and all(b.numel() * 4 < 0.05 * 2**20 + largest for b in buckets.values())
+    assert outside[-1] == 4 * p  # the no_sync micro-batch's gradients, beside the buckets
+    one, two = (memory_moments(plan.with_changes(global_batch=b)) for b in (4, 8))
+    assert one["step"].gradients == 4 * p  # the buckets
+    assert two["loss"].gradients - one["loss"].gradients == 4 * p
+
+
+def test_fsdp2_holds_the_root_and_its_gradients_until_the_end_of_backward():
+    """FSDP2, Llama-3-8B on 8 GPUs, bf16, one micro-batch a step, from first principles: the root
+    (embedding, head, final norm: R parameters) is gathered from the start of backward, with the
+    last block FSDP2's root pre-backward prefetches; a block's unsharded bf16 gradients live until
+    its reduce-scatter, whose fp32 input copy stays until the next block's; the head's gradient is
+    held the whole backward; at the root's own reduce-scatter its bf16 gradients and the fp32
+    input exist at once."""
+    plan = _plan(strategy="fsdp", fsdp={"sharding": "full"}, global_batch=8)
+    shape = model_shape(plan)
+    p, blk = shape.total, shape.layer
+    root = shape.embedding + shape.head + shape.rest
+    m = memory_moments(plan)
+    assert m["loss"].weights == 4 * p / 8 + 2 * (root + blk)
+    assert m["blocks"].weights == 4 * p / 8 + 2 * (root + 2 * blk)  # the block and the one prefetched
+    assert m["blocks"].comm_buffers == 4 * blk  # the previous block's reduce-scatter input
+    forming = m["blocks"].gradients - 2 * (shape.head + blk)  # the head's and the block's gradients, held
+    assert 0 <= forming < 2 * blk
+    reduced = 4 * (p - root) / 8  # every block's gradient shard (fp32)
+    assert m["reduce"].total == pytest.approx(4 * p / 8 + 8 * p / 8 + reduced + max(
+        2 * root + 4 * root, 4 * root + 4 * root / 8 + 2 * shape.head))
+
+
+def test_zero_buckets_where_deepspeed_allocates_them():
+    """DeepSpeed 0.19.8 with contiguous_gradients: the reduce bucket (reduce_bucket_size elements
+    in the model dtype, whatever the model's size) from the first gradient hook of a backward:
+    ZeRO-1 keeps it until the boundary's reduction, ZeRO-2 releases it after each backward,
+    ZeRO-3 allocates it once and keeps it. Reducing a bucket first flattens it (up to
+    reduce_bucket_size elements)."""
+    rbs = 100_000_000
+    one = memory_moments(_plan(strategy="zero", zero={"stage": 1, "reduce_bucket_size": rbs}, global_batch=8))
+    assert one["loss"].comm_buffers == 0 and one["after_head"].comm_buffers == 2 * rbs  # ga 1: from the first gradient
+    acc = memory_moments(_plan(strategy="zero", zero={"stage": 1, "reduce_bucket_size": rbs}, global_batch=16))
+    assert acc["loss"].comm_buffers == 2 * rbs  # ga 2: since the first micro-batch's backward
+    assert acc["loss"].gradients >= 2 * P_8B  # whole bf16 gradients, accumulated
+    two = memory_moments(_plan(strategy="zero", zero={"stage": 2, "reduce_bucket_size": rbs}, global_batch=8))
+    assert two["loss"].comm_buffers == 0 and two["blocks"].comm_buffers == 2 * rbs
+    two = memory_moments(_plan(strategy="zero", zero={"stage": 2, "reduce_bucket_size": rbs}, global_batch=16))
+    assert two["reduce"].comm_buffers == 2 * rbs + 2 * rbs  # the bucket and its flattened copy
+    # Beside the partition's gradients, and the gradient that did not fit in the full bucket.
+    assert two["reduce"].gradients == pytest.approx(2 * P_8B / 8 + 2 * model_shape(_plan()).largest_leaf)
+    three = memory_moments(_plan(strategy="zero", zero={"stage": 3, "reduce_bucket_size": rbs}, global_batch=8))
+    assert {m.comm_buffers for name, m in three.items() if name != "reduce"} == {2 * rbs}
+
+
+def test_a_peak_names_its_moment():
+    e = estimate_memory(_tiny(strategy="zero", zero={"stage": 3, "reduce_bucket_size": 2_000_000}))
+    assert e.phase in e.phases and e.phases[e.phase] == pytest.approx(e.total)
+    assert "peak at" in e.method
 
 
 # --------------------------------------------------------------------------- the device table file (issue 26 item 7a)

@@ -1,17 +1,28 @@
 """Predict before you spend: peak memory per GPU, communication per step and step time of a plan.
 
-Memory follows docs/DESIGN.md ("Memory model"), per rank, in five parts:
+Memory follows docs/DESIGN.md ("Memory model"), per rank, as the largest of the moments of a
+step (`memory_moments`, `PHASE_WHEN`): the last micro-batch's forward end, loss backward, LM
+head backward, first weight gradient, the backward before the blocks, of its first and of its
+last block, the embedding's gradient, the gradient reduction after it, and the optimizer step.
+At each moment, in five parts:
 - weights, gradients, optimizer states: bytes per parameter by strategy and precision, divided by
-  the ranks that shard them (ZeRO/FSDP over dp; TP and PP split the model first);
-- activations: what one micro-batch's forward saves for backward, plus the loss's logits buffers.
-  By default measured *exactly* by tracing the model's forward on fake tensors with PyTorch's
-  MemTracker (no memory, any size: a 1- and a 2-layer copy of the model give the per-layer and
-  the rest), scaled by tokens and layers; `activation_model="formula"` uses the DESIGN.md
-  formula instead (s·b·h·(34 + 5·a·s/h) bytes per layer at 16 bits; 2·s·b·h with recompute);
-- communication buffers (DeepSpeed buckets, FSDP's gathered and reduce-scatter buffers).
-The peak is taken at the start of the last micro-batch's backward: every activation is alive,
-the logits gradient is being formed, and whatever gradients accumulate between micro-batches are
-held (DDP's buckets always; FSDP2's unsharded gradients under no-sync accumulation).
+  the ranks that shard them (ZeRO/FSDP over dp; TP and PP split the model first), where each
+  framework holds them at that moment;
+- activations: what the model itself holds then, *traced*: one micro-batch of the plan's own
+  shape (and of half its sequence) through a 1- and a 2-layer copy of the model, forward and
+  backward, on fake tensors (no memory; only the number of blocks is extrapolated), with each
+  weight gradient dropped once accumulated (the strategies keep gradients elsewhere, counted
+  apart). `activation_model="formula"` uses DESIGN.md's formula instead (s·b·h·(34 + 5·a·s/h)
+  bytes per layer at 16 bits; 2·s·b·h with recompute), and so does a model the trace cannot follow;
+- communication buffers (DDP's buckets are the gradients' home; DeepSpeed's reduce bucket and its
+  flattened copy; FSDP2's all-gathered blocks and reduce-scatter inputs).
+What each framework holds when was read from its source and checked against PyTorch's MemTracker
+on gloo workers (bench/estimate_accuracy.py part 3, out of sample on decoder families the model
+was not built on): DDP's buckets and, with no_sync accumulation, the micro-batches' gradients
+beside them; FSDP2's root gathered through the backward with the block it prefetches, the
+unsharded gradients of a block until its reduce-scatter and of the root until the end; ZeRO's
+bucket from the first gradient (ZeRO-1 until the boundary, ZeRO-3 for good); on CPU (gloo,
+torch's single-tensor AdamW) and on GPUs (NCCL, the multi-tensor AdamW) where they differ.
 Construction is checked apart (`construction_bytes`): the model is built in fp32 before any
 optimizer exists, and a plan that cannot even be built is rejected like one that cannot train.
 
@@ -21,11 +32,12 @@ fp16/bf16 weights and gradients (4P) plus 16P/N for the fp32 master, moments and
 partition (ZeRO-2; ZeRO-3 accumulates that partition in fp32 and has no 16-bit one). paratune
 counts the same model states for ZeRO-2 in bf16 at the optimizer step (tested equal), and then:
 (a) the fp32 copy of the gradient partition exists only at the step, not at the backward peak, so
-the peak is the larger of the two moments; (b) in fp32 DeepSpeed still makes an fp32 copy of each
+the peak is the larger of the moments; (b) in fp32 DeepSpeed still makes an fp32 copy of each
 partition (seen in its flat groups), so the "master" is counted in fp32 too; (c) for ZeRO-3,
 DeepSpeed's estimator holds one largest layer (params + grads, 4 bytes) in flight, while its
 runtime keeps gathered parameters resident up to stage3_max_live_parameters (1e9 elements by
-default): paratune counts that; (d) the reduce bucket, which DeepSpeed's estimator leaves out, is
+default), and 0.19.8 accumulates the gradient partition in the model dtype (then an fp32 copy at
+the step): paratune counts both; (d) the reduce bucket, which DeepSpeed's estimator leaves out, is
 counted at its configured size (the default 5e8 elements is 2 GB in fp32, even for a tiny model).
 
 Time is a roofline: compute = model FLOPs (x4/3 with full recompute) over the device's dense
@@ -37,10 +49,11 @@ communication efficiency, a fixed per-step overhead) are fitted from measured tr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -212,89 +225,322 @@ def model_shape(plan: Plan) -> ModelShape:
 
 
 # --------------------------------------------------------------------------- activations
+# The moments of a micro-batch whose bytes the trace measures (the model's own tensors only:
+# saved activations, the loss's buffers, the weight gradients being formed).
+PHASES = ("forward", "loss", "head", "first_grad", "after_head", "blocks", "embedding")
+PHASE_WHEN = {
+    "forward": "the end of the last micro-batch's forward",
+    "loss": "the start of the last micro-batch's backward (the loss's gradient, up to the logits')",
+    "head": "the LM head's backward in the last micro-batch (its weight gradient forming)",
+    "first_grad": "the last micro-batch's first weight gradient (the LM head's, or the final norm's when tied)",
+    "after_head": "the last micro-batch's backward after the LM head, before its blocks",
+    "blocks": "the backward of the last micro-batch's first decoder block",
+    "last_block": "the backward of the last micro-batch's last decoder block (the first one)",
+    "embedding": "the end of the last micro-batch's backward (the embedding's gradient)",
+    "reduce": "the gradient reduction after the last micro-batch's backward",
+    "step": "the optimizer step",
+}
+
+
+@dataclass(frozen=True)
+class PhaseBytes:
+    """Bytes the model holds at one moment of a micro-batch: fixed + per_token·n + (blocks − 1)·
+    (layer_fixed + layer_per_token·n), traced at the plan's own micro-batch shape (exact there,
+    whatever grows with the sequence's square: attention masks, eager attention's probabilities)
+    and at half its sequence (which splits what grows with tokens from what does not, for the
+    tensor-parallel share). The fixed parts are weight gradients being formed (an LM head's, or a
+    tied embedding's contribution that autograd holds until the embedding's own backward adds to
+    it) and, under autocast, the low-precision weight copies."""
+
+    fixed: float
+    per_token: float
+    layer_fixed: float = 0.0
+    layer_per_token: float = 0.0
+
+    def at(self, tokens: float, blocks: int, layer_share: float = 1.0, fixed_share: float = 1.0) -> tuple[float, float]:
+        """(bytes that grow with tokens, fixed bytes) for `blocks` blocks of `tokens` tokens;
+        `layer_share`/`fixed_share`: the part a tensor-parallel rank holds of a block's
+        activations and of the weights' gradients."""
+        extra = max(0, blocks - 1)
+        grows = tokens * (self.per_token + extra * self.layer_per_token * layer_share)
+        return max(0.0, grows), max(0.0, self.fixed + extra * self.layer_fixed) * fixed_share
+
+
 @dataclass(frozen=True)
 class ActivationCoefficients:
     """What one micro-batch's forward saves for backward: bytes per token, per decoder block and
     for the rest, and bytes that do not grow with tokens (autocast's low-precision weight copies,
-    saved for backward when the parameters themselves are fp32, as under DDP)."""
+    saved for backward when the parameters themselves are fp32, as under DDP); and, per moment of
+    the micro-batch (`PHASES`), what the model holds then (`phases`)."""
 
     per_layer: float
     rest: float
     method: str
     per_layer_fixed: float = 0.0
     rest_fixed: float = 0.0
+    phases: dict[str, PhaseBytes] = field(default_factory=dict)
 
 
-@lru_cache(maxsize=64)
-def _traced_coefficients(config_json: str, checkpointing: str, precision: str) -> ActivationCoefficients:
-    """Trace the forward of a 1- and a 2-layer copy of the model, at 64 and 128 tokens, on fake
-    tensors (no memory) with PyTorch's MemTracker: their differences give one block's and the
-    rest's bytes per token and the parts that do not grow with tokens. Linear in tokens (SDPA
-    keeps no s x s matrix)."""
+def _fit_phase(values: dict[tuple[int, int], float], half: int, full: int) -> PhaseBytes:
+    """a + b·n + (L − 1)(c + d·n) through bytes measured at L = 1, 2 blocks and n = half, full tokens."""
+    b = (values[(1, full)] - values[(1, half)]) / (full - half)
+    step_half, step_full = values[(2, half)] - values[(1, half)], values[(2, full)] - values[(1, full)]
+    d = (step_full - step_half) / (full - half)
+    return PhaseBytes(fixed=values[(1, full)] - full * b, per_token=b, layer_fixed=step_full - full * d,
+                      layer_per_token=d)
+
+
+class _LiveBytes:
+    """A dispatch mode counting the storage bytes that ops create under it and that are still
+    alive (freed storages leave through weakref finalizers), and the most at once per phase.
+    Storages it is told about beforehand (parameters, buffers) are never counted."""
+
+    def __new__(cls, known):  # noqa: ANN001, ANN204 - built lazily: torch is imported on first use
+        import weakref
+
+        from torch.utils import _pytree as pytree
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        class LiveBytes(TorchDispatchMode):
+            def __init__(self) -> None:
+                super().__init__()
+                self.seen = WeakIdKeyDictionary()
+                for storage in known:
+                    self.seen[storage] = 0
+                self.live, self.phase, self.peak = 0, PHASES[0], {}
+
+            def _free(self, nbytes: int) -> None:
+                self.live -= nbytes
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+                import torch
+
+                out = func(*args, **(kwargs or {}))
+                for t in pytree.tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        storage = t.untyped_storage()
+                        if storage not in self.seen:
+                            nbytes = storage.nbytes()
+                            self.seen[storage] = nbytes
+                            self.live += nbytes
+                            weakref.finalize(storage, self._free, nbytes)
+                self.peak[self.phase] = max(self.peak.get(self.phase, 0), self.live)
+                return out
+
+        return LiveBytes()
+
+
+@contextlib.contextmanager
+def _grouped_mm_traceable():
+    """MoE experts (transformers' grouped_mm path, the one a CPU or GPU run takes) under fake
+    tensors: torch's meta kernel for grouped_mm accepts only bf16 (the CUDA kernel's rule), while
+    the CPU kernel the trials run also takes fp32. transformers' own fallback op has the same
+    signature, output and saved tensors (input, weight: what grouped_mm's autograd saves) and a
+    fake kernel for any dtype; route the call there for the trace only."""
+    import torch
+
+    try:
+        import transformers.integrations.moe  # noqa: F401 - registers torch.ops.transformers.grouped_mm_fallback
+        fallback = torch.ops.transformers.grouped_mm_fallback
+    except (ImportError, AttributeError, RuntimeError):
+        yield
+        return
+    functional = torch.nn.functional
+    saved = {name: getattr(owner, name) for owner, name in ((functional, "grouped_mm"), (torch, "_grouped_mm"))
+             if hasattr(owner, name)}
+
+    def grouped_mm(input, weight, *args, offs=None, **kwargs):  # noqa: ANN001, ANN202, A002 - torch's signature
+        return fallback(input, weight, offs=offs)
+
+    try:
+        if "grouped_mm" in saved:
+            functional.grouped_mm = grouped_mm
+        if "_grouped_mm" in saved:
+            torch._grouped_mm = grouped_mm
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(functional if name == "grouped_mm" else torch, name, fn)
+
+
+@contextlib.contextmanager
+def _masks_as_in_a_real_run():
+    """transformers counts fake tensors as tracing (`is_tracing`) and then cannot take two
+    data-dependent decisions a real run takes on these inputs (one unpadded sequence per row,
+    positions 0..n-1): that no sequences are packed (`find_packed_sequence_indices`) and that
+    SDPA's `is_causal` needs no mask (`_ignore_causal_mask_sdpa`). Under fake tensors it would
+    build a batch x s x s mask (quadratic in the sequence) and, with a mask, repeat GQA's keys
+    and values instead of SDPA's native GQA: memory a real run never allocates. For the trace
+    only, both decisions are taken as the real run takes them."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    packed = getattr(masking_utils, "find_packed_sequence_indices", None)
+    decide = getattr(masking_utils, "_ignore_causal_mask_sdpa", None)
+    if packed is None or decide is None or not hasattr(masking_utils, "is_tracing"):
+        yield
+        return
+
+    def as_in_a_real_run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - transformers' signature
+        tracing = masking_utils.is_tracing
+        masking_utils.is_tracing = lambda tensor=None: False
+        try:
+            return decide(*args, **kwargs)
+        finally:
+            masking_utils.is_tracing = tracing
+
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    masking_utils._ignore_causal_mask_sdpa = as_in_a_real_run
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = packed
+        masking_utils._ignore_causal_mask_sdpa = decide
+
+
+def _trace_micro_batch(config, tokens: int, checkpointing: str, precision: str, sequences: int = 1,
+                       fake: bool = True) -> tuple[float, dict[str, float]]:
+    """One micro-batch (`sequences` sequences, `tokens` tokens in all) forward and backward on
+    fake tensors (no memory; `fake=False`: on real ones, the check of the fake trace): the bytes
+    its forward saves (live when the loss exists) and the most bytes alive in each phase. Every
+    parameter's gradient is dropped once accumulated (a post-accumulate hook): the strategies keep
+    gradients in their own places (buckets, shards, partitions), counted apart; what the trace
+    keeps is what the model itself holds, including a gradient while it is being formed and a tied
+    weight's first contribution, which autograd holds until the second arrives."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import AutoModelForCausalLM
 
     from paratune.materialize import attn_implementation
-    from paratune.models import config_from_key
+    from paratune.models import decoder_blocks
     from paratune.parallel import enable_full_recompute
 
+    modes = (FakeTensorMode(), _grouped_mm_traceable(), _masks_as_in_a_real_run()) if fake else ()
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation(config))
+        model.train()
+        if checkpointing == "full":
+            enable_full_recompute(model)
+        ids = torch.randint(0, config.vocab_size, (sequences, tokens // sequences))
+        known = [t.untyped_storage() for t in (*model.parameters(), *model.buffers())]
+        tracker = _LiveBytes(known)
+
+        def consumed(param) -> None:  # noqa: ANN001 - the strategy takes the gradient away
+            if "first_grad" not in tracker.peak:  # the first gradient: a snapshot with it
+                tracker.peak["first_grad"] = tracker.live
+                if tracker.phase in ("loss", "head"):
+                    tracker.phase = "after_head"
+            param.grad = None
+
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(consumed)
+
+        def enters(phase: str):  # when the gradient of a module's output arrives, `phase` begins
+            def hook(module, args, output):  # noqa: ANN001, ANN202
+                out = output[0] if isinstance(output, (tuple, list)) else output
+                if isinstance(out, torch.Tensor) and out.requires_grad and not getattr(module, "_paratune_traced", False):
+                    module._paratune_traced = True
+                    out.register_hook(lambda grad: setattr(tracker, "phase", phase))
+            return hook
+
+        model.get_output_embeddings().register_forward_hook(enters("head"))
+        decoder_blocks(model)[-1].register_forward_hook(enters("blocks"))
+        model.get_input_embeddings().register_forward_hook(enters("embedding"))
+        with tracker:
+            autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16"
+                        else torch.autocast("cpu", enabled=False))
+            with autocast:
+                loss = model(input_ids=ids, labels=ids).loss
+            saved = tracker.live
+            tracker.phase = "loss"
+            loss.backward()
+            del loss
+    return saved, dict(tracker.peak)
+
+
+@lru_cache(maxsize=256)
+def _traced_coefficients(config_json: str, checkpointing: str, precision: str, micro_batch: int = 1,
+                         seq_len: int = 128) -> ActivationCoefficients:
+    """Trace one micro-batch (`micro_batch` sequences of `seq_len` tokens, and of half as many) of
+    a 1- and a 2-layer copy of the model on fake tensors (`_trace_micro_batch`; the cost is the
+    number of ops, not their size): their differences give one block's and the rest's bytes, what
+    grows with tokens and what does not, for the saved activations and for each phase. Exact at
+    the micro-batch's own shape; only the number of blocks is extrapolated (blocks repeat)."""
+    from paratune.models import config_from_key
+
+    full, half = micro_batch * seq_len, micro_batch * max(1, seq_len // 2)
     saved: dict[tuple[int, int], float] = {}
+    phases: dict[str, dict[tuple[int, int], float]] = {p: {} for p in PHASES}
     for layers in (1, 2):
         config = config_from_key(config_json, num_hidden_layers=layers)
-        for tokens in (64, 128):
-            with FakeTensorMode():
-                model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation(config))
-                model.train()
-                if checkpointing == "full":
-                    enable_full_recompute(model)
-                ids = torch.randint(0, config.vocab_size, (1, tokens))
-                tracker = MemTracker()
-                tracker.track_external(model)
-                with tracker:
-                    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16"
-                                else torch.autocast("cpu", enabled=False))
-                    with autocast:
-                        loss = model(input_ids=ids, labels=ids).loss  # held: its graph is what is saved
-                    snapshot = tracker.get_tracker_snapshot("current")
-                    del loss
-            params = sum(p.numel() * p.element_size() for p in model.parameters())
-            saved[(layers, tokens)] = sum(v.get("Total", 0) for v in snapshot.values()) - params
-    layer_64, layer_128 = saved[(2, 64)] - saved[(1, 64)], saved[(2, 128)] - saved[(1, 128)]
-    rest_64, rest_128 = saved[(1, 64)] - layer_64, saved[(1, 128)] - layer_128
-    per_layer, rest = (layer_128 - layer_64) / 64, (rest_128 - rest_64) / 64
-    return ActivationCoefficients(per_layer=per_layer, rest=rest, method="traced (fake tensors, MemTracker)",
-                                  per_layer_fixed=max(0.0, layer_64 - 64 * per_layer),
-                                  rest_fixed=max(0.0, rest_64 - 64 * rest))
+        for tokens in (half, full):
+            saved[(layers, tokens)], peaks = _trace_micro_batch(config, tokens, checkpointing, precision,
+                                                                sequences=micro_batch)
+            for phase in PHASES:
+                phases[phase][(layers, tokens)] = peaks.get(phase, 0.0)
+    fit = _fit_phase(saved, half, full)
+    return ActivationCoefficients(per_layer=fit.layer_per_token, rest=fit.per_token, method="traced (fake tensors)",
+                                  per_layer_fixed=max(0.0, fit.layer_fixed), rest_fixed=max(0.0, fit.fixed),
+                                  phases={p: _fit_phase(v, half, full) for p, v in phases.items()})
 
 
 def _formula_coefficients(shape: ModelShape, checkpointing: str, precision: str, seq_len: int) -> ActivationCoefficients:
     """DESIGN.md: s·b·h·(34 + 5·a·s/h) bytes per layer at 16 bits (x2 in fp32); 2·s·b·h with
-    full recompute; the rest is the logits (tokens x vocab) in fp32."""
+    full recompute; the rest is the logits (tokens x vocab) in fp32. Phases: the loss's two fp32
+    logits-sized gradients and the LM head's gradient at the start of backward, the embedding's
+    gradient at the end."""
     scale = BYTES[precision] / 2
     h, a = shape.hidden, shape.heads
     per_layer = (2 * h if checkpointing == "full" else h * (34 + 5 * a * seq_len / h)) * scale
-    return ActivationCoefficients(per_layer=per_layer, rest=4.0 * shape.vocab + 2 * h * scale, method="formula (DESIGN.md)")
+    rest = 4.0 * shape.vocab + 2 * h * scale
+    head_grad = 4.0 * (shape.head or shape.embedding)
+    phases = {"forward": PhaseBytes(0.0, per_layer + rest, 0.0, per_layer),
+              "loss": PhaseBytes(0.0, per_layer + rest + 8.0 * shape.vocab, 0.0, per_layer),
+              "head": PhaseBytes(head_grad, per_layer + rest + 4.0 * shape.vocab, 0.0, per_layer),
+              "first_grad": PhaseBytes(head_grad, per_layer + rest, 0.0, per_layer),
+              "after_head": PhaseBytes(0.0 if shape.head else head_grad, per_layer + rest, 0.0, per_layer),
+              "blocks": PhaseBytes(0.0 if shape.head else head_grad, per_layer, 0.0, per_layer),
+              "embedding": PhaseBytes(4.0 * shape.embedding * (1 if shape.head else 3), 0.0)}
+    return ActivationCoefficients(per_layer=per_layer, rest=rest, method="formula (DESIGN.md)", phases=phases)
+
+
+@lru_cache(maxsize=256)
+def _traced_or_reason(config_json: str, checkpointing: str, precision: str, micro_batch: int,
+                      seq_len: int) -> ActivationCoefficients | str:
+    """The trace, or why it failed (remembered, so a model the trace cannot follow is tried once)."""
+    try:
+        return _traced_coefficients(config_json, checkpointing, precision, micro_batch, seq_len)
+    except Exception as err:  # noqa: BLE001 - a model the fake-tensor trace cannot follow
+        return f"{type(err).__name__}: {err}"
 
 
 def activation_coefficients(plan: Plan, model: ActivationModel = "trace") -> ActivationCoefficients:
+    """Traced (the default), or DESIGN.md's formula when asked for or when the trace fails (the
+    method then says why)."""
     shape = model_shape(plan)
-    if model == "trace":
-        from paratune.models import build_config, config_key
+    formula = _formula_coefficients(shape, plan.activation_checkpointing, plan.precision, plan.seq_len)
+    if model != "trace":
+        return formula
+    from paratune.models import build_config, config_key
 
-        try:
-            return _traced_coefficients(config_key(build_config(plan.model, plan.model_overrides)),
-                                        plan.activation_checkpointing, plan.precision)
-        except Exception:  # noqa: BLE001 - a model the fake-tensor trace cannot follow
-            pass
-    return _formula_coefficients(shape, plan.activation_checkpointing, plan.precision, plan.seq_len)
+    traced = _traced_or_reason(config_key(build_config(plan.model, plan.model_overrides)),
+                               plan.activation_checkpointing, plan.precision, plan.micro_batch,
+                               max(1, plan.seq_len // plan.cp))
+    if isinstance(traced, str):
+        return replace(formula, method=f"formula (DESIGN.md; the trace failed: {traced[:200]})")
+    return traced
 
 
 # --------------------------------------------------------------------------- memory
 @dataclass
 class MemoryEstimate:
-    """Predicted peak bytes per rank, by part."""
+    """Predicted peak bytes per rank, by part, at the moment of the step that holds the most
+    (`phase`, one of PHASE_WHEN); `phases`: the total at each moment considered."""
 
     weights: float
     gradients: float
@@ -302,6 +548,8 @@ class MemoryEstimate:
     activations: float
     comm_buffers: float
     method: str = ""
+    phase: str = ""
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -354,6 +602,294 @@ def _local_params(plan: Plan, shape: ModelShape) -> tuple[float, float]:
     return (layers_here * shape.layer + ends) / t, shape.layer / t
 
 
+@dataclass(frozen=True)
+class _Held:
+    """Parameter counts of what one rank's model-parallel slice holds, by place."""
+
+    local: float  # every parameter of the slice
+    layer: float  # one decoder block
+    root: float  # outside the blocks: embedding, untied head, final norm
+    head: float  # an untied LM head (0 when tied)
+    embedding: float
+    largest: float  # the largest single parameter tensor
+
+    @classmethod
+    def of(cls, plan: Plan, shape: ModelShape) -> "_Held":
+        local, layer = _local_params(plan, shape)
+        t = plan.tp
+        root = max(0.0, local - math.ceil(shape.layers / plan.pp) * layer)
+        return cls(local=local, layer=layer, root=root, head=min(shape.head / t, root),
+                   embedding=min(shape.embedding / t, root), largest=(shape.largest_leaf or shape.layer) / t)
+
+
+def _on_host(plan: Plan, device: "Device | None") -> bool:
+    """Whether the ranks are CPU processes (gloo, torch's single-tensor AdamW) rather than GPUs
+    (NCCL, torch's multi-tensor AdamW): the plan's device, else the device table entry."""
+    if plan.device != "auto":
+        return plan.device == "cpu"
+    return device is not None and device.name == "cpu"
+
+
+def _adamw_temporaries(params: float, largest: float, host: bool, state_bytes: int = 4) -> float:
+    """Bytes torch's AdamW allocates for one step, beyond its states: on CPU the single-tensor
+    path builds `exp_avg_sq.sqrt() / bias_correction` for one tensor at a time (two tensors of the
+    largest parameter alive at once); on GPU the multi-tensor (foreach) path builds
+    `_foreach_sqrt(exp_avg_sqs)` for every parameter at once."""
+    return state_bytes * (2 * largest if host else params)
+
+
+@dataclass
+class _Moment:
+    """One moment of the step: bytes per part."""
+
+    weights: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    comm_buffers: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.comm_buffers
+
+
+def _model_phase_bytes(plan: Plan, shape: ModelShape, coeff: ActivationCoefficients,
+                       keeps_weight_copies: bool) -> dict[str, tuple[float, float]]:
+    """phase -> (activation bytes, weight-gradient bytes being formed) the model of one rank holds
+    at that moment of its last micro-batch (`ActivationCoefficients.phases`), for its tokens
+    (a context-parallel rank: its part of each sequence), its blocks (a pipeline stage: its own,
+    and the saved activations of the other micro-batches it holds at once) and its tensor-parallel
+    share. `keeps_weight_copies`: the parameters are fp32 under autocast (DDP), so the bf16 copies
+    of the weights autocast saves for backward exist; otherwise the trace's copies are not real."""
+    tokens = plan.micro_batch * plan.seq_len // plan.cp
+    layers_here = math.ceil(shape.layers / plan.pp)
+    in_flight = 1
+    if plan.pp > 1:  # micro-batches whose activations a stage holds at once
+        in_flight = plan.grad_accum if plan.pp_schedule == "gpipe" else min(plan.grad_accum, plan.pp)
+    tp_share = 1.0 / plan.tp if plan.sequence_parallel or plan.tp == 1 else 0.5 + 0.5 / plan.tp
+    others = (in_flight - 1) * tokens * (coeff.per_layer * layers_here * tp_share + coeff.rest)
+    copies = (coeff.per_layer_fixed * layers_here + coeff.rest_fixed) / plan.tp  # saved for backward
+    out = {}
+    for phase, bytes_ in coeff.phases.items():
+        acts, fixed = bytes_.at(tokens, layers_here, tp_share, 1.0 / plan.tp)
+        # In forward no weight gradient exists: what does not grow with tokens is autocast's cache
+        # of low-precision weight copies (kept until the autocast region ends). In backward, the
+        # copies saved for it, and the rest is gradients being formed.
+        held_copies = fixed if phase == "forward" else min(fixed, copies) if phase != "embedding" else 0.0
+        out[phase] = (acts + others + (held_copies if keeps_weight_copies else 0.0), fixed - held_copies)
+    if "blocks" in coeff.phases:  # the last block's backward: the others' activations are gone
+        acts, fixed = coeff.phases["blocks"].at(tokens, 1, tp_share, 1.0 / plan.tp)
+        out["last_block"] = (acts + others, fixed)
+    return out
+
+
+# Phases from the first weight gradient on: DeepSpeed's stage 1/2 gradient hooks have run.
+_AFTER_FIRST_GRAD = ("first_grad", "after_head", "blocks", "last_block", "embedding")
+
+
+def _ddp_moments(plan: Plan, shape: ModelShape, held: _Held, model: dict[str, tuple[float, float]], host: bool) -> dict[str, _Moment]:
+    """DDP (torch.nn.parallel.DistributedDataParallel, fp32 parameters; bf16 is autocast).
+
+    The reducer allocates its buckets when DDP is built: 4 bytes a parameter (fp32 gradients),
+    for as long as DDP lives. With gradient_as_bucket_view (the default) the gradients are views
+    of them, but zero_grad(set_to_none=True) drops the views: the micro-batches under no_sync()
+    accumulate into fresh tensors (another 4 bytes a parameter), which the synchronised backward
+    copies into the buckets (`mul_out`, divided by the world size) and replaces by views, one
+    parameter at a time, last layers first. Without bucket views, param.grad and the buckets are
+    separate all the time."""
+    p, ga = held.local, plan.grad_accum
+    view = plan.ddp is None or plan.ddp.gradient_as_bucket_view
+    weights, optim, buckets = 4 * p, 8 * p, 4 * p
+    after_head = ("after_head", "blocks")
+    if view:  # the accumulated tensors, until the synchronised backward replaces them by views
+        outside = ({**{ph: p for ph in PHASES}, **{ph: p - held.head for ph in after_head},
+                    "last_block": held.embedding + held.layer, "embedding": held.embedding} if ga > 1 else {})
+    else:  # param.grad, beside the buckets
+        outside = ({ph: p for ph in (*PHASES, "last_block")} if ga > 1
+                   else {"after_head": held.head, "blocks": held.head, "last_block": p - held.embedding - held.layer,
+                         "embedding": p - held.embedding})
+    moments = {}
+    for phase, (acts, forming) in model.items():
+        moments[phase] = _Moment(weights, buckets + 4 * outside.get(phase, 0.0) + forming, optim, acts)
+    moments["step"] = _Moment(weights, buckets + (0.0 if view else 4 * p), optim + _adamw_temporaries(p, held.largest, host))
+    return moments
+
+
+def _fsdp_moments(plan: Plan, shape: ModelShape, held: _Held, model: dict[str, tuple[float, float]], host: bool) -> dict[str, _Moment]:
+    """FSDP2 (`fully_shard` per block and the root; `replicate` for no_shard).
+
+    Sharded: fp32 shards, their moments and (once reduced) gradient shards, 4 + 8 + 4 bytes per
+    parameter / shard ranks. The root (embedding, untied head, final norm) is all-gathered for
+    the whole forward (the loss is computed inside it) and, when backward starts, again by the
+    root's pre-backward, which also prefetches the last block; it stays whole until its own
+    post-backward, at the end of backward. Blocks are gathered one at a time in forward
+    (reshard_after_forward), and in backward the block being computed plus the next one,
+    prefetched (FSDP2's default backward prefetch, or `prefetch` blocks). A block's unsharded
+    gradients live until its post-backward reduce-scatters them (foreach_reduce: the fp32 input
+    is a copy of the whole block's gradients, kept until the next block's reduce-scatter starts).
+    The head's gradient, formed at the start of backward, is held the whole backward, with the
+    root's. At the root's reduce-scatter, after the root is resharded: the root's gradients and
+    the reduce-scatter input (a copy), then the output (a shard) while foreach_reduce's loop
+    variable still holds the group's last gradient (the head's when untied); gloo implements
+    reduce-scatter as an all-reduce of a copy of its input (seen: an input-sized tensor more)."""
+    f = plan.fsdp
+    assert f is not None
+    s, ga, pb = _fsdp_shard_degree(plan), plan.grad_accum, BYTES[plan.precision]
+    p, blk, root = held.local, held.layer, held.root
+    layers_here = math.ceil(shape.layers / plan.pp)
+    compute, reduce = pb, 4  # unsharded parameters and gradients in the compute dtype; reduce-scatter in fp32
+    moments: dict[str, _Moment] = {}
+    if s == 1:  # no_shard: FSDP2's replicate, DDP semantics (no-sync accumulation between micro-batches)
+        weights = 4 * p + (compute * p if compute != 4 else 0.0)
+        for phase, (acts, forming) in model.items():
+            moments[phase] = _Moment(weights, (4 * p if ga > 1 else 0.0) + forming, 8 * p, acts, reduce * blk)
+        moments["step"] = _Moment(4 * p, 4 * p, 8 * p + _adamw_temporaries(p, held.largest, host))
+        return _fsdp_offloaded(plan, moments, p, s)
+    shards, optim = 4 * p / s, 8 * p / s
+    if ga > 1:  # gradient shards accumulated from the earlier micro-batches
+        reduced = {phase: 4 * p / s for phase in (*PHASES, "last_block", "reduce")}
+    else:  # the blocks' shards appear as their reduce-scatters finish
+        reduced = {"last_block": 4 * (p - root - blk) / s, "embedding": 4 * (p - root) / s, "reduce": 4 * (p - root) / s}
+    blocks_whole = layers_here * blk if not f.reshards_after_forward else 0.0
+    in_backward = layers_here * blk if not f.reshards_after_forward else blk * (1 + max(1, f.prefetch))
+    # The root's pre-backward prefetches the last block's all-gather (FSDP2's implicit backward
+    # prefetch), so it is whole from the start of backward.
+    prefetched = blk if f.reshards_after_forward else 0.0
+    gathered = {"forward": blocks_whole, **{ph: blocks_whole + prefetched for ph in PHASES[1:]},
+                "blocks": in_backward, "last_block": blk, "embedding": 0.0}
+    held_grads = {"after_head": compute * held.head, "blocks": compute * (held.head + blk),
+                  "last_block": compute * (held.head + blk), "embedding": compute * held.head}
+    rs_input = {"blocks": reduce * blk, "last_block": reduce * blk, "embedding": reduce * blk}
+    for phase, (acts, forming) in model.items():
+        moments[phase] = _Moment(shards + compute * (root + gathered[phase]),
+                                 reduced.get(phase, 0.0) + held_grads.get(phase, 0.0) + forming, optim, acts,
+                                 rs_input.get(phase, 0.0))
+    gloo_copy = reduce * root if host else 0.0
+    copy_in = _Moment(shards, reduced["reduce"] + compute * root, optim, 0.0, reduce * root)
+    scatter = _Moment(shards, reduced["reduce"] + compute * held.head + reduce * root / s, optim, 0.0,
+                      reduce * root + gloo_copy)
+    moments["reduce"] = max(copy_in, scatter, key=lambda m: m.total)
+    moments["step"] = _Moment(shards, 4 * p / s, optim + _adamw_temporaries(p / s, held.largest / s, host))
+    return _fsdp_offloaded(plan, moments, p, s)
+
+
+def _fsdp_offloaded(plan: Plan, moments: dict[str, _Moment], p: float, s: int) -> dict[str, _Moment]:
+    """Under CPU offload the shards, their gradients and the optimizer live in host memory."""
+    if plan.fsdp is None or not plan.fsdp.cpu_offload:
+        return moments
+    for m in moments.values():
+        m.weights = max(0.0, m.weights - 4 * p / s)
+        m.gradients = max(0.0, m.gradients - 4 * p / s)
+        m.optimizer = 0.0
+    return moments
+
+
+def _zero_moments(plan: Plan, shape: ModelShape, held: _Held, model: dict[str, tuple[float, float]], host: bool) -> dict[str, _Moment]:
+    """DeepSpeed ZeRO 0-3 (0.19.8), as its runtime allocates.
+
+    - Stage 1/2 (stage_1_and_2.py): with contiguous_gradients (DeepSpeed's default) the first
+      gradient hook of every backward allocates the reduce bucket, reduce_bucket_size elements in
+      the model dtype (`setup_buckets`), whatever the model's size: ZeRO-1 keeps it until the
+      boundary's reduction (its gradients accumulate whole in param.grad), ZeRO-2 releases it at
+      the end of each backward and keeps the averaged gradients of its partition (`grads_in_partition`).
+      Reducing a bucket (`allreduce_bucket`) first flattens its gradients into a new tensor, up to
+      reduce_bucket_size elements. At the step: the fp32 gradient partition the optimizer reads.
+    - Stage 3 (stage3.py): parameter partitions; the gradient partitions in the model dtype
+      (`grad_partitions_flat_buffer`) and the reduce bucket, both allocated once and kept; gathered
+      parameters stay resident while they will be reused (stage3_max_reuse_distance, 1e9 elements)
+      up to stage3_max_live_parameters (1e9), so through the backward all but an untied head,
+      released after its own backward. The last bucket's reduce-scatter flattens it into a new
+      tensor (gloo reduce-scatters a copy of that). At the step, an fp32 copy of the partition's
+      gradients.
+    - The optimizer: paratune's torch AdamW over DeepSpeed's flat fp32 partition on CPU (two
+      partition-sized temporaries per step), DeepSpeed's fused torch AdamW on GPUs (none)."""
+    z = plan.zero
+    assert z is not None
+    stage, dp, ga, pb = z.stage, _replicas(plan), plan.grad_accum, BYTES[plan.precision]
+    p = shape.total / plan.tp if stage == 3 and plan.tp > 1 else held.local
+    part = dp if stage >= 1 else 1
+    bucket = pb * z.reduce_bucket_size * (2 if z.overlap_comm and stage in (1, 2) else 1)
+    flat = pb * min(z.reduce_bucket_size, p)
+    fused = not host and plan.optimizer in ("auto", "deepspeed")
+    temps = 0.0 if fused else (2 if host else 1) * 4 * p / part
+    optim = (12 if stage >= 1 else 8) * p / part
+    step_grads = 4 * p / part + (pb * p / part if pb != 4 or stage < 3 else 0.0)
+    if z.offload_optimizer:  # master weights, moments and the fp32 gradients live in host memory
+        optim, temps, step_grads = 0.0, 0.0, (pb * p / part if stage < 3 else 0.0)
+    moments: dict[str, _Moment] = {}
+    if stage == 3:
+        own = 0.0 if z.offload_param else pb * p / dp
+        live = ZERO3_MAX_LIVE_PARAMETERS + held.largest
+        gathered = pb * min(p, live) if dp > 1 else 0.0
+        gathered_end = pb * min(max(0.0, p - held.head), live) if dp > 1 else 0.0
+        grads = pb * p / dp
+        for phase, (acts, forming) in model.items():
+            moments[phase] = _Moment(own + (gathered if phase != "embedding" else gathered_end), grads + forming, optim,
+                                     acts, bucket)
+        moments["reduce"] = _Moment(own + gathered_end, grads, optim, 0.0, bucket + flat * (2 if host else 1))
+        moments["step"] = _step(own, grads, step_grads, optim, temps, pb, p / dp, bucket)
+        return moments
+    weights = pb * p
+    if stage == 2:
+        partition = pb * p / dp  # grads_in_partition: the averaged gradients of the rank's partition
+        # It exists from the first bucket's reduction: an earlier micro-batch's, or, in a lone
+        # micro-batch, once reduce_bucket_size elements of gradients have arrived.
+        filled = p > z.reduce_bucket_size
+        earlier = ({phase: partition for phase in (*PHASES, "last_block")} if ga > 1
+                   else {"last_block": partition, "embedding": partition} if filled else {})
+        for phase, (acts, forming) in model.items():
+            moments[phase] = _Moment(weights, earlier.get(phase, 0.0) + forming, optim, acts,
+                                     bucket if phase in _AFTER_FIRST_GRAD else 0.0)
+        # The last bucket's flattened copy beside the partition's gradients: kept from the earlier
+        # micro-batches; in a lone micro-batch, allocated once the copy is garbage.
+        # A full bucket is reduced while the gradient that did not fit in it waits.
+        pending = pb * held.largest if filled else 0.0
+        moments["reduce"] = _Moment(weights, (partition if ga > 1 else 0.0) + pending, optim, 0.0,
+                                    bucket + (flat if ga > 1 else max(flat, partition)))
+        moments["step"] = _step(weights, 0.0, step_grads, optim, temps, pb, p / dp)
+        return moments
+    # Stage 0/1: whole gradients accumulate in param.grad; reduced at the boundary.
+    whole = ({phase: pb * p for phase in (*PHASES, "last_block")} if ga > 1
+             else {"after_head": pb * held.head, "blocks": pb * held.head,
+                   "last_block": pb * (p - held.embedding - held.layer), "embedding": pb * (p - held.embedding)})
+    keep = bucket if stage == 1 else 0.0
+    for phase, (acts, forming) in model.items():
+        moments[phase] = _Moment(weights, whole.get(phase, 0.0) + forming, optim, acts,
+                                 keep if ga > 1 or phase in _AFTER_FIRST_GRAD else 0.0)
+    # Reducing: the gradients not yet in a bucket, the bucket and its flattened copy; then the
+    # partition's gradients (`grads_in_partition`), once the copy is garbage.
+    partition = pb * p / dp if stage == 1 else 0.0
+    moments["reduce"] = _Moment(weights, pb * max(0.0, p - z.reduce_bucket_size), optim, 0.0,
+                                keep + max(flat, partition))
+    step_temps = temps if stage == 1 else (0.0 if fused else _adamw_temporaries(p, held.largest, host))
+    if stage == 1:
+        moments["step"] = _step(weights, 0.0, step_grads, optim, step_temps, pb, p / dp, 0.0)
+    else:
+        moments["step"] = _Moment(weights, pb * p, optim + step_temps)
+    return moments
+
+
+def _step(weights: float, grads: float, step_grads: float, optim: float, temps: float, pb: int, partition: float,
+          buffers: float = 0.0) -> _Moment:
+    """DeepSpeed's step: the partition's averaged gradients are copied to fp32 (`step_grads`
+    bytes: both exist for a moment), then the averaged ones are gone while the optimizer runs
+    with its temporaries."""
+    fp32 = 4 * partition if step_grads else 0.0
+    cast = _Moment(weights, grads + step_grads, optim, 0.0, buffers)
+    update = _Moment(weights, grads + fp32, optim + temps, 0.0, buffers)
+    return max(cast, update, key=lambda m: m.total)
+
+
+def memory_moments(plan: Plan, model: ActivationModel = "trace", device: "Device | None" = None) -> dict[str, _Moment]:
+    """Bytes per part at every moment of the step the model considers (PHASE_WHEN), per rank."""
+    shape = model_shape(plan)
+    coeff = activation_coefficients(plan, model)
+    held = _Held.of(plan, shape)
+    per_phase = _model_phase_bytes(plan, shape, coeff, keeps_weight_copies=plan.strategy == "ddp")
+    build = {"ddp": _ddp_moments, "fsdp": _fsdp_moments, "zero": _zero_moments}[plan.strategy]
+    return build(plan, shape, held, per_phase, _on_host(plan, device))
+
+
 @dataclass
 class ModelStates:
     """Bytes per rank of the model's state. `step_gradients`: gradient bytes that exist only at
@@ -367,15 +903,18 @@ class ModelStates:
 
 
 def model_states(plan: Plan, shape: ModelShape | None = None) -> ModelStates:
-    """Weights, gradients, optimizer states and communication buffers per rank, by strategy.
+    """Weights, gradients, optimizer states and communication buffers a rank holds through the
+    backward of its last micro-batch, by strategy (the moments themselves: `memory_moments`).
 
-    At the start of the last micro-batch's backward (the activation peak): gradients are those
-    that accumulate between micro-batches; at the optimizer step add `step_gradients`."""
+    Gradients are where they accumulate between micro-batches (DDP: its buckets, the gradients'
+    home; FSDP: shards; ZeRO-1: whole, in param.grad; ZeRO-2/3: the rank's partition); at the
+    optimizer step add `step_gradients`."""
     shape = shape or model_shape(plan)
-    local, layer = _local_params(plan, shape)
+    held = _Held.of(plan, shape)
+    local, layer = held.local, held.layer
     dp, ga, pb = _replicas(plan), plan.grad_accum, BYTES[plan.precision]
     if plan.strategy == "ddp":
-        # Autocast keeps fp32 parameters; gradients live in DDP's buckets (views) all the time.
+        # Autocast keeps fp32 parameters; gradients live in DDP's buckets (as views by default).
         unbucketed = plan.ddp is not None and not plan.ddp.gradient_as_bucket_view
         return ModelStates(4 * local, 4 * local, 8 * local, 4 * local if unbucketed else 0.0)
     if plan.strategy == "fsdp":
@@ -383,10 +922,9 @@ def model_states(plan: Plan, shape: ModelShape | None = None) -> ModelStates:
         assert f is not None
         shard = _fsdp_shard_degree(plan)
         weights, optim = 4 * local / shard, 8 * local / shard  # fp32 shards and their moments
-        root = (shape.embedding + shape.head + shape.rest) / plan.tp
         if shard > 1:
-            if f.reshards_after_forward:
-                weights += pb * (layer * (1 + f.prefetch) + root)  # gathered: blocks in flight + root
+            if f.reshards_after_forward:  # gathered in backward: the root, a block and the one prefetched
+                weights += pb * (held.root + layer * (1 + max(1, f.prefetch)))
             else:
                 weights += pb * local  # grad_op: everything stays gathered until backward
             # Reduce-scattered every micro-batch: only shards accumulate (fp32).
@@ -412,19 +950,20 @@ def model_states(plan: Plan, shape: ModelShape | None = None) -> ModelStates:
     optim = (12 if stage >= 1 else 8) * local / part
     step = 0.0
     if stage == 3:
-        grads = 4 * local / dp  # ZeRO-3 accumulates its gradient partition in fp32
+        grads = pb * local / dp  # grad_partitions_flat_buffer, in the model dtype
+        step = 4 * local / dp  # + its fp32 copy for the optimizer step
     elif stage == 2:
         grads = pb * local / dp  # the averaged gradient partition (bucket by bucket in backward)
         step = 4 * local / dp  # + its fp32 copy for the optimizer step
     else:
         grads = pb * local if ga > 1 else 0.0  # whole gradients, reduced at the boundary
         step = 4 * local / part if stage == 1 else 0.0
-    # The reduce bucket (ZeRO-2/3, with more than one rank) is allocated at its configured size
-    # whatever the model's: the default 5e8 elements is 2 GB in fp32. Two with overlap_comm
-    # (ZeRO-2). ZeRO-1 reduces at the boundary, after the backward peak.
+    # The reduce bucket (ZeRO 1-3: DeepSpeed's contiguous_gradients) is allocated at its configured
+    # size whatever the model's: the default 5e8 elements is 2 GB in fp32. Two with overlap_comm
+    # (ZeRO-1/2).
     buffers = 0.0
-    if stage >= 2 and dp > 1:
-        buffers = pb * z.reduce_bucket_size * (2 if z.overlap_comm and stage == 2 else 1)
+    if stage >= 1:
+        buffers = pb * z.reduce_bucket_size * (2 if z.overlap_comm and stage in (1, 2) else 1)
     if z.offload_optimizer:  # master weights, moments and the fp32 gradients live in host memory
         optim, step = 0.0, 0.0
     if z.offload_param and stage == 3:
@@ -483,33 +1022,28 @@ def construction_bytes(plan: Plan, shape: ModelShape | None = None) -> float:
     return 4 * local + exchange
 
 
+
+
 def activation_bytes(plan: Plan, model: ActivationModel = "trace", shape: ModelShape | None = None) -> tuple[float, str]:
-    """Saved activations of the micro-batches a rank holds at once, plus the loss's logits gradient."""
+    """Activation bytes a rank holds at the start of its last micro-batch's backward (the saved
+    activations of the micro-batches it holds at once and the loss's buffers; the head's gradient
+    being formed is a gradient, not counted here)."""
     shape = shape or model_shape(plan)
     coeff = activation_coefficients(plan, model)
-    tokens = plan.micro_batch * plan.seq_len // plan.cp  # a context-parallel rank holds its part of each sequence
-    layers_here = math.ceil(shape.layers / plan.pp)
-    in_flight = 1
-    if plan.pp > 1:  # micro-batches whose activations a stage holds at once
-        in_flight = plan.grad_accum if plan.pp_schedule == "gpipe" else min(plan.grad_accum, plan.pp)
-    tp_share = 1.0 / plan.tp if plan.sequence_parallel or plan.tp == 1 else 0.5 + 0.5 / plan.tp
-    acts = tokens * in_flight * (coeff.per_layer * layers_here * tp_share + coeff.rest)
-    if plan.strategy == "ddp":  # fp32 parameters under autocast: its bf16 weight copies are saved
-        acts += (coeff.per_layer_fixed * layers_here + coeff.rest_fixed) / plan.tp
-    acts += 2 * tokens * shape.vocab * 4  # the loss's fp32 logits gradient at the start of backward
+    acts, _ = _model_phase_bytes(plan, shape, coeff, keeps_weight_copies=plan.strategy == "ddp")["loss"]
     return acts, coeff.method
 
 
-def estimate_memory(plan: Plan, model: ActivationModel = "trace") -> MemoryEstimate:
-    """Peak memory per rank: the larger of the backward peak (states + activations) and the
-    optimizer step (states + the step's gradient copies)."""
-    shape = model_shape(plan)
-    states = model_states(plan, shape)
-    acts, method = activation_bytes(plan, model, shape)
-    if states.step_gradients > acts:
-        return MemoryEstimate(states.weights, states.gradients + states.step_gradients, states.optimizer, 0.0,
-                              states.buffers, method=f"{method}; peak at the optimizer step")
-    return MemoryEstimate(states.weights, states.gradients, states.optimizer, acts, states.buffers, method=method)
+def estimate_memory(plan: Plan, model: ActivationModel = "trace", device: "Device | None" = None) -> MemoryEstimate:
+    """Peak memory per rank: the moment of the step that holds the most (`memory_moments`).
+    `device`: where the plan runs, when the plan says `auto` (the CPU entry: gloo collectives
+    and torch's single-tensor AdamW; a GPU: NCCL and the multi-tensor AdamW)."""
+    moments = memory_moments(plan, model, device)
+    name = max(moments, key=lambda k: moments[k].total)
+    peak = moments[name]
+    method = f"{activation_coefficients(plan, model).method}; peak at {PHASE_WHEN[name]}"
+    return MemoryEstimate(peak.weights, peak.gradients, peak.optimizer, peak.activations, peak.comm_buffers,
+                          method=method, phase=name, phases={k: m.total for k, m in moments.items()})
 
 
 # --------------------------------------------------------------------------- communication
@@ -698,7 +1232,7 @@ def estimate(plan: Plan, device: Device, constants: TimeConstants | None = None,
              margin: float = 0.0, activation_model: ActivationModel = "trace") -> Estimate:
     """Memory, communication and time for one plan; `overflow` says why it would not fit in
     min(device memory, capacity_gib) x (1 + margin): at construction, in training, or both."""
-    memory = estimate_memory(plan, activation_model)
+    memory = estimate_memory(plan, activation_model, device)
     capacity = min(device.memory_bytes, capacity_gib * GiB if capacity_gib else math.inf)
     result = Estimate(plan, memory, comm_volume(plan), estimate_time(plan, device, constants), capacity,
                       construction=construction_bytes(plan))
