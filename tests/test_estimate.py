@@ -480,9 +480,9 @@ def test_fsdp2_holds_the_root_and_its_gradients_until_the_end_of_backward():
     """FSDP2, Llama-3-8B on 8 GPUs, bf16, one micro-batch a step, from first principles: the root
     (embedding, head, final norm: R parameters) is gathered from the start of backward, with the
     last block FSDP2's root pre-backward prefetches; a block's unsharded bf16 gradients live until
-    its reduce-scatter, whose fp32 input copy stays until the next block's; the head's gradient is
-    held the whole backward; at the root's own reduce-scatter its bf16 gradients and the fp32
-    input exist at once."""
+    its reduce-scatter, whose fp32 input copy stays until the next block's (none during the first
+    block's backward); the head's gradient is held the whole backward; at the root's own
+    reduce-scatter its bf16 gradients and the fp32 input exist at once."""
     plan = _plan(strategy="fsdp", fsdp={"sharding": "full"}, global_batch=8)
     shape = model_shape(plan)
     p, blk = shape.total, shape.layer
@@ -490,7 +490,7 @@ def test_fsdp2_holds_the_root_and_its_gradients_until_the_end_of_backward():
     m = memory_moments(plan)
     assert m["loss"].weights == 4 * p / 8 + 2 * (root + blk)
     assert m["blocks"].weights == 4 * p / 8 + 2 * (root + 2 * blk)  # the block and the one prefetched
-    assert m["blocks"].comm_buffers == 4 * blk  # the previous block's reduce-scatter input
+    assert m["blocks"].comm_buffers == 0 and m["last_block"].comm_buffers == 4 * blk  # the previous block's input
     forming = m["blocks"].gradients - 2 * (shape.head + blk)  # the head's and the block's gradients, held
     assert 0 <= forming < 2 * blk
     reduced = 4 * (p - root) / 8  # every block's gradient shard (fp32)

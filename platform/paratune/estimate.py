@@ -227,9 +227,10 @@ def model_shape(plan: Plan) -> ModelShape:
 # --------------------------------------------------------------------------- activations
 # The moments of a micro-batch whose bytes the trace measures (the model's own tensors only:
 # saved activations, the loss's buffers, the weight gradients being formed).
-PHASES = ("forward", "loss", "head", "first_grad", "after_head", "blocks", "embedding")
+PHASES = ("forward", "logits", "loss", "head", "first_grad", "after_head", "blocks", "embedding")
 PHASE_WHEN = {
-    "forward": "the end of the last micro-batch's forward",
+    "forward": "the last micro-batch's forward, before the LM head",
+    "logits": "the end of the last micro-batch's forward (logits and loss)",
     "loss": "the start of the last micro-batch's backward (the loss's gradient, up to the logits')",
     "head": "the LM head's backward in the last micro-batch (its weight gradient forming)",
     "first_grad": "the last micro-batch's first weight gradient (the LM head's, or the final norm's when tied)",
@@ -448,6 +449,7 @@ def _trace_micro_batch(config, tokens: int, checkpointing: str, precision: str, 
                     out.register_hook(lambda grad: setattr(tracker, "phase", phase))
             return hook
 
+        model.get_output_embeddings().register_forward_pre_hook(lambda module, args: setattr(tracker, "phase", "logits"))
         model.get_output_embeddings().register_forward_hook(enters("head"))
         decoder_blocks(model)[-1].register_forward_hook(enters("blocks"))
         model.get_input_embeddings().register_forward_hook(enters("embedding"))
@@ -499,7 +501,8 @@ def _formula_coefficients(shape: ModelShape, checkpointing: str, precision: str,
     per_layer = (2 * h if checkpointing == "full" else h * (34 + 5 * a * seq_len / h)) * scale
     rest = 4.0 * shape.vocab + 2 * h * scale
     head_grad = 4.0 * (shape.head or shape.embedding)
-    phases = {"forward": PhaseBytes(0.0, per_layer + rest, 0.0, per_layer),
+    phases = {"forward": PhaseBytes(0.0, per_layer, 0.0, per_layer),
+              "logits": PhaseBytes(0.0, per_layer + rest, 0.0, per_layer),
               "loss": PhaseBytes(0.0, per_layer + rest + 8.0 * shape.vocab, 0.0, per_layer),
               "head": PhaseBytes(head_grad, per_layer + rest + 4.0 * shape.vocab, 0.0, per_layer),
               "first_grad": PhaseBytes(head_grad, per_layer + rest, 0.0, per_layer),
@@ -675,7 +678,7 @@ def _model_phase_bytes(plan: Plan, shape: ModelShape, coeff: ActivationCoefficie
         # In forward no weight gradient exists: what does not grow with tokens is autocast's cache
         # of low-precision weight copies (kept until the autocast region ends). In backward, the
         # copies saved for it, and the rest is gradients being formed.
-        held_copies = fixed if phase == "forward" else min(fixed, copies) if phase != "embedding" else 0.0
+        held_copies = fixed if phase in ("forward", "logits") else min(fixed, copies) if phase != "embedding" else 0.0
         out[phase] = (acts + others + (held_copies if keeps_weight_copies else 0.0), fixed - held_copies)
     if "blocks" in coeff.phases:  # the last block's backward: the others' activations are gone
         acts, fixed = coeff.phases["blocks"].at(tokens, 1, tp_share, 1.0 / plan.tp)
@@ -755,11 +758,12 @@ def _fsdp_moments(plan: Plan, shape: ModelShape, held: _Held, model: dict[str, t
     # The root's pre-backward prefetches the last block's all-gather (FSDP2's implicit backward
     # prefetch), so it is whole from the start of backward.
     prefetched = blk if f.reshards_after_forward else 0.0
-    gathered = {"forward": blocks_whole, **{ph: blocks_whole + prefetched for ph in PHASES[1:]},
+    gathered = {"forward": blocks_whole, "logits": blocks_whole, **{ph: blocks_whole + prefetched for ph in PHASES[2:]},
                 "blocks": in_backward, "last_block": blk, "embedding": 0.0}
     held_grads = {"after_head": compute * held.head, "blocks": compute * (held.head + blk),
                   "last_block": compute * (held.head + blk), "embedding": compute * held.head}
-    rs_input = {"blocks": reduce * blk, "last_block": reduce * blk, "embedding": reduce * blk}
+    # The previous block's reduce-scatter input: none yet during the first block's backward.
+    rs_input = {"last_block": reduce * blk, "embedding": reduce * blk}
     for phase, (acts, forming) in model.items():
         moments[phase] = _Moment(shards + compute * (root + gathered[phase]),
                                  reduced.get(phase, 0.0) + held_grads.get(phase, 0.0) + forming, optim, acts,
@@ -823,9 +827,13 @@ def _zero_moments(plan: Plan, shape: ModelShape, held: _Held, model: dict[str, t
         gathered = pb * min(p, live) if dp > 1 else 0.0
         gathered_end = pb * min(max(0.0, p - held.head), live) if dp > 1 else 0.0
         grads = pb * p / dp
+        # Forward fetches parameters in coalesced all-gathers of up to stage3_prefetch_bucket_size
+        # elements (the whole model when it is smaller) into one flat buffer, freed once the last
+        # module's parameters are carved out of it: beside the gathered parameters until the LM head.
+        fetch = pb * min(p, max(z.stage3_prefetch_bucket_size, held.largest)) if dp > 1 else 0.0
         for phase, (acts, forming) in model.items():
-            moments[phase] = _Moment(own + (gathered if phase != "embedding" else gathered_end), grads + forming, optim,
-                                     acts, bucket)
+            moments[phase] = _Moment(own + (gathered if phase != "embedding" else gathered_end)
+                                     + (fetch if phase == "forward" else 0.0), grads + forming, optim, acts, bucket)
         moments["reduce"] = _Moment(own + gathered_end, grads, optim, 0.0, bucket + flat * (2 if host else 1))
         moments["step"] = _step(own, grads, step_grads, optim, temps, pb, p / dp, bucket)
         return moments
@@ -880,10 +888,11 @@ def _step(weights: float, grads: float, step_grads: float, optim: float, temps: 
     return max(cast, update, key=lambda m: m.total)
 
 
-def memory_moments(plan: Plan, model: ActivationModel = "trace", device: "Device | None" = None) -> dict[str, _Moment]:
+def memory_moments(plan: Plan, model: ActivationModel = "trace", device: "Device | None" = None,
+                   coeff: ActivationCoefficients | None = None) -> dict[str, _Moment]:
     """Bytes per part at every moment of the step the model considers (PHASE_WHEN), per rank."""
     shape = model_shape(plan)
-    coeff = activation_coefficients(plan, model)
+    coeff = coeff or activation_coefficients(plan, model)
     held = _Held.of(plan, shape)
     per_phase = _model_phase_bytes(plan, shape, coeff, keeps_weight_copies=plan.strategy == "ddp")
     build = {"ddp": _ddp_moments, "fsdp": _fsdp_moments, "zero": _zero_moments}[plan.strategy]
@@ -1038,10 +1047,11 @@ def estimate_memory(plan: Plan, model: ActivationModel = "trace", device: "Devic
     """Peak memory per rank: the moment of the step that holds the most (`memory_moments`).
     `device`: where the plan runs, when the plan says `auto` (the CPU entry: gloo collectives
     and torch's single-tensor AdamW; a GPU: NCCL and the multi-tensor AdamW)."""
-    moments = memory_moments(plan, model, device)
+    coeff = activation_coefficients(plan, model)
+    moments = memory_moments(plan, model, device, coeff)
     name = max(moments, key=lambda k: moments[k].total)
     peak = moments[name]
-    method = f"{activation_coefficients(plan, model).method}; peak at {PHASE_WHEN[name]}"
+    method = f"{coeff.method}; peak at {PHASE_WHEN[name]}"
     return MemoryEstimate(peak.weights, peak.gradients, peak.optimizer, peak.activations, peak.comm_buffers,
                           method=method, phase=name, phases={k: m.total for k, m in moments.items()})
 
