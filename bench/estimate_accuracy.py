@@ -5,6 +5,9 @@
     .venv/bin/python bench/estimate_accuracy.py --reuse --reprofile   # same trials, profiles measured again
     .venv/bin/python bench/estimate_accuracy.py --reuse --ledger /tmp/grid_dev/sweep/ledger.jsonl
                                                                  # + the step-time model on a measured sweep grid
+    .venv/bin/python bench/estimate_accuracy.py --reuse --memory all --before 13ce249
+                                                                 # peak memory measured again (~6 min): in sample
+                                                                 # and on held-out families; predictions before too
 
 Part 1, every data-parallel strategy with and without activation checkpointing at two model
 sizes (real Ray Train trials on 2 CPU workers, gloo): peak memory is PyTorch's MemTracker over one
@@ -19,6 +22,12 @@ and (b) sequentially, as a sweep would: in a fixed order (predicted fastest firs
 predicted before it is observed, then the model refitted. Reported: median and worst |error|,
 Kendall's tau between predicted and measured tokens/s/GPU, and whether the measured best is in the
 predicted top 3.
+Part 3 (--memory): peak memory per rank on gloo processes running the trial's worker code, with
+the buffers DDP and DeepSpeed ZeRO-3 allocate before the step visible to the tracker
+(bench/memory_accuracy.py, bench/memory_tracking.py): the part-1 plans (in sample) and tiny
+configs of decoder families paratune's presets and tests do not use (bench/families/, out of
+sample; the held-out ones were not looked at while the memory model was built). --before COMMIT
+adds what estimate.py at that commit predicted for the same plans.
 Writes bench/results/estimate_accuracy.{md,json,png}.
 """
 
@@ -184,6 +193,90 @@ def _pct(x: float) -> str:
     return f"{x:+.1%}"
 
 
+def _memory_key(plan: dict) -> dict:
+    """A plan without its step counts: the part-1 trial and its memory re-measurement match on it."""
+    return {k: v for k, v in load_plan_dict(plan).to_dict().items() if k not in ("warmup_steps", "measure_steps")}
+
+
+def memory_section(memory: dict) -> list[str]:
+    """Part 3's tables: out of sample (held-out families), tuning families, in sample."""
+    import memory_accuracy as ma
+
+    before = memory.get("before", {})
+    parts = {}
+    for name in ("families", "in_sample"):
+        table = ma.predict(memory.get(name, []))
+        parts[name] = ma.with_before(table, memory.get(name, []), before.get(name, {}))
+    held = [t for t in parts["families"] if t["family"] in ma.HELD_OUT]
+    tuning = [t for t in parts["families"] if t["family"] in ma.TUNING]
+    failed = [r for name in ("families", "in_sample") for r in memory.get(name, []) if "error" in r]
+    commit = before.get("commit", "-")
+    overall = ma.by_strategy(held).get("all") if held else None
+    lines = ["## Peak memory per rank, out of sample and in sample (part 3)", "",
+             f"Machine: {memory['machine']['machine']}; torch {memory['machine'].get('torch')}, DeepSpeed "
+             f"{memory['machine'].get('deepspeed')}, transformers {memory['machine'].get('transformers')}; measured "
+             f"{memory['machine'].get('date')}. Command: `{memory.get('command', '')}`.", "",
+             "Measured: the trial's worker code (`paratune.trial.train_and_measure`) on 2 gloo processes "
+             "(tests/gloo_harness.py, no Ray), fp32, one warm-up and one timed step, then PyTorch's MemTracker over "
+             "one more step (tensor storage, the larger rank), with the buffers DDP (its gradient buckets) and "
+             "DeepSpeed ZeRO-3 (its reduce bucket) allocate before the step handed to the tracker "
+             "(bench/memory_tracking.py; the trial's own tracker met them only when the backward first touched "
+             "them). Predicted: `paratune.estimate.estimate_memory(plan, device=cpu)`; *before*: the same call on "
+             f"estimate.py at {commit}. Error = predicted / measured - 1. Families: tiny configs in bench/families/ "
+             "(hidden 128, 4 layers, vocab 4096; 4-8 experts for the MoE ones), each in three settings on 2 ranks: "
+             + "; ".join(f"`{name}`" for name in ma.SETTINGS) + " (ZeRO buckets 2M elements, 0.5M in the last: "
+             "smaller than the models, so buckets fill and are reduced during the backward). "
+             f"Held out ({', '.join(ma.HELD_OUT)}) were measured only after the memory model was done; tuning "
+             f"({', '.join(ma.TUNING)}) and the in-sample presets were looked at while building it.", ""]
+    lines += [f"Note: {note}" for note in memory.get("notes", [])] + ([""] if memory.get("notes") else [])
+    if overall:
+        lines += [f"**Out of sample (held-out families): median |error| {overall['median']:.1%}, worst "
+                  f"{_pct(overall['worst'])}** over {overall['n']} plans (bar: {ma.TARGET:.0%}, median and worst).", ""]
+    for title, table in (("Held-out families (out of sample)", held), ("Tuning families", tuning),
+                         ("In sample (the part-1 plans, small-llama presets)", parts["in_sample"])):
+        if table:
+            lines += [f"### {title}", "", *ma.summary_lines(ma.by_strategy(table), ma.before_summary(table) or None), ""]
+    if held:
+        lines += ["### Held-out families, per plan", "", *ma.table_lines(held, "family"), ""]
+    if tuning:
+        lines += ["### Tuning families, per plan", "", *ma.table_lines(tuning, "family"), ""]
+    if parts["in_sample"]:
+        lines += ["### In sample, per plan", "", *ma.table_lines(parts["in_sample"], "size"), ""]
+    if failed:
+        lines += ["Plans that failed: " + "; ".join(f"{r.get('family', r.get('size'))} {r.get('setting')} "
+                                                   f"{r['plan'].get('strategy')}: {r['error'][-200:]}" for r in failed), ""]
+    return lines
+
+
+def measure_memory_part(saved: dict, which: str, before: str | None, command: str, console: Console,
+                        raw_path: Path) -> dict:
+    """Part 3: measure what `which` asks for (in-sample, families, all), keep the rest of the saved
+    part; the measurements are written to `raw_path` as soon as they exist."""
+    import memory_accuracy as ma
+
+    memory = dict(saved.get("memory") or {})
+
+    def keep() -> None:
+        raw_path.write_text(json.dumps({**saved, "memory": memory}, indent=1, default=str))
+
+    if which in ("in-sample", "all"):
+        cases = ma.in_sample_cases(plans())
+        rows = ma.measure_memory(cases, console)
+        for r in rows:
+            r["plan_key"] = _memory_key(r["plan"])
+        memory["in_sample"] = rows
+        memory.update(machine=describe(), command=command)
+        keep()
+    if which in ("families", "all"):
+        memory["families"] = ma.measure_memory(ma.family_plans(ma.TUNING + ma.HELD_OUT, STRATEGIES), console)
+        memory.update(machine=describe(), command=command)
+        keep()
+    if before:
+        memory["before"] = {"commit": before, **{name: ma.predict_before(memory.get(name, []), before)
+                                                 for name in ("in_sample", "families")}}
+    return memory
+
+
 def time_predictions(rows: list[dict], profiles) -> list[dict]:
     """Part 1 step times: from the profile alone, and refitted on the other size's trials only."""
     from paratune.timemodel import StepTimeModel
@@ -202,10 +295,10 @@ def time_predictions(rows: list[dict], profiles) -> list[dict]:
 
 
 def write(machine: dict, rows: list[dict], profiles_json: list[dict], grid_saved: dict | None,
-          console: Console, conditions: str | None = None) -> None:
+          console: Console, conditions: str | None = None, memory: dict | None = None) -> None:
     from estimate_report import TARGET, _plot  # noqa: E402  (the memory side, unchanged)
 
-    from paratune.estimate import estimate_memory
+    from paratune.estimate import estimate_memory, get_device
     from paratune.profile import Profile
 
     profiles = [Profile.model_validate(p) for p in profiles_json]
@@ -215,13 +308,18 @@ def write(machine: dict, rows: list[dict], profiles_json: list[dict], grid_saved
         grid_source = grid_saved["source"]
     ok = [r for r in rows if r["status"] == "ok" and r["peak_memory_bytes"] and r["step_time_median_s"]]
     times = time_predictions(ok, profiles)
+    # Memory measured again with every buffer visible to the tracker (part 3), where it was.
+    remeasured = {json.dumps(m["plan_key"], sort_keys=True): max(m["peak_memory_bytes"])
+                  for m in (memory or {}).get("in_sample", []) if m.get("peak_memory_bytes")}
+    cpu = get_device("cpu")
     table_rows = []
     for r, t in zip(ok, times):
         plan = load_plan_dict(r["plan"])
-        measured = max(r["peak_memory_bytes"])
-        traced, formula = estimate_memory(plan), estimate_memory(plan, "formula")
+        measured = remeasured.get(json.dumps(_memory_key(r["plan"]), sort_keys=True), max(r["peak_memory_bytes"]))
+        traced, formula = estimate_memory(plan, device=cpu), estimate_memory(plan, "formula", device=cpu)
         table_rows.append({
             "size": r["size"], "plan": strategy_label(r["plan"]),
+            "trial_mib": max(r["peak_memory_bytes"]) / 2**20,
             "measured_mib": measured / 2**20, "predicted_mib": traced.total / 2**20,
             "memory_error": traced.total / measured - 1, "formula_mib": formula.total / 2**20,
             "formula_error": formula.total / measured - 1,
@@ -274,21 +372,26 @@ def write(machine: dict, rows: list[dict], profiles_json: list[dict], grid_saved
         coef = ", ".join(f"{k.split(':', 1)[1]} {v:.2f}" for k, v in s["coefficients"].items())
         lines += ["", f"Coefficients after all trials (multipliers of the profile's terms; overheads in 10 ms "
                   f"per micro-batch, or per step): {coef}.", ""]
+    if memory:
+        lines += memory_section(memory)
     lines += ["## Memory and step time per strategy, two model sizes", "",
-              "Measured: real Ray Train trials, peak tensor memory per rank by PyTorch's MemTracker over one "
-              "step (the largest rank), median whole-step time over 5 measured steps. Predicted: "
-              "`paratune.estimate` (activations traced on fake tensors; `formula` = DESIGN.md's activation "
-              "formula instead).", "",
+              "Measured: real Ray Train trials, median whole-step time over 5 measured steps; peak tensor memory "
+              "per rank (the largest rank) by PyTorch's MemTracker over one extra step: *measured MiB* as part 3 "
+              "measured it, with the buffers DDP and DeepSpeed ZeRO-3 allocate before the step visible to the "
+              "tracker, *trial MiB* as these trials reported it (the tracker met DDP's buckets only when the "
+              "backward first touched them). Predicted: `paratune.estimate` for a CPU device (activations traced "
+              "on fake tensors; `formula` = DESIGN.md's activation formula instead).", "",
               f"**Worst peak-memory error (traced): {worst:.1%}** (bar: {TARGET:.0%}); step time: median error "
               f"{median_alone:.0%} from the profile alone, {median_refit:.0%} refitted on the other size "
               f"(worst {worst_refit:.0%}).", "",
-              "| size | plan | measured MiB | predicted MiB | error | formula MiB | formula error | "
+              "| size | plan | trial MiB | measured MiB | predicted MiB | error | formula MiB | formula error | "
               "weights / grads / optim / activ. / buffers (predicted MiB) | measured step s | profile alone s | error "
               "| refit s | error |",
-              "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+              "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for t in table_rows:
         p = t["parts_mib"]
-        lines.append(f"| {t['size']} | {t['plan']} | {t['measured_mib']:.1f} | {t['predicted_mib']:.1f} | "
+        lines.append(f"| {t['size']} | {t['plan']} | {t['trial_mib']:.1f} | {t['measured_mib']:.1f} | "
+                     f"{t['predicted_mib']:.1f} | "
                      f"{_pct(t['memory_error'])} | {t['formula_mib']:.1f} | {_pct(t['formula_error'])} | "
                      f"{p['weights']:.1f} / {p['gradients']:.1f} / {p['optimizer']:.1f} / {p['activations']:.1f} / "
                      f"{p['comm_buffers']:.1f} | {t['measured_step_s']:.3f} | {t['alone_step_s']:.3f} | "
@@ -300,10 +403,17 @@ def write(machine: dict, rows: list[dict], profiles_json: list[dict], grid_saved
     (RESULTS / "estimate_accuracy.md").write_text("\n".join(lines) + "\n")
     saved = {"machine": machine, "rows": rows, "predictions": table_rows, "profiles": profiles_json,
              "conditions": conditions}
+    if memory:
+        saved["memory"] = memory
     if grid is not None:
         saved["grid"] = {**grid_saved, "summary": grid[1], "rows": grid[0]}
     (RESULTS / "estimate_accuracy.json").write_text(json.dumps(saved, indent=1, default=str))
-    _plot(table_rows, RESULTS / "estimate_accuracy.png")
+    held_out = None
+    if memory and memory.get("families"):
+        import memory_accuracy as ma
+
+        held_out = [t for t in ma.predict(memory["families"]) if t["family"] in ma.HELD_OUT]
+    _plot(table_rows, RESULTS / "estimate_accuracy.png", held_out)
     console.print(f"memory worst {worst:.1%}; step time median {median_alone:.1%} (profile alone), "
                   f"{median_refit:.1%} (refit on the other size)")
     if grid is not None:
@@ -321,6 +431,9 @@ def main() -> None:
     parser.add_argument("--ledger", help="a sweep ledger of the search-efficiency grid (part 2)")
     parser.add_argument("--grid-profiles", help="profiles for the grid (paratune profile --out); default: measure")
     parser.add_argument("--conditions", help="what the host was doing while this was measured (kept in the report)")
+    parser.add_argument("--memory", choices=("none", "in-sample", "families", "all"), default="none",
+                        help="part 3: measure peak memory again on gloo processes (default: the committed figures)")
+    parser.add_argument("--before", metavar="COMMIT", help="part 3: also predict with estimate.py at COMMIT")
     args = parser.parse_args()
     console = Console(width=160)
     RESULTS.mkdir(exist_ok=True)
@@ -345,7 +458,11 @@ def main() -> None:
         grid_saved = {"source": args.ledger, "measured": measured, "profiles": grid_profiles}
     elif saved.get("grid"):  # the committed grid, re-predicted from its stored measurements and profiles
         grid_saved = {k: saved["grid"][k] for k in ("source", "measured", "profiles")}
-    write(machine, rows, profiles_json, grid_saved, console, args.conditions or saved.get("conditions"))
+    memory = saved.get("memory")
+    if args.memory != "none" or args.before:
+        command = "bench/estimate_accuracy.py " + " ".join(sys.argv[1:])
+        memory = measure_memory_part(saved, args.memory, args.before, command, console, raw_path)
+    write(machine, rows, profiles_json, grid_saved, console, args.conditions or saved.get("conditions"), memory)
 
 
 if __name__ == "__main__":

@@ -82,22 +82,33 @@ def write_report(machine: dict, rows: list[dict], out_dir: Path, console: Consol
     console.print(f"wrote {out_dir / 'estimate_accuracy.md'} and .png")
 
 
-def _plot(rows: list[dict], path: Path) -> None:
+def _plot(rows: list[dict], path: Path, out_of_sample: list[dict] | None = None) -> None:
+    """Predicted vs measured: peak memory (in sample, and the held-out families when given) and step time."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     for ax, (m, p, unit, title) in zip(axes, [("measured_mib", "predicted_mib", "MiB", "peak memory per rank"),
                                              ("measured_step_s", "predicted_step_s", "s", "step time")]):
         xs, ys = [r[m] for r in rows], [r[p] for r in rows]
-        ax.scatter(xs, ys, s=18)
+        ax.scatter(xs, ys, s=18, label="in sample" if unit == "MiB" else None)
+        if unit == "MiB" and out_of_sample:
+            ox, oy = [r["measured_mib"] for r in out_of_sample], [r["predicted_mib"] for r in out_of_sample]
+            ax.scatter(ox, oy, s=14, marker="x", label="held-out families")
+            xs, ys = xs + ox, ys + oy
         lo, hi = min(xs + ys) * 0.9, max(xs + ys) * 1.1
         ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
         if unit == "MiB":
-            ax.fill_between([lo, hi], [lo * (1 - TARGET), hi * (1 - TARGET)], [lo * (1 + TARGET), hi * (1 + TARGET)],
-                            alpha=0.15, label="±15%")
+            band = 0.05 if out_of_sample else TARGET
+            ax.fill_between([lo, hi], [lo * (1 - band), hi * (1 - band)], [lo * (1 + band), hi * (1 + band)],
+                            alpha=0.15, label=f"±{band:.0%}")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            for axis in (ax.xaxis, ax.yaxis):  # labels on the decades only
+                axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.legend()
         ax.set_xlabel(f"measured ({unit})")
         ax.set_ylabel(f"predicted ({unit})")
