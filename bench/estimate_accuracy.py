@@ -6,7 +6,7 @@
     .venv/bin/python bench/estimate_accuracy.py --reuse --ledger /tmp/grid_dev/sweep/ledger.jsonl
                                                                  # + the step-time model on a measured sweep grid
     .venv/bin/python bench/estimate_accuracy.py --reuse --memory all --before 13ce249
-                                                                 # peak memory measured again (~6 min): in sample
+                                                                 # peak memory measured again (~15 min): in sample
                                                                  # and on held-out families; predictions before too
 
 Part 1, every data-parallel strategy with and without activation checkpointing at two model
