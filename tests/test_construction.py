@@ -7,6 +7,11 @@ decoder block (ZeRO-3's gathered module; nothing for FSDP2/TP/PP, which copy onl
 plus, because host and device are the same memory on CPU, one module's values on the host (the
 largest is the embedding). DDP, which replicates, is the control: it must hold the whole model,
 so the measurement does see whole-model builds.
+
+The same processes also run two memory-tracked plans (DDP with accumulation, ZeRO-3): the peak of
+a step as the trial measures it on CPU must meet the cost model's prediction within 5%, which
+holds only if the measurement sees the buffers DDP (its buckets) and ZeRO-3 (its reduce bucket)
+allocate before the step, and the model counts them.
 """
 
 import pytest
@@ -36,12 +41,33 @@ def _sizes(plan) -> tuple[int, int, int]:
     return layout["total"] * FP32, layout["layer"] * FP32, max(layout["embedding"], layout["head"]) * FP32
 
 
+TRACKED = {  # the step's peak measured (MemTracker, one extra step) and predicted, at seq 64
+    "ddp-accumulating": {"strategy": "ddp", "micro_batch": 1, "seq_len": 64},  # 4 micro-batches a step per rank
+    "zero-3": {"strategy": "zero", "seq_len": 64, "global_batch": 4, "zero": {"stage": 3, "reduce_bucket_size": 100_000}},  # no accumulation
+    "fsdp-full": {"strategy": "fsdp", "seq_len": 64},
+}
+
+
 @pytest.fixture(scope="module")
 def measured():
-    """Every sharded plan and the DDP control, run one after another by the same 2 processes."""
+    """Every sharded plan, the DDP control and the memory-tracked plans, run one after another by
+    the same 2 processes."""
     names = [*SHARDED, "ddp"]
     plans = [load_plan_dict({**BASE_PLAN, **EIGHT_LAYERS, **SHARDED.get(n, {"strategy": "ddp"})}) for n in names]
+    names += [f"tracked-{n}" for n in TRACKED]
+    plans += [load_plan_dict({**BASE_PLAN, "track_memory": True, **case}) for case in TRACKED.values()]
     return {n: (plan, out) for n, plan, out in zip(names, plans, run_plans_on_gloo(plans))}
+
+
+@pytest.mark.parametrize("name", list(TRACKED))
+def test_a_steps_tracked_peak_meets_the_cost_model(name, measured):
+    from paratune.estimate import estimate, get_device
+
+    plan, out = measured[f"tracked-{name}"]
+    predicted = estimate(plan, get_device("cpu")).memory.total
+    assert out["memory_method"].startswith("torch MemTracker"), out["memory_method"]
+    for rank, peak in enumerate(out["peak_memory_bytes"]):
+        assert abs(predicted - peak) <= 0.05 * peak, f"rank {rank}: measured {peak} B, predicted {predicted:.0f} B"
 
 
 @pytest.mark.parametrize("name", list(SHARDED))

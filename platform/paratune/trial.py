@@ -167,6 +167,9 @@ def _tracked_peak_bytes(runner, micro) -> tuple[int, str]:
         # reduce bucket) allocated before this step: without them the peak would be too low.
         held = _tensors_held_by(optimizer)
         optimizer = getattr(optimizer, "optimizer", None)
+    from paratune.parallel.ddp import BUCKETS_ATTR
+
+    held += list(getattr(runner.model, BUCKETS_ATTR, {}).values())  # DDP's buckets (parallel.ddp)
     tracker.track_external(*(x for x in (runner.model, optimizer) if x is not None), *held)
     # MemTracker refuses a module called twice in one context, and every micro-batch calls the
     # model again: reset its per-module stats as each micro-batch enters (its peak is kept). A
@@ -196,6 +199,12 @@ def _tensors_held_by(obj: object) -> list[torch.Tensor]:
         if isinstance(value, torch.Tensor) and not value.is_meta:
             found.setdefault(id(value), value)
 
+    # ZeRO-3's reduce bucket sits one object deeper: optimizer.ipg_buckets[dtype].buffer, allocated
+    # with the optimizer and kept (reduce_bucket_size elements).
+    for bucket in (getattr(obj, "ipg_buckets", None) or {}).values():
+        buffer = getattr(bucket, "buffer", None)
+        for t in buffer if isinstance(buffer, (list, tuple)) else [buffer]:
+            add(t)
     for value in vars(obj).values():
         add(value)
         if isinstance(value, (list, tuple)):
