@@ -3,26 +3,32 @@
 Memory follows docs/DESIGN.md ("Memory model"), per rank, as the largest of the moments of a
 step (`memory_moments`, `PHASE_WHEN`): the last micro-batch's forward end, loss backward, LM
 head backward, first weight gradient, the backward before the blocks, of its first and of its
-last block, the embedding's gradient, the gradient reduction after it, and the optimizer step.
+last block, the embedding's gradient, the gradient reduction after it, and the optimizer step;
+under FSDP2 also its last block's all-gather and forward and its first block's reduce-scatter.
 At each moment, in five parts:
 - weights, gradients, optimizer states: bytes per parameter by strategy and precision, divided by
   the ranks that shard them (ZeRO/FSDP over dp; TP and PP split the model first), where each
   framework holds them at that moment;
 - activations: what the model itself holds then, *traced*: one micro-batch of the plan's own
   shape (and of half its sequence) through a 1- and a 2-layer copy of the model, forward and
-  backward, on fake tensors (no memory; only the number of blocks is extrapolated), with each
-  weight gradient dropped once accumulated (the strategies keep gradients elsewhere, counted
-  apart). `activation_model="formula"` uses DESIGN.md's formula instead (s·b·h·(34 + 5·a·s/h)
-  bytes per layer at 16 bits; 2·s·b·h with recompute), and so does a model the trace cannot follow;
+  backward, on fake tensors (no memory; only the number of blocks is extrapolated), computing as
+  the strategy does (`compute_precision`: bf16 parameters under FSDP2's mixed precision and
+  DeepSpeed's bf16, autocast under DDP), with each weight gradient dropped once accumulated (the
+  strategies keep gradients elsewhere, counted apart; FSDP2's, kept until a block's backward
+  ends, are traced held that long). `activation_model="formula"` uses DESIGN.md's formula
+  instead (s·b·h·(34 + 5·a·s/h) bytes per layer at 16 bits; 2·s·b·h with recompute), and so does
+  a model the trace cannot follow;
 - communication buffers (DDP's buckets are the gradients' home; DeepSpeed's reduce bucket and its
   flattened copy; FSDP2's all-gathered blocks and reduce-scatter inputs).
 What each framework holds when was read from its source and checked against PyTorch's MemTracker
 on gloo workers (bench/estimate_accuracy.py part 3, out of sample on decoder families the model
 was not built on): DDP's buckets and, with no_sync accumulation, the micro-batches' gradients
 beside them; FSDP2's root gathered through the backward with the block it prefetches, the
-unsharded gradients of a block until its reduce-scatter and of the root until the end; ZeRO's
-bucket from the first gradient (ZeRO-1 until the boundary, ZeRO-3 for good); on CPU (gloo,
-torch's single-tensor AdamW) and on GPUs (NCCL, the multi-tensor AdamW) where they differ.
+unsharded gradients of a block until its reduce-scatter and of the root until the end, a
+block's all-gather output in forward, nothing prefetched on one rank; ZeRO's bucket from the
+first gradient (ZeRO-1 until the boundary, ZeRO-3 for good), ZeRO-3's persistent (small) tensors
+never fetched, the others released after their backward; on CPU (gloo, torch's single-tensor
+AdamW) and on GPUs (NCCL, the multi-tensor AdamW) where they differ.
 Construction is checked apart (`construction_bytes`): the model is built in fp32 before any
 optimizer exists, and a plan that cannot even be built is rejected like one that cannot train.
 
@@ -180,27 +186,69 @@ class ModelShape:
     compute: int  # N in 6N
     largest_leaf: int = 0  # parameters of the largest module that owns them directly (its own, not its children's)
     kv_heads: int = 0  # key/value heads (GQA); 0 = heads
+    largest_layer: int = 0  # the largest decoder block (blocks differ: DeepSeek-V3's dense first ones); 0 = layer
+    # ZeRO-3's persistent parameters (`_tensor_layout`): in tensors small enough to stay gathered
+    persistent: int = 0
+    # ... and the others (partitioned, gathered when used) by place: the embedding's, the untied
+    # head's, the largest block's
+    gathered_embedding: int = 0  # untied; a tied one is the head's
+    gathered_head: int = 0
+    gathered_layer: int = 0
+    gathered_blocks: int = 0  # all the blocks'
+    first_layer: int = 0  # the first block (the last in backward); 0 = layer
+    gathered_first: int = 0  # ... its fetched tensors
+
+    @property
+    def first(self) -> int:
+        return self.first_layer or self.layer
+
+    @property
+    def block(self) -> int:
+        """One block where one is held whole at a time (gathered, its gradients, its
+        reduce-scatter input): the largest, so the peak is the largest block's. `layer` (the mean)
+        is for what all the blocks hold together."""
+        return self.largest_layer or self.layer
+
+
+# DeepSpeed's stage3_param_persistence_threshold default (deepspeed/runtime/zero/config.py, 1e5
+# elements; paratune's DeepSpeed config leaves it, and stage3_model_persistence_threshold, alone).
+ZERO3_PERSISTENCE_THRESHOLD = 100_000
 
 
 @lru_cache(maxsize=64)
-def _largest_leaf(key: str) -> int:
-    """Parameters of the largest module that holds parameters itself (nn.Linear, nn.Embedding, a
-    norm): what DeepSpeed's zero.Init builds whole before partitioning it. Counted on the meta
-    device, on a one-block copy (blocks repeat), else on the whole model."""
+def _tensor_layout(key: str) -> dict[str, int]:
+    """Counted on the whole model built on the meta device (no memory; blocks may differ, so no
+    one-block copy): `largest_leaf`, the parameters of the largest module that holds parameters
+    itself (nn.Linear, nn.Embedding, a norm, packed experts): what DeepSpeed's zero.Init builds
+    whole before partitioning it; and ZeRO-3's persistent parameters: each tensor of at most
+    ZERO3_PERSISTENCE_THRESHOLD elements is marked `ds_persist` (partition_parameters.py
+    `_convert_to_deepspeed_param`, parameter_offload.py `mark_persistent_parameters`): gathered
+    after every step (stage3.py `_post_step`) and never released in forward or backward
+    (partitioned_param_coordinator.py `__params_to_release`), so never fetched either; the others
+    (`gathered_*`: of the embedding, the untied head, the largest block) are."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from paratune.models import config_from_key
+    from paratune.models import config_from_key, decoder_blocks
 
-    def largest(config) -> int:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config_from_key(key))
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
 
-    try:
-        return largest(config_from_key(key, num_hidden_layers=1))
-    except Exception:  # noqa: BLE001 - a config that cannot shrink to one block (per-layer lists)
-        return largest(config_from_key(key))
+    def fetched(params) -> int:  # noqa: ANN001
+        return sum(p.numel() for p in params if p.numel() > ZERO3_PERSISTENCE_THRESHOLD)
+
+    head = model.get_output_embeddings()
+    embedding = model.get_input_embeddings()
+    tied = head is not None and head.weight is embedding.weight
+    small = sum(p.numel() for p in model.parameters() if p.numel() <= ZERO3_PERSISTENCE_THRESHOLD)
+    stack = decoder_blocks(model)
+    blocks = [fetched(block.parameters()) for block in stack]
+    return {"largest_leaf": largest, "persistent": small,
+            "gathered_embedding": 0 if tied else fetched([embedding.weight]),
+            "gathered_head": 0 if head is None else fetched([head.weight]),
+            "gathered_layer": max(blocks), "gathered_blocks": sum(blocks), "gathered_first": blocks[0],
+            "first_layer": sum(p.numel() for p in stack[0].parameters())}
 
 
 @lru_cache(maxsize=64)
@@ -209,13 +257,18 @@ def _shape_from_key(key: str) -> ModelShape:
 
     config = config_from_key(key)
     layout, heads = parameter_layout(config), config.num_attention_heads
+    tensors = _tensor_layout(key)
     return ModelShape(
         total=layout["total"], embedding=layout["embedding"], head=layout["head"], layer=layout["layer"],
         rest=layout["total"] - layout["embedding"] - layout["head"] - layout["layer"] * layout["layers"],
         layers=layout["layers"], hidden=config.hidden_size, vocab=config.vocab_size, heads=heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        compute=parameter_counts(config)["compute"], largest_leaf=_largest_leaf(key),
-        kv_heads=getattr(config, "num_key_value_heads", None) or heads)
+        compute=parameter_counts(config)["compute"], largest_leaf=tensors["largest_leaf"],
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        largest_layer=layout.get("largest_layer", layout["layer"]), persistent=tensors["persistent"],
+        gathered_embedding=tensors["gathered_embedding"], gathered_head=tensors["gathered_head"],
+        gathered_layer=tensors["gathered_layer"], gathered_blocks=tensors["gathered_blocks"],
+        first_layer=tensors["first_layer"], gathered_first=tensors["gathered_first"])
 
 
 def model_shape(plan: Plan) -> ModelShape:
@@ -229,6 +282,8 @@ def model_shape(plan: Plan) -> ModelShape:
 # saved activations, the loss's buffers, the weight gradients being formed).
 PHASES = ("forward", "logits", "loss", "head", "first_grad", "after_head", "blocks", "embedding")
 PHASE_WHEN = {
+    "gather": "the all-gather of the last micro-batch's last decoder block in forward",
+    "block_forward": "the end of the last micro-batch's last decoder block's forward",
     "forward": "the last micro-batch's forward, before the LM head",
     "logits": "the end of the last micro-batch's forward (logits and loss)",
     "loss": "the start of the last micro-batch's backward (the loss's gradient, up to the logits')",
@@ -236,11 +291,19 @@ PHASE_WHEN = {
     "first_grad": "the last micro-batch's first weight gradient (the LM head's, or the final norm's when tied)",
     "after_head": "the last micro-batch's backward after the LM head, before its blocks",
     "blocks": "the backward of the last micro-batch's first decoder block",
+    "next_block": "the backward of the last micro-batch's second decoder block in backward",
     "last_block": "the backward of the last micro-batch's last decoder block (the first one)",
     "embedding": "the end of the last micro-batch's backward (the embedding's gradient)",
+    "block_reduce": "the reduce-scatter after the last micro-batch's first decoder block in backward",
     "reduce": "the gradient reduction after the last micro-batch's backward",
     "step": "the optimizer step",
 }
+
+
+# Traced for FSDP2 only (`held_phases`): the start of the last block's forward (its all-gather) and
+# its end; the end of the first block's backward, with its gradients (before its post-backward's
+# reduce-scatter copies them) and without them.
+_BLOCK_END = ("gather", "block_forward", "block_end", "block_reduced")
 
 
 @dataclass(frozen=True)
@@ -280,6 +343,9 @@ class ActivationCoefficients:
     per_layer_fixed: float = 0.0
     rest_fixed: float = 0.0
     phases: dict[str, PhaseBytes] = field(default_factory=dict)
+    # The same moments with the weight gradients FSDP2 holds until its groups' post-backward: a
+    # block's as far as its backward has formed them, the root's to the end (`_trace_micro_batch`).
+    held_phases: dict[str, PhaseBytes] = field(default_factory=dict)
 
 
 def _fit_phase(values: dict[tuple[int, int], float], half: int, full: int) -> PhaseBytes:
@@ -294,7 +360,9 @@ def _fit_phase(values: dict[tuple[int, int], float], half: int, full: int) -> Ph
 class _LiveBytes:
     """A dispatch mode counting the storage bytes that ops create under it and that are still
     alive (freed storages leave through weakref finalizers), and the most at once per phase.
-    Storages it is told about beforehand (parameters, buffers) are never counted."""
+    Storages it is told about beforehand (parameters, buffers) are never counted. `held`: bytes
+    of weight gradients the trace has dropped but FSDP2 would still hold (`_trace_micro_batch`);
+    `held_peak`: the most of live + held at once per phase."""
 
     def __new__(cls, known):  # noqa: ANN001, ANN204 - built lazily: torch is imported on first use
         import weakref
@@ -310,6 +378,7 @@ class _LiveBytes:
                 for storage in known:
                     self.seen[storage] = 0
                 self.live, self.phase, self.peak = 0, PHASES[0], {}
+                self.held, self.held_peak = 0, {}
 
             def _free(self, nbytes: int) -> None:
                 self.live -= nbytes
@@ -327,6 +396,7 @@ class _LiveBytes:
                             self.live += nbytes
                             weakref.finalize(storage, self._free, nbytes)
                 self.peak[self.phase] = max(self.peak.get(self.phase, 0), self.live)
+                self.held_peak[self.phase] = max(self.held_peak.get(self.phase, 0), self.live + self.held)
                 return out
 
         return LiveBytes()
@@ -403,14 +473,29 @@ def _masks_as_in_a_real_run():
 
 
 def _trace_micro_batch(config, tokens: int, checkpointing: str, precision: str, sequences: int = 1,
-                       fake: bool = True) -> tuple[float, dict[str, float]]:
+                       fake: bool = True) -> tuple[float, dict[str, float], dict[str, float]]:
     """One micro-batch (`sequences` sequences, `tokens` tokens in all) forward and backward on
     fake tensors (no memory; `fake=False`: on real ones, the check of the fake trace): the bytes
-    its forward saves (live when the loss exists) and the most bytes alive in each phase. Every
-    parameter's gradient is dropped once accumulated (a post-accumulate hook): the strategies keep
-    gradients in their own places (buckets, shards, partitions), counted apart; what the trace
-    keeps is what the model itself holds, including a gradient while it is being formed and a tied
-    weight's first contribution, which autograd holds until the second arrives."""
+    its forward saves (live when the loss exists), the most bytes alive in each phase, and the
+    most in each phase with the gradients FSDP2 holds (below).
+
+    `precision` (`compute_precision`): "fp32"; "bf16", autocast over fp32 parameters (DDP); or
+    "bf16-params", the parameters themselves in bf16 and no autocast (FSDP2's
+    MixedPrecisionPolicy computes with bf16 unsharded parameters, DeepSpeed's bf16 engine casts
+    the model): the residual stream, the norms' outputs and the gradients are then bf16 too, and
+    there are no cached weight copies.
+
+    Every parameter's gradient is dropped once accumulated (a post-accumulate hook): the
+    strategies keep gradients in their own places (buckets, shards, partitions), counted apart;
+    what the trace keeps is what the model itself holds, including a gradient while it is being
+    formed and a tied weight's first contribution, which autograd holds until the second arrives.
+    FSDP2 instead keeps each unsharded gradient where autograd put it until its group's
+    post-backward (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py `post_backward`, run
+    when the gradients of the group's inputs arrive): a block's until its own backward ends, the
+    root's (embedding, head, final norm) until the end of backward. The third result counts the
+    dropped gradients as held that long, so a block's gradients count only as far as its backward
+    has formed them (at the peak of its backward, while its activations are still alive, only the
+    first few are)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
@@ -423,23 +508,60 @@ def _trace_micro_batch(config, tokens: int, checkpointing: str, precision: str, 
     with contextlib.ExitStack() as stack:
         for mode in modes:
             stack.enter_context(mode)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation(config))
+        dtype = {"dtype": torch.bfloat16} if precision == "bf16-params" else {}
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation(config), **dtype)
         model.train()
         if checkpointing == "full":
             enable_full_recompute(model)
         ids = torch.randint(0, config.vocab_size, (sequences, tokens // sequences))
         known = [t.untyped_storage() for t in (*model.parameters(), *model.buffers())]
         tracker = _LiveBytes(known)
+        blocks = decoder_blocks(model)
+        owner = {id(p): i for i, block in enumerate(blocks) for p in block.parameters()}  # root: none
+        held: dict[int, int] = {}  # parameter -> bytes of its gradient FSDP2 would still hold
 
         def consumed(param) -> None:  # noqa: ANN001 - the strategy takes the gradient away
             if "first_grad" not in tracker.peak:  # the first gradient: a snapshot with it
                 tracker.peak["first_grad"] = tracker.live
+                tracker.held_peak["first_grad"] = tracker.live + tracker.held
                 if tracker.phase in ("loss", "head"):
                     tracker.phase = "after_head"
+            nbytes = param.grad.numel() * param.grad.element_size()
+            tracker.held += nbytes - held.get(id(param), 0)  # a tied weight's gradient accumulates in one
+            held[id(param)] = nbytes
             param.grad = None
 
         for param in model.parameters():
             param.register_post_accumulate_grad_hook(consumed)
+
+        def block_done(index: int):  # the block's post-backward: FSDP2 reduce-scatters its gradients
+            def release(grad):  # noqa: ANN001, ANN202
+                first = index == len(blocks) - 1 and "block_end" not in tracker.held_peak
+                if first:  # the first block in backward ends: its gradients, then without them
+                    tracker.held_peak["block_end"] = tracker.live + tracker.held
+                for pid in [pid for pid in held if owner.get(pid) == index]:
+                    tracker.held -= held.pop(pid)
+                if first:
+                    tracker.held_peak["block_reduced"] = tracker.live + tracker.held
+            return release
+
+        def watch_input(index: int):
+            def hook(module, args, kwargs):  # noqa: ANN001, ANN202
+                x = args[0] if args else kwargs.get("hidden_states")
+                if isinstance(x, torch.Tensor) and x.requires_grad:
+                    x.register_hook(block_done(index))
+                if index == len(blocks) - 1 and tracker.phase == "forward":  # FSDP2 all-gathers it now
+                    tracker.held_peak.setdefault("gather", tracker.live)
+            return hook
+
+        for index, block in enumerate(blocks):
+            block.register_forward_pre_hook(watch_input(index), with_kwargs=True)
+
+        def last_block_forward_ends(module, args, output):  # noqa: ANN001, ANN202
+            if tracker.phase == "forward":
+                tracker.held_peak.setdefault("block_forward", tracker.live)
+
+        blocks[-1].register_forward_hook(last_block_forward_ends)
 
         def enters(phase: str):  # when the gradient of a module's output arrives, `phase` begins
             def hook(module, args, output):  # noqa: ANN001, ANN202
@@ -451,7 +573,7 @@ def _trace_micro_batch(config, tokens: int, checkpointing: str, precision: str, 
 
         model.get_output_embeddings().register_forward_pre_hook(lambda module, args: setattr(tracker, "phase", "logits"))
         model.get_output_embeddings().register_forward_hook(enters("head"))
-        decoder_blocks(model)[-1].register_forward_hook(enters("blocks"))
+        blocks[-1].register_forward_hook(enters("blocks"))
         model.get_input_embeddings().register_forward_hook(enters("embedding"))
         with tracker:
             autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16"
@@ -462,7 +584,7 @@ def _trace_micro_batch(config, tokens: int, checkpointing: str, precision: str, 
             tracker.phase = "loss"
             loss.backward()
             del loss
-    return saved, dict(tracker.peak)
+    return saved, dict(tracker.peak), dict(tracker.held_peak)
 
 
 @lru_cache(maxsize=256)
@@ -478,17 +600,21 @@ def _traced_coefficients(config_json: str, checkpointing: str, precision: str, m
     full, half = micro_batch * seq_len, micro_batch * max(1, seq_len // 2)
     saved: dict[tuple[int, int], float] = {}
     phases: dict[str, dict[tuple[int, int], float]] = {p: {} for p in PHASES}
+    held: dict[str, dict[tuple[int, int], float]] = {p: {} for p in (*PHASES, *_BLOCK_END)}
     for layers in (1, 2):
         config = config_from_key(config_json, num_hidden_layers=layers)
         for tokens in (half, full):
-            saved[(layers, tokens)], peaks = _trace_micro_batch(config, tokens, checkpointing, precision,
-                                                                sequences=micro_batch)
+            saved[(layers, tokens)], peaks, held_peaks = _trace_micro_batch(config, tokens, checkpointing, precision,
+                                                                            sequences=micro_batch)
             for phase in PHASES:
                 phases[phase][(layers, tokens)] = peaks.get(phase, 0.0)
+            for phase in held:
+                held[phase][(layers, tokens)] = held_peaks.get(phase, 0.0)
     fit = _fit_phase(saved, half, full)
     return ActivationCoefficients(per_layer=fit.layer_per_token, rest=fit.per_token, method="traced (fake tensors)",
                                   per_layer_fixed=max(0.0, fit.layer_fixed), rest_fixed=max(0.0, fit.fixed),
-                                  phases={p: _fit_phase(v, half, full) for p, v in phases.items()})
+                                  phases={p: _fit_phase(v, half, full) for p, v in phases.items()},
+                                  held_phases={p: _fit_phase(v, half, full) for p, v in held.items()})
 
 
 def _formula_coefficients(shape: ModelShape, checkpointing: str, precision: str, seq_len: int) -> ActivationCoefficients:
@@ -509,7 +635,38 @@ def _formula_coefficients(shape: ModelShape, checkpointing: str, precision: str,
               "after_head": PhaseBytes(0.0 if shape.head else head_grad, per_layer + rest, 0.0, per_layer),
               "blocks": PhaseBytes(0.0 if shape.head else head_grad, per_layer, 0.0, per_layer),
               "embedding": PhaseBytes(4.0 * shape.embedding * (1 if shape.head else 3), 0.0)}
-    return ActivationCoefficients(per_layer=per_layer, rest=rest, method="formula (DESIGN.md)", phases=phases)
+    # FSDP2's held gradients (`_trace_micro_batch`), with no trace to say how far a block's backward
+    # has gone at its peak: the head's from its backward on, and a whole block's during its own.
+    g = BYTES[precision]
+    held = {**phases, "after_head": replace(phases["after_head"], fixed=phases["after_head"].fixed + g * shape.head),
+            "blocks": replace(phases["blocks"], fixed=phases["blocks"].fixed + g * (shape.head + shape.block)),
+            "embedding": replace(phases["embedding"], fixed=phases["embedding"].fixed + g * shape.head)}
+    return ActivationCoefficients(per_layer=per_layer, rest=rest, method="formula (DESIGN.md)", phases=phases,
+                                  held_phases=held)
+
+
+def _fully_sharded(plan: Plan) -> bool:
+    """Whether the plan runs FSDP2's `fully_shard` (on the whole mesh when it is one rank): the
+    fsdp strategy without model parallelism (paratune.parallel.fsdp), or with it and more than one
+    replica (paratune.parallel.nd shards over dp x cp; with a single replica it applies no FSDP)."""
+    if plan.strategy != "fsdp" or plan.fsdp is None or plan.fsdp.sharding == "no_shard":
+        return False
+    return (plan.tp == plan.pp == plan.cp == 1) or _replicas(plan) > 1
+
+
+def compute_precision(plan: Plan) -> str:
+    """How the plan's bf16 compute is made (paratune.parallel): "bf16-params" where the
+    parameters the forward uses are bf16 themselves (FSDP2's MixedPrecisionPolicy: the fsdp
+    strategy, except a model-parallel plan with one replica, which runs without FSDP2; DeepSpeed's
+    bf16 engine, which casts the model), else "bf16", autocast over fp32 parameters (DDP, and the
+    single-replica model-parallel plans); "fp32" in fp32."""
+    if plan.precision != "bf16":
+        return plan.precision
+    if plan.strategy == "zero":
+        return "bf16-params"
+    if plan.strategy == "fsdp" and ((plan.tp == plan.pp == plan.cp == 1) or _replicas(plan) > 1):
+        return "bf16-params"
+    return "bf16"
 
 
 @lru_cache(maxsize=256)
@@ -532,7 +689,7 @@ def activation_coefficients(plan: Plan, model: ActivationModel = "trace") -> Act
     from paratune.models import build_config, config_key
 
     traced = _traced_or_reason(config_key(build_config(plan.model, plan.model_overrides)),
-                               plan.activation_checkpointing, plan.precision, plan.micro_batch,
+                               plan.activation_checkpointing, compute_precision(plan), plan.micro_batch,
                                max(1, plan.seq_len // plan.cp))
     if isinstance(traced, str):
         return replace(formula, method=f"formula (DESIGN.md; the trace failed: {traced[:200]})")
@@ -583,8 +740,19 @@ def _replicas(plan: Plan) -> int:
     return plan.dp_degree * plan.cp
 
 
+def _stage_blocks(plan: Plan, shape: ModelShape) -> float:
+    """Parameters of the decoder blocks one rank's stage holds (before TP): all of them without
+    pipeline stages (layers x the mean block: exact where blocks differ); with stages, the
+    heaviest stage's, as many of the largest block as a stage holds (DeepSeek-V3's dense first
+    blocks sit on the first stage, the others hold only MoE blocks)."""
+    if plan.pp == 1:
+        return shape.layers * shape.layer
+    return math.ceil(shape.layers / plan.pp) * shape.block
+
+
 def _local_params(plan: Plan, shape: ModelShape) -> tuple[float, float]:
-    """(parameters this rank's model-parallel slice holds, of which in one decoder block).
+    """(parameters this rank's model-parallel slice holds, of which in one decoder block: the
+    mean block, so that the blocks hold layers x that).
 
     TP shards every block and the (vocab-parallel) embedding and head; norms are small and
     counted as sharded. PP gives a stage its layers; the heavier end stage (embedding on the
@@ -593,16 +761,15 @@ def _local_params(plan: Plan, shape: ModelShape) -> tuple[float, float]:
     ZeRO's tp is DeepSpeed's AutoTP: it splits the blocks' linear layers and the LM head, but
     keeps an untied input embedding whole on every rank (tied, both are vocab-split)."""
     t, p = plan.tp, plan.pp
-    layers_here = math.ceil(shape.layers / p)
+    blocks = _stage_blocks(plan, shape)
     if plan.strategy == "zero" and t > 1:
         whole = shape.embedding + shape.rest if shape.head else 0.0
-        return (layers_here * shape.layer + shape.head + (0 if shape.head else shape.embedding)) / t + whole, \
-            shape.layer / t
+        return (blocks + shape.head + (0 if shape.head else shape.embedding)) / t + whole, shape.layer / t
     if p > 1:
         ends = max(shape.embedding, shape.head + shape.rest if shape.head else shape.embedding + shape.rest)
     else:
         ends = shape.embedding + shape.head + shape.rest
-    return (layers_here * shape.layer + ends) / t, shape.layer / t
+    return (blocks + ends) / t, shape.layer / t
 
 
 @dataclass(frozen=True)
@@ -610,7 +777,8 @@ class _Held:
     """Parameter counts of what one rank's model-parallel slice holds, by place."""
 
     local: float  # every parameter of the slice
-    layer: float  # one decoder block
+    layer: float  # one decoder block held whole (gathered, its gradients): the largest block
+    first: float  # the first block, the last one in backward
     root: float  # outside the blocks: embedding, untied head, final norm
     head: float  # an untied LM head (0 when tied)
     embedding: float
@@ -618,11 +786,11 @@ class _Held:
 
     @classmethod
     def of(cls, plan: Plan, shape: ModelShape) -> "_Held":
-        local, layer = _local_params(plan, shape)
+        local, _ = _local_params(plan, shape)
         t = plan.tp
-        root = max(0.0, local - math.ceil(shape.layers / plan.pp) * layer)
-        return cls(local=local, layer=layer, root=root, head=min(shape.head / t, root),
-                   embedding=min(shape.embedding / t, root), largest=(shape.largest_leaf or shape.layer) / t)
+        root = max(0.0, local - _stage_blocks(plan, shape) / t)
+        return cls(local=local, layer=shape.block / t, first=shape.first / t, root=root, head=min(shape.head / t, root),
+                   embedding=min(shape.embedding / t, root), largest=(shape.largest_leaf or shape.block) / t)
 
 
 def _on_host(plan: Plan, device: "Device | None") -> bool:
@@ -657,13 +825,15 @@ class _Moment:
 
 
 def _model_phase_bytes(plan: Plan, shape: ModelShape, coeff: ActivationCoefficients,
-                       keeps_weight_copies: bool) -> dict[str, tuple[float, float]]:
+                       keeps_weight_copies: bool, held: bool = False) -> dict[str, tuple[float, float]]:
     """phase -> (activation bytes, weight-gradient bytes being formed) the model of one rank holds
     at that moment of its last micro-batch (`ActivationCoefficients.phases`), for its tokens
     (a context-parallel rank: its part of each sequence), its blocks (a pipeline stage: its own,
     and the saved activations of the other micro-batches it holds at once) and its tensor-parallel
     share. `keeps_weight_copies`: the parameters are fp32 under autocast (DDP), so the bf16 copies
-    of the weights autocast saves for backward exist; otherwise the trace's copies are not real."""
+    of the weights autocast saves for backward exist; otherwise the trace has none. `held`: with
+    the gradients FSDP2 holds until its groups' post-backward (`held_phases`), counted with those
+    being formed."""
     tokens = plan.micro_batch * plan.seq_len // plan.cp
     layers_here = math.ceil(shape.layers / plan.pp)
     in_flight = 1
@@ -673,16 +843,20 @@ def _model_phase_bytes(plan: Plan, shape: ModelShape, coeff: ActivationCoefficie
     others = (in_flight - 1) * tokens * (coeff.per_layer * layers_here * tp_share + coeff.rest)
     copies = (coeff.per_layer_fixed * layers_here + coeff.rest_fixed) / plan.tp  # saved for backward
     out = {}
-    for phase, bytes_ in coeff.phases.items():
+    phases = coeff.held_phases if held and coeff.held_phases else coeff.phases
+    for phase, bytes_ in phases.items():
         acts, fixed = bytes_.at(tokens, layers_here, tp_share, 1.0 / plan.tp)
         # In forward no weight gradient exists: what does not grow with tokens is autocast's cache
         # of low-precision weight copies (kept until the autocast region ends). In backward, the
         # copies saved for it, and the rest is gradients being formed.
         held_copies = fixed if phase in ("forward", "logits") else min(fixed, copies) if phase != "embedding" else 0.0
         out[phase] = (acts + others + (held_copies if keeps_weight_copies else 0.0), fixed - held_copies)
-    if "blocks" in coeff.phases:  # the last block's backward: the others' activations are gone
-        acts, fixed = coeff.phases["blocks"].at(tokens, 1, tp_share, 1.0 / plan.tp)
+    if "blocks" in phases:  # the last block's backward: the others' activations are gone
+        acts, fixed = phases["blocks"].at(tokens, 1, tp_share, 1.0 / plan.tp)
         out["last_block"] = (acts + others, fixed)
+        if held and layers_here > 2:  # the second block's (with two, the last): the first's activations gone
+            acts, fixed = phases["blocks"].at(tokens, layers_here - 1, tp_share, 1.0 / plan.tp)
+            out["next_block"] = (acts + others, fixed)
     return out
 
 
@@ -706,10 +880,10 @@ def _ddp_moments(plan: Plan, shape: ModelShape, held: _Held, model: dict[str, tu
     after_head = ("after_head", "blocks")
     if view:  # the accumulated tensors, until the synchronised backward replaces them by views
         outside = ({**{ph: p for ph in PHASES}, **{ph: p - held.head for ph in after_head},
-                    "last_block": held.embedding + held.layer, "embedding": held.embedding} if ga > 1 else {})
+                    "last_block": held.embedding + held.first, "embedding": held.embedding} if ga > 1 else {})
     else:  # param.grad, beside the buckets
         outside = ({ph: p for ph in (*PHASES, "last_block")} if ga > 1
-                   else {"after_head": held.head, "blocks": held.head, "last_block": p - held.embedding - held.layer,
+                   else {"after_head": held.head, "blocks": held.head, "last_block": p - held.embedding - held.first,
                          "embedding": p - held.embedding})
     moments = {}
     for phase, (acts, forming) in model.items():
@@ -728,13 +902,21 @@ def _fsdp_moments(plan: Plan, shape: ModelShape, held: _Held, model: dict[str, t
     post-backward, at the end of backward. Blocks are gathered one at a time in forward
     (reshard_after_forward), and in backward the block being computed plus the next one,
     prefetched (FSDP2's default backward prefetch, or `prefetch` blocks). A block's unsharded
-    gradients live until its post-backward reduce-scatters them (foreach_reduce: the fp32 input
-    is a copy of the whole block's gradients, kept until the next block's reduce-scatter starts).
-    The head's gradient, formed at the start of backward, is held the whole backward, with the
-    root's. At the root's reduce-scatter, after the root is resharded: the root's gradients and
-    the reduce-scatter input (a copy), then the output (a shard) while foreach_reduce's loop
-    variable still holds the group's last gradient (the head's when untied); gloo implements
-    reduce-scatter as an all-reduce of a copy of its input (seen: an input-sized tensor more)."""
+    gradients stay where autograd put them until its post-backward reduce-scatters them
+    (foreach_reduce: the fp32 input is a copy of the whole block's gradients, kept until the next
+    block's reduce-scatter starts), the root's until the end of backward: the model's moments are
+    traced with those gradients held (`held_phases`: at the peak of a block's backward only the
+    gradients it has formed so far exist, not the whole block's). At the root's reduce-scatter,
+    after the root is resharded: the root's gradients and the reduce-scatter input (a copy), then
+    the output (a shard) while foreach_reduce's loop variable still holds the group's last
+    gradient (the head's when untied); gloo implements reduce-scatter as an all-reduce of a copy
+    of its input (seen: an input-sized tensor more).
+
+    On a one-rank mesh (`fully_shard` of a single rank: _fsdp_param_group.py `unshard` and
+    `wait_for_unshard`, _fsdp_collectives.py `foreach_reduce`) there is no collective: `unshard`
+    issues no all-gather, so a prefetch holds nothing, and each group's unsharded parameters are
+    allocated (and, in bf16, cast from the fp32 shards) when the group is about to be used; the
+    "reduce-scatter" copies its fp32 input into an output of the same size, the gradient shard."""
     f = plan.fsdp
     assert f is not None
     s, ga, pb = _fsdp_shard_degree(plan), plan.grad_accum, BYTES[plan.precision]
@@ -742,33 +924,67 @@ def _fsdp_moments(plan: Plan, shape: ModelShape, held: _Held, model: dict[str, t
     layers_here = math.ceil(shape.layers / plan.pp)
     compute, reduce = pb, 4  # unsharded parameters and gradients in the compute dtype; reduce-scatter in fp32
     moments: dict[str, _Moment] = {}
-    if s == 1:  # no_shard: FSDP2's replicate, DDP semantics (no-sync accumulation between micro-batches)
-        weights = 4 * p + (compute * p if compute != 4 else 0.0)
+    if not _fully_sharded(plan):
+        # no_shard: FSDP2's replicate, DDP semantics (no-sync accumulation between micro-batches),
+        # with bf16 unsharded parameters beside the fp32 ones under mixed precision; or a
+        # model-parallel plan with one replica, which applies no FSDP2 (autocast: its weight
+        # copies are the trace's).
+        copy = compute * p if compute != 4 and compute_precision(plan) == "bf16-params" else 0.0
+        weights = 4 * p + copy
         for phase, (acts, forming) in model.items():
             moments[phase] = _Moment(weights, (4 * p if ga > 1 else 0.0) + forming, 8 * p, acts, reduce * blk)
         moments["step"] = _Moment(4 * p, 4 * p, 8 * p + _adamw_temporaries(p, held.largest, host))
         return _fsdp_offloaded(plan, moments, p, s)
+    alone = s == 1  # a one-rank mesh: no all-gather, no reduce-scatter
     shards, optim = 4 * p / s, 8 * p / s
     if ga > 1:  # gradient shards accumulated from the earlier micro-batches
-        reduced = {phase: 4 * p / s for phase in (*PHASES, "last_block", "reduce")}
+        reduced = {phase: 4 * p / s for phase in (*PHASES, *_BLOCK_END, "next_block", "last_block", "reduce")}
     else:  # the blocks' shards appear as their reduce-scatters finish
-        reduced = {"last_block": 4 * (p - root - blk) / s, "embedding": 4 * (p - root) / s, "reduce": 4 * (p - root) / s}
+        reduced = {"next_block": 4 * blk / s, "last_block": 4 * (p - root - held.first) / s,
+                   "embedding": 4 * (p - root) / s, "reduce": 4 * (p - root) / s}
     blocks_whole = layers_here * blk if not f.reshards_after_forward else 0.0
-    in_backward = layers_here * blk if not f.reshards_after_forward else blk * (1 + max(1, f.prefetch))
+    ahead = 0 if alone else max(1, f.prefetch)  # blocks gathered ahead of the one in use
+    in_backward = layers_here * blk if not f.reshards_after_forward else blk * (1 + ahead)
     # The root's pre-backward prefetches the last block's all-gather (FSDP2's implicit backward
-    # prefetch), so it is whole from the start of backward.
-    prefetched = blk if f.reshards_after_forward else 0.0
+    # prefetch), so it is whole from the start of backward (on more than one rank).
+    prefetched = blk if f.reshards_after_forward and not alone else 0.0
     gathered = {"forward": blocks_whole, "logits": blocks_whole, **{ph: blocks_whole + prefetched for ph in PHASES[2:]},
-                "blocks": in_backward, "last_block": blk, "embedding": 0.0}
-    held_grads = {"after_head": compute * held.head, "blocks": compute * (held.head + blk),
-                  "last_block": compute * (held.head + blk), "embedding": compute * held.head}
-    # The previous block's reduce-scatter input: none yet during the first block's backward.
-    rs_input = {"last_block": reduce * blk, "embedding": reduce * blk}
-    for phase, (acts, forming) in model.items():
-        moments[phase] = _Moment(shards + compute * (root + gathered[phase]),
-                                 reduced.get(phase, 0.0) + held_grads.get(phase, 0.0) + forming, optim, acts,
-                                 rs_input.get(phase, 0.0))
-    gloo_copy = reduce * root if host else 0.0
+                "blocks": in_backward, "next_block": in_backward - (blk if not f.reshards_after_forward else 0.0),
+                "last_block": held.first, "embedding": 0.0}
+    # The previous block's reduce-scatter input, kept until the next post-backward: none yet during
+    # the first block's backward.
+    rs_input = {"next_block": reduce * blk, "last_block": reduce * blk, "embedding": reduce * blk}
+    ends = {phase: model.pop(phase) for phase in _BLOCK_END if phase in model}
+    # In forward a block's all-gather output stays beside its unsharded parameters until the next
+    # block's copy-out (`wait_for_unshard`: the implicit prefetch's all_gather_state); the last
+    # block's until the root's post-forward (_fsdp_state.py `_post_forward`), after the loss.
+    output = 0.0 if alone else compute * blk
+    kept = {"forward": output, "logits": output}
+    for phase, (acts, grads) in model.items():  # grads: those FSDP2 holds and those being formed
+        moments[phase] = _Moment(shards + compute * (root + gathered[phase]), reduced.get(phase, 0.0) + grads, optim,
+                                 acts, rs_input.get(phase, 0.0) + kept.get(phase, 0.0))
+    if "gather" in ends and "block_forward" in ends:
+        # The last block's all-gather: the previous block's output (the root's, with one block) not
+        # yet freed, its own output and its unsharded parameters being copied out of it.
+        before = layers_here * blk - blk if not f.reshards_after_forward else 0.0
+        previous = 0.0 if alone else compute * (blk if layers_here > 1 else root)
+        acts, grads = ends["gather"]
+        moments["gather"] = _Moment(shards + compute * (root + before + blk), reduced.get("forward", 0.0) + grads,
+                                    optim, acts, previous + output)
+        acts, grads = ends["block_forward"]
+        moments["block_forward"] = _Moment(shards + compute * (root + before + blk),
+                                           reduced.get("forward", 0.0) + grads, optim, acts, output)
+    if "block_end" in ends and "block_reduced" in ends:
+        # The first block's post-backward: resharded, then its reduce-scatter.
+        after = shards + compute * (root + in_backward - blk)  # what it prefetched (or all but it) stays whole
+        (acts, grads), (acts_after, grads_after) = ends["block_end"], ends["block_reduced"]
+        # foreach_reduce: the fp32 input beside the unsharded gradients it copies; once they are
+        # freed, the output (a shard; the whole block on one rank) and gloo's copy of the input.
+        copy_in = _Moment(after, reduced.get("blocks", 0.0) + grads, optim, acts, reduce * blk)
+        scatter = _Moment(after, reduced.get("blocks", 0.0) + grads_after, optim, acts_after,
+                          reduce * blk + reduce * blk / s + (reduce * blk if host and not alone else 0.0))
+        moments["block_reduce"] = max(copy_in, scatter, key=lambda m: m.total)
+    gloo_copy = reduce * root if host and not alone else 0.0
     copy_in = _Moment(shards, reduced["reduce"] + compute * root, optim, 0.0, reduce * root)
     scatter = _Moment(shards, reduced["reduce"] + compute * held.head + reduce * root / s, optim, 0.0,
                       reduce * root + gloo_copy)
@@ -799,12 +1015,21 @@ def _zero_moments(plan: Plan, shape: ModelShape, held: _Held, model: dict[str, t
       Reducing a bucket (`allreduce_bucket`) first flattens its gradients into a new tensor, up to
       reduce_bucket_size elements. At the step: the fp32 gradient partition the optimizer reads.
     - Stage 3 (stage3.py): parameter partitions; the gradient partitions in the model dtype
-      (`grad_partitions_flat_buffer`) and the reduce bucket, both allocated once and kept; gathered
-      parameters stay resident while they will be reused (stage3_max_reuse_distance, 1e9 elements)
-      up to stage3_max_live_parameters (1e9), so through the backward all but an untied head,
-      released after its own backward. The last bucket's reduce-scatter flattens it into a new
-      tensor (gloo reduce-scatters a copy of that). At the step, an fp32 copy of the partition's
-      gradients.
+      (`grad_partitions_flat_buffer`) and the reduce bucket, both allocated once and kept. Tensors
+      of at most stage3_param_persistence_threshold (1e5) elements are persistent: gathered after
+      every step and kept (`_tensor_layout`). The others are fetched in forward by coalesced
+      all-gathers of up to stage3_prefetch_bucket_size elements into one flat buffer, from which
+      each module's parameters are copied out when it runs (partition_parameters.py
+      `AllGatherCoalescedHandle.wait`, at the first module's fetch, for every parameter of the
+      bucket); the buffer lives until the bucket's last module is fetched (the LM head, for a
+      model smaller than the bucket). Fetched parameters stay while they
+      will be reused (stage3_max_reuse_distance, 1e9 elements) up to stage3_max_live_parameters
+      (1e9): through the forward; in backward each module's are released after its backward
+      (partitioned_param_coordinator.py `release_sub_module`: no later use in the trace), the
+      head's first, then the blocks' one after another; the input embedding's, whose backward
+      does not fetch it, stay to the step (seen). The last bucket's reduce-scatter flattens it
+      into a new tensor (gloo reduce-scatters a copy of that). At the step, an fp32 copy of the
+      partition's gradients.
     - The optimizer: paratune's torch AdamW over DeepSpeed's flat fp32 partition on CPU (two
       partition-sized temporaries per step), DeepSpeed's fused torch AdamW on GPUs (none)."""
     z = plan.zero
@@ -823,18 +1048,26 @@ def _zero_moments(plan: Plan, shape: ModelShape, held: _Held, model: dict[str, t
     moments: dict[str, _Moment] = {}
     if stage == 3:
         own = 0.0 if z.offload_param else pb * p / dp
+        t = plan.tp  # AutoTP's slices (persistence taken on the whole tensors)
+        persistent = min(p, shape.persistent / t)
+        head, embedding = shape.gathered_head / t, shape.gathered_embedding / t
+        blocks, first = shape.gathered_blocks / t, shape.gathered_first / t
         live = ZERO3_MAX_LIVE_PARAMETERS + held.largest
-        gathered = pb * min(p, live) if dp > 1 else 0.0
-        gathered_end = pb * min(max(0.0, p - held.head), live) if dp > 1 else 0.0
+
+        def resident(fetched: float) -> float:  # persistent, and fetched ones up to the live limit
+            return pb * (persistent + min(fetched, live)) if dp > 1 else 0.0
+
+        whole = resident(embedding + blocks + head)
+        gathered = {"forward": whole, "logits": whole, "loss": whole, "head": whole, "first_grad": whole,
+                    "after_head": resident(embedding + blocks), "blocks": resident(embedding + blocks),
+                    "last_block": resident(embedding + first), "embedding": resident(embedding)}
         grads = pb * p / dp
-        # Forward fetches parameters in coalesced all-gathers of up to stage3_prefetch_bucket_size
-        # elements (the whole model when it is smaller) into one flat buffer, freed once the last
-        # module's parameters are carved out of it: beside the gathered parameters until the LM head.
-        fetch = pb * min(p, max(z.stage3_prefetch_bucket_size, held.largest)) if dp > 1 else 0.0
+        # The forward's flat buffer, beside the parameters copied out of it, until the LM head.
+        fetch = pb * min(embedding + blocks + head, max(z.stage3_prefetch_bucket_size, held.largest)) if dp > 1 else 0.0
         for phase, (acts, forming) in model.items():
-            moments[phase] = _Moment(own + (gathered if phase != "embedding" else gathered_end)
-                                     + (fetch if phase == "forward" else 0.0), grads + forming, optim, acts, bucket)
-        moments["reduce"] = _Moment(own + gathered_end, grads, optim, 0.0, bucket + flat * (2 if host else 1))
+            moments[phase] = _Moment(own + gathered[phase] + (fetch if phase == "forward" else 0.0), grads + forming,
+                                     optim, acts, bucket)
+        moments["reduce"] = _Moment(own + resident(embedding), grads, optim, 0.0, bucket + flat * (2 if host else 1))
         moments["step"] = _step(own, grads, step_grads, optim, temps, pb, p / dp, bucket)
         return moments
     weights = pb * p
@@ -859,7 +1092,7 @@ def _zero_moments(plan: Plan, shape: ModelShape, held: _Held, model: dict[str, t
     # Stage 0/1: whole gradients accumulate in param.grad; reduced at the boundary.
     whole = ({phase: pb * p for phase in (*PHASES, "last_block")} if ga > 1
              else {"after_head": pb * held.head, "blocks": pb * held.head,
-                   "last_block": pb * (p - held.embedding - held.layer), "embedding": pb * (p - held.embedding)})
+                   "last_block": pb * (p - held.embedding - held.first), "embedding": pb * (p - held.embedding)})
     keep = bucket if stage == 1 else 0.0
     for phase, (acts, forming) in model.items():
         moments[phase] = _Moment(weights, whole.get(phase, 0.0) + forming, optim, acts,
@@ -894,7 +1127,8 @@ def memory_moments(plan: Plan, model: ActivationModel = "trace", device: "Device
     shape = model_shape(plan)
     coeff = coeff or activation_coefficients(plan, model)
     held = _Held.of(plan, shape)
-    per_phase = _model_phase_bytes(plan, shape, coeff, keeps_weight_copies=plan.strategy == "ddp")
+    per_phase = _model_phase_bytes(plan, shape, coeff, keeps_weight_copies=compute_precision(plan) == "bf16",
+                                   held=_fully_sharded(plan))
     build = {"ddp": _ddp_moments, "fsdp": _fsdp_moments, "zero": _zero_moments}[plan.strategy]
     return build(plan, shape, held, per_phase, _on_host(plan, device))
 
@@ -1039,7 +1273,7 @@ def activation_bytes(plan: Plan, model: ActivationModel = "trace", shape: ModelS
     being formed is a gradient, not counted here)."""
     shape = shape or model_shape(plan)
     coeff = activation_coefficients(plan, model)
-    acts, _ = _model_phase_bytes(plan, shape, coeff, keeps_weight_copies=plan.strategy == "ddp")["loss"]
+    acts, _ = _model_phase_bytes(plan, shape, coeff, keeps_weight_copies=compute_precision(plan) == "bf16")["loss"]
     return acts, coeff.method
 
 
@@ -1118,6 +1352,7 @@ class TimeConstants:
     # run faster at the same compute.
     micro_batch_overhead_s: float = 0.005
     fitted_on: int = 0  # trials the constants were fitted on (0: defaults)
+    compute_fitted: bool = False  # compute_efficiency fitted on them (False: the prior, held)
 
 
 @dataclass
@@ -1183,14 +1418,36 @@ def estimate_time(plan: Plan, device: Device, constants: TimeConstants | None = 
     return TimeEstimate(compute, comm, exposed, bubble, step, plan.tokens_per_step / step / plan.num_workers)
 
 
+# A column of the time fit whose values differ across the fitted trials by less than this share of
+# their largest is held at its prior: it is then (nearly) a multiple of the constant column, so the
+# least squares would split the step between it and the per-step overhead by the noise of the
+# measurements, which on the shared hosts repeat within ~10% at best (bench/results: step-time
+# spreads of 5% to 65%). In a sweep the model and the global batch are fixed, so every plan computes
+# the same FLOPs: the compute column varies only with full recompute (x4/3) or a pipeline bubble.
+IDENTIFIABLE_SPREAD = 0.10
+
+
+def _spread(column) -> float:  # noqa: ANN001 - a numpy column
+    top = float(abs(column).max())
+    return float(column.max() - column.min()) / top if top > 0 else 0.0
+
+
 def fit_time_constants(samples: list[tuple[Plan, float]], device: Device) -> TimeConstants:
     """Least squares of measured step time on the model's terms:
     step ≈ a·compute + b·comm + c + d·micro-batches, all >= 0 (a = 1/compute efficiency,
-    b = 1/comm efficiency). With few trials, fewer terms: a; then a, d; then all."""
+    b = 1/comm efficiency), fitting only what the trials can tell apart. A term whose column has
+    (near) no spread across them (IDENTIFIABLE_SPREAD) is collinear with the constant c and is
+    held at its prior (TimeConstants(): DESIGN's reference compute efficiency, 70% of the links,
+    the micro-batch cost): in a sweep every plan computes the same FLOPs, and a fitted compute
+    coefficient came out anywhere from 11% to 3700% of peak. With few trials, fewer terms (in
+    the order compute, overhead, micro-batches, comm). The compute efficiency never exceeds 1
+    against the device's peak (a >= 1), and held, a never makes compute alone outlast a measured
+    step. `compute_fitted` says whether it was fitted."""
     import numpy as np
 
+    prior = TimeConstants()
     if not samples:
-        return TimeConstants()
+        return prior
     rows, y = [], []
     for plan, measured in samples:
         compute, dp_s, mp_s, bubble = _time_terms(plan, device)
@@ -1198,19 +1455,31 @@ def fit_time_constants(samples: list[tuple[Plan, float]], device: Device) -> Tim
         y.append(measured)
     X, Y = np.array(rows), np.array(y)
     n = len(samples)
-    active = [0] if n < 2 else [0, 3] if n < 4 else [0, 1, 2, 3]
-    coef = np.zeros(4)
-    for _ in range(4):  # drop terms that come out negative (non-negative least squares, by hand)
-        sol, *_ = np.linalg.lstsq(X[:, active], Y, rcond=None)
+    priors = np.array([1 / prior.compute_efficiency, 1 / prior.comm_efficiency, prior.overhead_s,
+                       prior.micro_batch_overhead_s])
+    identifiable = [j for j in (0, 2, 3, 1) if j == 2 or _spread(X[:, j]) >= IDENTIFIABLE_SPREAD]
+    active = identifiable[:n]  # no more terms than trials
+    coef = priors.copy()
+    coef[active] = 0.0
+    if 0 not in active and X[:, 0].min() > 0:  # held: compute alone never longer than a measured step
+        coef[0] = max(1.0, min(coef[0], float((Y / X[:, 0]).min())))
+    for _ in range(8):  # non-negative least squares by hand: drop terms that come out negative
+        rest = Y - X @ np.where(np.isin(np.arange(4), active), 0.0, coef)
+        sol, *_ = np.linalg.lstsq(X[:, active], rest, rcond=None) if active else (np.zeros(0),)
+        if 0 in active and sol[active.index(0)] < 1.0:  # faster than the device's peak: hold at the peak
+            coef[0] = 1.0
+            active = [j for j in active if j != 0]
+            continue
         if (sol >= 0).all():
             coef[active] = sol
             break
-        active = [c for c, v in zip(active, sol) if v > 0] or [0]
-    else:
-        coef[0] = float(np.dot(X[:, 0], Y) / np.dot(X[:, 0], X[:, 0]))
+        dropped = [j for j, v in zip(active, sol) if v < 0]
+        coef[dropped] = 0.0
+        active = [j for j in active if j not in dropped]
     a, b, c, d = coef
-    return TimeConstants(compute_efficiency=1 / a if a > 0 else 1.0, comm_efficiency=1 / b if b > 0 else 1e9,
-                         overhead_s=float(c), micro_batch_overhead_s=float(d), fitted_on=n)
+    return TimeConstants(compute_efficiency=1 / a, comm_efficiency=1 / b if b > 0 else 1e9,
+                         overhead_s=float(c), micro_batch_overhead_s=float(d), fitted_on=n,
+                         compute_fitted=0 in active)
 
 
 # --------------------------------------------------------------------------- together
@@ -1306,7 +1575,10 @@ class Calibration:
             values = [abs(e[key]) for e in self.errors if key in e]
             if values:
                 out[f"{key}_median_abs"] = statistics.median(values)
+        # compute_efficiency: fitted only where the trials' compute differs (fit_time_constants);
+        # else DESIGN's reference, held (compute_efficiency_fitted 0).
         out.update(compute_efficiency=self.constants.compute_efficiency,
+                   compute_efficiency_fitted=float(self.constants.compute_fitted),
                    comm_efficiency=min(self.constants.comm_efficiency, 1e6), overhead_s=self.constants.overhead_s)
         return out
 
