@@ -131,7 +131,8 @@ def test_release_falls_back_to_the_device_generic_host_cache(monkeypatch):
 
     calls = _record_cuda_release(monkeypatch)
     monkeypatch.delattr(torch._C, "_host_emptyCache")
-    monkeypatch.setattr(torch.accelerator.memory, "empty_host_cache", lambda: calls.append("empty_host_cache"))
+    monkeypatch.setattr(torch.accelerator.memory, "empty_host_cache", lambda: calls.append("empty_host_cache"),
+                        raising=False)  # torch 2.11 has no such function
     release_cached_memory(torch.device("cuda", 0))
     assert "empty_host_cache" in calls
 

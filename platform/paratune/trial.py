@@ -112,10 +112,10 @@ def release_cached_memory(device: torch.device) -> None:
     if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):  # held outside empty_cache's reach
         torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
-    if hasattr(torch._C, "_host_emptyCache"):  # CUDA builds: the CachingHostAllocator's emptyCache
+    if hasattr(torch._C, "_host_emptyCache"):  # CUDA builds (torch 2.11 and 2.13): CachingHostAllocator
         torch._C._host_emptyCache()
-    else:  # a torch that has only the device-generic form
-        torch.accelerator.memory.empty_host_cache()
+    elif hasattr(torch.accelerator, "memory") and hasattr(torch.accelerator.memory, "empty_host_cache"):
+        torch.accelerator.memory.empty_host_cache()  # a torch with only the device-generic form
     torch.cuda.reset_peak_memory_stats(device)
     if hasattr(torch.cuda, "reset_peak_host_memory_stats"):
         torch.cuda.reset_peak_host_memory_stats()
