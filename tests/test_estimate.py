@@ -737,7 +737,10 @@ def test_a_yaml_device_file_as_the_readme_writes_it(tmp_path, capsys):
     devices = load_devices(path)
     assert devices["my-h100"].memory_gib == 80 and devices["my-h100"].gpus_per_node == 8
     assert devices["h100-80gb"].inter_node_gbps == 100 and devices["h100-80gb"].memory_gib == 80
-    assert main(["plan", "search_spaces/llama3_8b_1x8.yaml", "--device", "my-h100", "--devices", str(path)]) == 0
+    # The 70B space: the test above traced its activations already (one process), so this costs
+    # the table, not another space's traces (the 8B space's took 17 s here).
+    assert main(["plan", "search_spaces/llama3_70b_4x8.yaml", "--device", "my-h100", "--devices", str(path),
+                 "--nodes", "4", "--gpus-per-node", "8"]) == 0
     assert "plans estimated in" in capsys.readouterr().out
 
 
@@ -764,3 +767,34 @@ def test_a_bad_device_file_names_the_field_the_value_and_what_is_allowed(tmp_pat
     with pytest.raises(ValueError) as err:
         load_devices(path)
     assert message in str(err.value) and str(path) in str(err.value)
+
+
+def test_a_trace_is_stored_once_and_read_back_by_the_next_process(tmp_path, monkeypatch):
+    """`paratune plan`, the sweep's driver and a resumed driver trace a space's shapes once: the
+    coefficients go to PARATUNE_HOME and come back equal without tracing; a damaged file is
+    traced again, and a change of the key (here the micro-batch) is another file."""
+    import paratune.estimate as est
+
+    monkeypatch.setenv("PARATUNE_HOME", str(tmp_path))
+    est._traced_or_reason.cache_clear()
+    plan = _plan(micro_batch=2, seq_len=24)
+    first = activation_coefficients(plan)
+    files = list((tmp_path / est.TRACE_STORE_DIR).glob("*.json"))
+    assert first.method.startswith("traced") and len(files) == 1
+
+    def no_trace(*args, **kwargs):
+        raise AssertionError("traced again")
+
+    est._traced_or_reason.cache_clear()  # a new process: nothing in memory
+    monkeypatch.setattr(est, "_traced_coefficients", no_trace)
+    assert activation_coefficients(plan) == first
+    files[0].write_text("{not json")
+    est._traced_or_reason.cache_clear()
+    assert "the trace failed: AssertionError: traced again" in activation_coefficients(plan).method
+    monkeypatch.undo()
+    monkeypatch.setenv("PARATUNE_HOME", str(tmp_path))
+    est._traced_or_reason.cache_clear()
+    assert activation_coefficients(plan) == first  # traced again, and stored whole again
+    assert activation_coefficients(_plan(micro_batch=1, seq_len=24)).method.startswith("traced")
+    assert len(list((tmp_path / est.TRACE_STORE_DIR).glob("*.json"))) == 2
+    est._traced_or_reason.cache_clear()

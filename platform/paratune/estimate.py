@@ -58,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import warnings
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -669,12 +670,64 @@ def compute_precision(plan: Plan) -> str:
     return "bf16"
 
 
+TRACE_STORE_DIR = "activation_traces"  # under paratune_home(): one JSON file per traced shape
+
+
+def _trace_store_path(config_json: str, checkpointing: str, precision: str, micro_batch: int, seq_len: int) -> Path:
+    """Where a trace's coefficients are kept between processes. The key holds everything the
+    trace depends on: the shape, torch and transformers (their ops and modeling code) and this
+    module's own source (the trace and the fits), so a change to any of them traces again."""
+    import hashlib
+
+    import torch
+    import transformers
+
+    from paratune.trial import paratune_home
+
+    text = json.dumps([config_json, checkpointing, precision, micro_batch, seq_len, torch.__version__,
+                       transformers.__version__, hashlib.sha256(Path(__file__).read_bytes()).hexdigest()])
+    return paratune_home() / TRACE_STORE_DIR / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
+
+
+def _coefficients_from_json(text: str) -> ActivationCoefficients:
+    raw = json.loads(text)
+    phases = {k: PhaseBytes(**v) for k, v in raw.pop("phases").items()}
+    held = {k: PhaseBytes(**v) for k, v in raw.pop("held_phases").items()}
+    return ActivationCoefficients(**raw, phases=phases, held_phases=held)
+
+
+def _stored_trace(config_json: str, checkpointing: str, precision: str, micro_batch: int,
+                  seq_len: int) -> ActivationCoefficients:
+    """The trace from the store, else traced now and stored: `paratune plan` and the sweep
+    (driver, resumed driver) trace a space's shapes once (the 8B space's 24 shapes: ~25 s on
+    2 cores). A store that cannot be read or written only costs the trace."""
+    from dataclasses import asdict
+
+    path = None
+    try:
+        path = _trace_store_path(config_json, checkpointing, precision, micro_batch, seq_len)
+        return _coefficients_from_json(path.read_text())
+    except Exception:  # noqa: BLE001 - not stored yet, or unreadable: trace it
+        pass
+    coefficients = _traced_coefficients(config_json, checkpointing, precision, micro_batch, seq_len)
+    if path is None:
+        return coefficients
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(coefficients)))
+        tmp.replace(path)  # atomic: a concurrent reader sees the whole file or none
+    except Exception:  # noqa: BLE001 - e.g. a read-only home: the next process traces again
+        pass
+    return coefficients
+
+
 @lru_cache(maxsize=256)
 def _traced_or_reason(config_json: str, checkpointing: str, precision: str, micro_batch: int,
                       seq_len: int) -> ActivationCoefficients | str:
     """The trace, or why it failed (remembered, so a model the trace cannot follow is tried once)."""
     try:
-        return _traced_coefficients(config_json, checkpointing, precision, micro_batch, seq_len)
+        return _stored_trace(config_json, checkpointing, precision, micro_batch, seq_len)
     except Exception as err:  # noqa: BLE001 - a model the fake-tensor trace cannot follow
         return f"{type(err).__name__}: {err}"
 
