@@ -63,9 +63,10 @@ def _cmd_trial(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace, console: Console) -> int:
-    from paratune.report import print_sweep
     from paratune.space import SpaceError, load_space
-    from paratune.sweep import SweepError, run_sweep
+    from paratune.sweep.driver import run_sweep
+    from paratune.sweep.ledger import SweepError
+    from paratune.tables import print_sweep
     from paratune.tracking import default_tracking_uri
 
     try:
@@ -77,26 +78,26 @@ def _cmd_tune(args: argparse.Namespace, console: Console) -> int:
 
     out = Path(args.out) if args.out else paratune_home() / space.spec.name
     try:
-        report = run_sweep(space, out, trials=args.trials, algorithm=args.search, seed=args.seed,
-                           resume=args.resume, tracking_uri=args.tracking_uri, console=console, verbose=args.verbose)
+        outcome = run_sweep(space, out, trials=args.trials, algorithm=args.search, seed=args.seed,
+                            resume=args.resume, tracking_uri=args.tracking_uri, console=console, verbose=args.verbose)
     except SweepError as err:
         console.print(f"[red]{err}[/red]")
         return 2
-    print_sweep(report, console)
+    print_sweep(outcome, console)
     uri = args.tracking_uri or default_tracking_uri()
     console.print(f"compare the trials in MLflow:  .venv/bin/paratune ui --tracking-uri {uri}")
     # Last, so it is what the terminal ends on (make demo).
-    if report.report_path is not None:
-        console.print(f"sweep report: [bold]{report.report_path}[/bold]", soft_wrap=True)
+    if outcome.report_path is not None:
+        console.print(f"sweep report: [bold]{outcome.report_path}[/bold]", soft_wrap=True)
     else:
-        console.print(f"no sweep report (see above); write it again with:  .venv/bin/paratune report {report.out_dir}")
-    return 0 if report.verdict and report.verdict.winner else 1
+        console.print(f"no sweep report (see above); write it again with:  .venv/bin/paratune report {outcome.out_dir}")
+    return 0 if outcome.verdict and outcome.verdict.winner else 1
 
 
 def _cmd_report(args: argparse.Namespace, console: Console) -> int:
     """(Re)write a sweep's report from its folder, and log it to the sweep's parent run when the
     MLflow store recorded in sweep.json can be reached (a missing SQLite file is not created)."""
-    from paratune.sweep import write_report
+    from paratune.sweep.finish import write_page
 
     sweep_dir = Path(args.sweep_dir).resolve()
     if not (sweep_dir / "ledger.jsonl").exists() and not (sweep_dir / "sweep.json").exists():
@@ -110,8 +111,8 @@ def _cmd_report(args: argparse.Namespace, console: Console) -> int:
     uri = args.tracking_uri or state.get("tracking_uri")
     if uri and parent:
         tracker = _reachable_tracker(uri, parent, console)
-    path = write_report(sweep_dir, tracker, parent if tracker else None, console)
-    return 0 if path is not None else 1  # write_report printed the path, or why there is none
+    path = write_page(sweep_dir, tracker, parent if tracker else None, console)
+    return 0 if path is not None else 1  # write_page printed the path, or why there is none
 
 
 def _reachable_tracker(uri: str, parent: str, console: Console):
