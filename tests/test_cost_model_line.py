@@ -12,7 +12,7 @@ from paratune.estimate import get_device
 from paratune.measure import model_flops_per_token
 from paratune.models import build_config
 from paratune.plan import load_plan_dict
-from paratune.report import cost_model_line, measured_compute
+from paratune.tables import cost_model_line, measured_compute
 from paratune.trial import TrialResult
 
 # The calibration summary the demo's sweep ended with (estimate.Calibration.summary()), its

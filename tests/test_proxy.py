@@ -17,10 +17,9 @@ import pytest
 from gloo_harness import one_torch_thread  # noqa: F401 (fixture: in-process references on one thread)
 
 from paratune.models import build_config, load_config_dict, parameter_counts
+from paratune.parity import PROXY_HEAD_DIM, Parity, parity_proxy, proxy_shape, reference_losses, winner_parity
 from paratune.plan import Plan, load_plan_dict
-from paratune.reference import reference_losses
 from paratune.space import load_space
-from paratune.sweep import PROXY_HEAD_DIM, Parity, parity_proxy, proxy_shape, winner_parity
 from paratune.trial import TrialResult
 
 SPACES = sorted((Path(__file__).resolve().parents[1] / "search_spaces").glob("*.yaml"))

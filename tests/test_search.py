@@ -2,7 +2,7 @@
 
 import pytest
 
-from paratune.search import Incumbent, StoppingRule
+from paratune.sweep.stopping import Incumbent, StoppingRule
 
 PREDICTED = {"a": 1000.0, "b": 900.0, "c": 700.0, "d": 400.0}
 

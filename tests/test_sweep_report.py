@@ -21,10 +21,11 @@ import yaml
 from PIL import Image
 
 from paratune.plan import load_plan_dict
-from paratune.sweep import Ledger, LedgerEntry, point_key
-from paratune.sweep_report import (FIGURE_PIXELS, SweepReportPage, build_report, knob_importance, leaderboard,
-                                   pareto_front, plot_importance, plot_losses, plot_predicted, plot_throughput_memory,
-                                   read_sweep, report_files, write_sweep_report)
+from paratune.sweep.figures import (FIGURE_PIXELS, knob_importance, pareto_front, plot_importance, plot_losses,
+                                    plot_predicted, plot_throughput_memory)
+from paratune.sweep.folder import leaderboard, read_sweep
+from paratune.sweep.ledger import Ledger, LedgerEntry, point_key
+from paratune.sweep.page import SweepReportPage, build_report, report_files, write_sweep_report
 from paratune.trial import TrialResult
 from paratune.verdict import Standing, decide
 

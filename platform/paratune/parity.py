@@ -1,0 +1,183 @@
+"""Loss parity, the one judge of whether a plan trains correctly: its losses against a single process.
+
+The single-process reference trains the same model, data, optimizer and global batch on one CPU
+process; a distributed plan is correct only if its first steps' losses match it, within
+`parity_tolerance`. A model too big for the driver's CPU is judged on a proxy: the same plan on a
+few small layers of the same family (`parity_proxy`). The sweep's winner (paratune.sweep.finish)
+and `paratune trial --parity` are judged by the same `winner_parity`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from paratune.data import TokenBatches
+from paratune.models import build_config, build_model, ffn_width_key, load_config_dict, parameter_counts
+from paratune.parallel import StepRunner, apply_activation_checkpointing, make_optimizer
+from paratune.plan import Plan, load_plan_dict
+from paratune.trial import TrialResult, run_trial
+
+
+def reference_losses(plan: Plan, steps: int | None = None) -> list[float]:
+    """Per-step mean loss of the plan's training run on one CPU process (fp32, no sharding)."""
+    steps = plan.total_steps if steps is None else steps
+    config = build_config(plan.model, plan.model_overrides)
+    model = build_model(config, seed=plan.seed)
+    apply_activation_checkpointing(model, plan)
+    model.train()
+    device = torch.device("cpu")
+    runner = StepRunner(model, make_optimizer(model.parameters(), plan), plan, device,
+                        autocast=plan.precision == "bf16")
+    data = TokenBatches(plan.data, config.vocab_size, plan.seq_len, plan.global_batch, plan.seed)
+    torch.manual_seed(plan.seed + 1)
+    losses = []
+    for step in range(steps):
+        micro = data.micro_batches(step, dp_rank=0, dp_degree=1, micro_batch=plan.micro_batch)
+        losses.append(float(runner.train_step(micro)))
+    return losses
+
+
+def max_loss_difference(losses: list[float], reference: list[float]) -> float:
+    """max |loss - reference| over the steps both have."""
+    n = min(len(losses), len(reference))
+    if n == 0:
+        raise ValueError("losses: nothing to compare")
+    return max(abs(a - b) for a, b in zip(losses[:n], reference[:n]))
+
+
+def parity_tolerance(plan: Plan) -> float:
+    """The largest max |loss - reference| a correct plan shows: fp32 agrees to ~5e-7, bf16 rounds."""
+    return 1e-4 if plan.precision == "fp32" else 0.05
+
+
+PARITY_MAX_REFERENCE_PARAMS = 200_000_000
+# The proxy that stands in for a bigger model: a few small layers of the same family.
+PROXY_HEAD_DIM = 16
+PROXY_VOCAB = 512
+PROXY_SEQ_LEN = 64
+# Config keys that hold one entry per layer (transformers checks their length against the layers).
+PER_LAYER_KEYS = ("layer_types", "no_rope_layers")
+
+
+@dataclass(frozen=True)
+class Parity:
+    """One plan's loss-parity check against the single-process reference.
+
+    A check that could not run (proxy not buildable, proxy trial failed, reference crashed)
+    did not show that the plan trains correctly, so it fails, and `reason` says why.
+    """
+
+    passed: bool
+    max_abs_loss_diff: float  # math.inf when nothing could be compared
+    reason: str = ""  # why it failed; empty when it passed
+    proxy: dict[str, Any] | None = None  # the proxy's shape (model overrides) when one stood in
+    # What was compared (the plan's per-step losses, or its proxy's; the reference's): the sweep
+    # report draws them. Empty where the check stopped before it had them.
+    losses: list[float] = field(default_factory=list)
+    reference_losses: list[float] = field(default_factory=list)
+
+    def to_record(self, label: str, key: str) -> dict[str, Any]:
+        """One entry of parity.json (math.inf and NaN as null: JSON has neither)."""
+        return {"label": label, "key": key, "passed": self.passed, "max_abs_loss_diff": _finite(self.max_abs_loss_diff),
+                "losses": [_finite(v) for v in self.losses], "reference_losses": [_finite(v) for v in self.reference_losses],
+                "proxy": self.proxy, "reason": self.reason}
+
+
+def _finite(value: float | None) -> float | None:
+    return float(value) if value is not None and math.isfinite(value) else None
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def proxy_shape(plan: Plan) -> dict[str, Any]:
+    """Model overrides that shrink the plan's model to a CPU-sized proxy on which the plan stays valid.
+
+    The proxy keeps the family (model_type and every other config key, GQA or not) and is sized
+    to the plan's degrees: heads and KV heads multiples of tp, vocab divisible by tp, at least as
+    many layers as pipeline stages, hidden = heads x a small head dim.
+    """
+    config = load_config_dict(plan.model, plan.model_overrides)
+    heads = int(config.get("num_attention_heads") or 1)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    layers = int(config.get("num_hidden_layers") or 1)
+    tp = plan.tp
+    grouped = heads > kv_heads
+    # kv_heads is a multiple of tp (the plan is valid) and so is the rounded bound: so is their minimum.
+    proxy_kv = min(kv_heads, _round_up(2 if grouped else 4, tp))
+    proxy_heads = proxy_kv * 2 if grouped else proxy_kv
+    hidden = proxy_heads * PROXY_HEAD_DIM
+    stages = plan.pp * (2 if plan.pp_schedule == "interleaved_1f1b" else 1)
+    proxy_layers = max(2, stages)
+    # Tokens from a tokenizer can be any id of the model's vocab (already divisible by tp).
+    vocab = int(config["vocab_size"]) if plan.data.tokenizer is not None else _round_up(PROXY_VOCAB, tp)
+    shape: dict[str, Any] = {"num_hidden_layers": proxy_layers, "hidden_size": hidden,
+                             ffn_width_key(config): 2 * hidden, "num_attention_heads": proxy_heads,
+                             "vocab_size": vocab}
+    if "num_key_value_heads" in config or grouped:  # families without GQA (GPT-NeoX, OPT) have no such key
+        shape["num_key_value_heads"] = proxy_kv
+    if "head_dim" in config:
+        shape["head_dim"] = PROXY_HEAD_DIM
+    for key in PER_LAYER_KEYS:
+        value = config.get(key)
+        if isinstance(value, list) and len(value) == layers:
+            shape[key] = [value[i % layers] for i in range(proxy_layers)]
+    return shape
+
+
+def parity_proxy(plan: Plan) -> Plan:
+    """The same plan (strategy, degrees, batch split, precision) on the proxy model, short and cheap.
+
+    Raises PlanError if even the sized proxy breaks a plan rule (winner_parity turns that into
+    a failed check)."""
+    return plan.with_changes(model_overrides={**plan.model_overrides, **proxy_shape(plan)},
+                             seq_len=min(plan.seq_len, PROXY_SEQ_LEN), warmup_steps=1, measure_steps=2,
+                             grad_accum=plan.grad_accum)
+
+
+def winner_parity(plan: Plan | dict[str, Any], result: TrialResult) -> Parity:
+    """Whether the plan's per-step losses match the single-process reference on the same global
+    batch (max difference within parity_tolerance): the one judge of the sweep's winner and of
+    `paratune trial --parity`.
+
+    For a model too big to train on the driver's CPU, the same plan is re-run on a proxy sized
+    to the plan (parity_proxy) and that run is compared instead. Never raises: the sweep's finish
+    calls it after the last trial, and an exception there would lose the whole sweep's winner.
+    """
+    shape, step = None, "loading the plan"
+    losses: list[float] = []
+    reference: list[float] = []
+    try:
+        plan = plan if isinstance(plan, Plan) else load_plan_dict(plan)
+        step = "building the model"
+        if parameter_counts(build_config(plan.model, plan.model_overrides))["total"] > PARITY_MAX_REFERENCE_PARAMS:
+            step = "sizing the proxy"
+            shape = proxy_shape(plan)
+            plan = parity_proxy(plan)
+            step = "building the proxy"
+            size = parameter_counts(build_config(plan.model, plan.model_overrides))["total"]
+            if size > PARITY_MAX_REFERENCE_PARAMS:
+                return Parity(False, math.inf, f"proxy has {size:,} parameters, over the "
+                              f"{PARITY_MAX_REFERENCE_PARAMS:,} a reference on the driver's CPU allows", shape)
+            step = "running the proxy trial"
+            result = run_trial(plan)
+            if not result.ok:
+                message = f"proxy trial failed: {result.reason}: {result.message or ''}"
+                return Parity(False, math.inf, message[:2000], shape, list(result.losses))
+        losses = list(result.losses)
+        step = "running the reference"
+        reference = list(reference_losses(plan, steps=len(losses)))
+        diff = max_loss_difference(losses, reference)
+    except Exception as err:  # noqa: BLE001 - any check that cannot run is a failed check, with its reason
+        message = f"parity check failed while {step}: {type(err).__name__}: {err}"
+        return Parity(False, math.inf, message[:2000], shape, losses, reference)
+    tolerance = parity_tolerance(plan)
+    if diff <= tolerance:
+        return Parity(True, diff, "", shape, losses, reference)
+    return Parity(False, diff, f"max |loss - reference| {diff:.3g} over tolerance {tolerance:g}", shape, losses,
+                  reference)

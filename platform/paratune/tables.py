@@ -1,0 +1,243 @@
+"""The console tables: trial results, the sweep's leaderboard and the plan estimates, as rich prints.
+
+Also the labels every table, log line and page names a plan by (strategy_label, env_label).
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from paratune.trial import TrialResult
+
+
+def env_label(env: dict[str, str] | None) -> str:
+    """A plan's env as it reads in tables and logs: 'K=V K=V', sorted; '' for none."""
+    return " ".join(f"{k}={v}" for k, v in sorted((env or {}).items()))
+
+
+def strategy_label(plan: dict) -> str:
+    """A short name for what the plan does: 'ddp', 'fsdp:full', 'zero-3+offload', ..."""
+    strategy = plan.get("strategy", "?")
+    if strategy == "fsdp":
+        label = f"fsdp:{plan['fsdp']['sharding']}" + ("+offload" if plan["fsdp"].get("cpu_offload") else "")
+    elif strategy == "zero":
+        z = plan["zero"]
+        label = f"zero-{z['stage']}" + ("+offload" if z.get("offload_optimizer") or z.get("offload_param") else "")
+    else:
+        label = strategy
+        if plan.get("ddp", {}).get("bucket_cap_mb", 25) != 25:
+            label += f" bucket{plan['ddp']['bucket_cap_mb']:g}MB"
+    if strategy == "zero" and plan["zero"].get("reduce_bucket_size", 500_000_000) != 500_000_000:
+        label += f" bucket{plan['zero']['reduce_bucket_size'] / 1e6:g}M"
+    extras = [f"mb{plan['micro_batch']}x{plan['grad_accum']}"]
+    if plan.get("tp", 1) > 1:
+        extras.append(f"tp{plan['tp']}" + ("+sp" if plan.get("sequence_parallel") else ""))
+    if plan.get("pp", 1) > 1:
+        extras.append(f"pp{plan['pp']}:{plan.get('pp_schedule', '1f1b')}")
+    if plan.get("cp", 1) > 1:
+        extras.append(f"cp{plan['cp']}")
+    model_parallel = plan.get("tp", 1) * plan.get("pp", 1) * plan.get("cp", 1)
+    if model_parallel > 1:  # the rest of the world is data parallel
+        extras.append(f"dp{plan['num_workers'] // model_parallel}")
+    if plan.get("activation_checkpointing", "none") != "none":
+        extras.append("ckpt")
+    if plan.get("precision") == "bf16":
+        extras.append("bf16")
+    return f"{label} {' '.join(extras)}"
+
+
+def strategy_options(plan: dict) -> str:
+    """The strategy's options that differ from their defaults (what the label leaves out)."""
+    from paratune.plan import DDPOptions, FSDPOptions, ZeroOptions
+
+    strategy = plan.get("strategy", "ddp")
+    defaults = {"ddp": DDPOptions, "fsdp": FSDPOptions, "zero": ZeroOptions}[strategy]().model_dump()
+    shown = {"sharding", "stage", "cpu_offload", "offload_optimizer", "offload_param", "reduce_bucket_size",
+             "bucket_cap_mb"}  # already in the label
+    parts = [f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+             for k, v in (plan.get(strategy) or {}).items() if k not in shown and defaults.get(k) != v]
+    return " ".join(parts)
+
+
+def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def _label(plan: dict) -> str:
+    """strategy_label, or what can be said of a plan that never validated."""
+    try:
+        return strategy_label(plan)
+    except (KeyError, TypeError, AttributeError):
+        return str(plan.get("strategy", "-")) if isinstance(plan, dict) else "-"
+
+
+def results_table(rows: list[tuple[str, TrialResult, float | None]], title: str = "paratune trials") -> Table:
+    """rows: (name, result, max loss difference vs the single-process reference or None)."""
+    table = Table(title=title)
+    for col, justify in [("plan", "left"), ("strategy", "left"), ("status", "left"),
+                         ("tokens/s/GPU", "right"), ("step ms (p10-p90)", "right"), ("spread", "right"),
+                         ("MFU", "right"), ("peak MiB/rank", "right"), ("comm", "right"),
+                         ("last loss", "right"), ("parity Δ", "right")]:
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for name, r, diff in rows:
+        peak = max(r.peak_memory_bytes) if r.peak_memory_bytes else None
+        status = "ok" if r.ok else f"[red]{r.reason}[/red]"
+        table.add_row(
+            name, _label(r.plan), status,
+            _fmt(r.tokens_per_s_per_gpu, ",.0f"),
+            "-" if r.step_time_median_s is None else
+            f"{r.step_time_median_s * 1e3:.1f} ({r.step_time_p10_s * 1e3:.1f}-{r.step_time_p90_s * 1e3:.1f})",
+            _fmt(r.step_time_spread, ".0%"), _fmt(r.mfu, ".1%"), _fmt(peak, ",.1f", 1 / 2**20),
+            _fmt(r.comm_share, ".0%"), _fmt(r.losses[-1] if r.losses else None, ".4f"), _fmt(diff, ".1e"),
+        )
+    return table
+
+
+def print_results(rows: list[tuple[str, TrialResult, float | None]], console: Console | None = None) -> None:
+    console = console or Console()
+    console.print(results_table(rows))
+    for name, r, _ in rows:
+        if not r.ok:
+            console.print(f"[red]{name}[/red]: {r.reason}: {escape(r.message or '')}")
+    methods = {r.memory_method for _, r, _ in rows if r.memory_method}
+    if methods:
+        console.print("peak memory measured by: " + "; ".join(sorted(methods)))
+
+
+def print_sweep(outcome, console: Console | None = None) -> None:
+    """A finished sweep (paratune.sweep.finish.SweepOutcome): the leaderboard (best first, ties
+    marked, failures with reasons), time split, winner files."""
+    console = console or Console()
+    verdict = outcome.verdict
+    table = Table(title="leaderboard (median of all measurements; ties are within the noise)")
+    for col in ("#", "plan", "tokens/s/GPU", "± spread", "runs", "MFU", "peak MiB/rank", "verdict"):
+        table.add_column(col, justify="right" if col not in ("plan", "verdict") else "left")
+    tied = {s.key for s in verdict.tied_with_best} if verdict else set()
+    for i, s in enumerate(verdict.ranked if verdict else [], 1):
+        r = s.results[0]
+        peak = max(r.peak_memory_bytes) / 2**20 if r.peak_memory_bytes else None
+        mark = "[bold green]winner[/bold green]" if verdict.winner is s else ("tie with best" if s.key in tied else "")
+        table.add_row(str(i), s.label, f"{s.median:,.0f}", f"{s.relative_spread / 2:.0%}", str(len(s.values)),
+                      _fmt(r.mfu, ".1%"), _fmt(peak, ",.1f"), mark)
+    console.print(table)
+    failed = [e for e in outcome.entries if not e.result.ok and not e.result.stopped_early]
+    stopped = [e for e in outcome.entries if e.result.stopped_early]
+    if stopped:
+        console.print(f"{len(stopped)} trial(s) stopped early (their first measured steps could not reach the "
+                      "incumbent): " + ", ".join(strategy_label(e.result.plan) for e in stopped))
+    if getattr(outcome, "stop_reason", ""):
+        console.print(f"search stopped: {escape(outcome.stop_reason)}")
+    if failed:
+        console.print(f"[red]{len(failed)} failed trial(s):[/red]")
+        for e in failed:
+            console.print(f"  - {strategy_label(e.result.plan)}: {e.result.reason}: {escape(e.result.message or '')}")
+    c = getattr(outcome, "calibration", None)
+    if c:
+        console.print(cost_model_line(c, [e.result for e in outcome.entries]))
+    m = getattr(outcome, "time_model", None)
+    if m and m.get("trials"):
+        console.print(f"step-time model ({m['source']}), each trial predicted before it ran: median |error| "
+                      f"{m['median_abs_error']:.1%}, worst {m['worst_abs_error']:.1%} over {m['trials']} trial(s); "
+                      f"error band now {m['error_band']:.0%}")
+    t = outcome.time_split
+    if t.get("trials_wall_s"):
+        console.print(f"time: {t['trials_wall_s']:.0f} s in trials = {t['launch_s']:.0f} s launching "
+                      f"({t['launch_s'] / t['trials_wall_s']:.0%}) + {t['measured_s']:.0f} s measured steps "
+                      f"({t['measured_s'] / t['trials_wall_s']:.0%}) + {t['other_s']:.0f} s other "
+                      "(warm-up, profiled/memory steps, teardown)"
+                      + (f"; {t['profile_s']:.0f} s profiling the cluster" if t.get("profile_s") else ""))
+    if verdict and verdict.winner is not None:
+        console.print(f"winner: [bold]{verdict.winner.label}[/bold] — {verdict.winner.median:,.0f} tokens/s/GPU, "
+                      f"loss parity vs single process: max |Δ| = {outcome.winner_parity:.1e}")
+        if outcome.winner_dir:
+            console.print(f"exported to {outcome.winner_dir}/ (plan.yaml, env.sh, job.sh, ...)")
+            console.print("train with it:  " + (outcome.winner_dir / "job.sh").read_text().splitlines()[-1])
+    else:
+        console.print("[red]no winner: no plan finished and passed the loss-parity check[/red]")
+
+
+def measured_compute(results: list[TrialResult], device_name: str) -> tuple[float, float, float, str] | None:
+    """(fraction of peak, achieved TFLOP/s, peak TFLOP/s, precision) of the fastest finished trial:
+    its model FLOPs per token x tokens/s per worker over the device table's dense peak at its
+    precision (MFU against the table). None without such a trial or a table peak. Measured, so
+    it is at most 100% wherever the table's peak is the device's."""
+    from paratune.estimate import get_device
+
+    done = [r for r in results if r.ok and r.tokens_per_s_per_gpu and r.flops_per_token]
+    if not done:
+        return None
+    best = max(done, key=lambda r: r.tokens_per_s_per_gpu or 0.0)
+    precision = str((best.plan or {}).get("precision", "fp32"))
+    try:
+        peak = get_device(device_name).tflops.get(precision)
+    except ValueError:  # not in the shipped table
+        return None
+    if not peak:
+        return None
+    achieved = best.flops_per_token * best.tokens_per_s_per_gpu / 1e12
+    return achieved / peak, achieved, float(peak), precision
+
+
+def cost_model_line(calibration: dict, results: list[TrialResult]) -> str:
+    """The sweep's cost-model line: prediction errors, and the compute the trials reached against
+    the device's peak, measured (model FLOP/s).
+
+    Not the roofline refit's `compute_efficiency` (estimate.fit_time_constants: 1 / the fitted
+    coefficient of ideal compute time): in a sweep every plan computes the same FLOPs (the model
+    and global batch are fixed), so that column is collinear with the fitted per-step cost and the
+    fit splits the step between them at will; the demo printed "9465% of peak" from it. It stays a
+    metric in MLflow (calibration_compute_efficiency), not a figure a user should read."""
+    device = calibration.get("device", "?")
+    mem = calibration.get("memory_prediction_error_median_abs")
+    step = calibration.get("step_time_prediction_error_median_abs")
+    line = (f"cost model on {device}: median |error| of predicted peak memory {_fmt(mem, '.0%')}, of predicted "
+            f"step time {_fmt(step, '.0%')} (time model refitted after each trial)")
+    measured = measured_compute(results, device)
+    if measured is None:
+        return line
+    fraction, achieved, peak, precision = measured
+    per = "per worker" if device == "cpu" else "per GPU"
+    line += (f"; the fastest trial computed at {fraction:.0%} of the {device} entry's {precision} peak "
+             f"({achieved:.3g} of {peak:g} TFLOP/s {per}, model FLOPs)")
+    if fraction > 1:
+        line += f": above it, so the table's {device} figure (presets/devices.json) is below this machine's peak"
+    return line
+
+
+def print_estimates(estimates, device, console: Console, top: int = 20, title: str = "",
+                    time_source: str = "roofline with default constants (a sweep refits them on its measured trials)") -> None:
+    """`paratune plan`: the plans predicted to fit, fastest first, then why the others do not."""
+    from collections import Counter
+
+    fitting = [e for e in estimates if e.fits]
+    big = max((e.memory.total for e in estimates), default=0) > 2 * 2**30
+    gib, unit = (2**30, "GiB") if big else (2**20, "MiB")
+    table = Table(title=title or f"predicted on {device.name} ({device.memory_gib:g} GiB), fastest first")
+    for col in ("#", "plan", "options", "weights", "grads", "optim", "activ.", "buffers", f"peak {unit}",
+                "comm GB/step", "step s", "tokens/s/GPU"):
+        table.add_column(col, justify="left" if col in ("plan", "options") else "right")
+    for i, e in enumerate(fitting[:top], 1):
+        m = e.memory
+        table.add_row(str(i), strategy_label(e.plan.to_dict()), strategy_options(e.plan.to_dict()),
+                      *(f"{v / gib:.1f}" for v in m.parts().values()),
+                      f"{m.total / gib:.1f}", f"{e.comm.total / 1e9:.1f}", f"{e.time.step_s:.2f}",
+                      f"{e.time.tokens_per_s_per_gpu:,.0f}")
+    console.print(table)
+    if len(fitting) > top:
+        console.print(f"... and {len(fitting) - top} more that fit (--top N to see them, --json for all)")
+    rejected = [e for e in estimates if not e.fits]
+    if rejected:
+        console.print(f"[red]{len(rejected)} plan(s) predicted not to fit[/red] (capacity "
+                      f"{rejected[0].capacity_bytes / 2**30:.1f} GiB per GPU):")
+        by_strategy: Counter = Counter(strategy_label(e.plan.to_dict()).split()[0] for e in rejected)
+        shown = set()
+        for e in rejected:
+            label = strategy_label(e.plan.to_dict()).split()[0]
+            if label in shown:
+                continue
+            shown.add(label)
+            console.print(f"  - {label} ({by_strategy[label]} plan(s)), e.g. {strategy_label(e.plan.to_dict())}: "
+                          f"{escape(e.overflow or '')}")
+    console.print(f"memory: {estimates[0].memory.method if estimates else '-'}; time: {time_source}")
