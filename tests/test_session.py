@@ -132,7 +132,7 @@ def assert_fresh_trial_figures(result, plan) -> None:
     # datasets, no DatasetManager either.
     from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR, HEALTH_CHECK_INTERVAL_S_ENV_VAR
 
-    from paratune.trial import MEASUREMENT_CONTROLLER_ENV
+    from paratune.launch import MEASUREMENT_CONTROLLER_ENV
 
     assert MEASUREMENT_CONTROLLER_ENV == {ENABLE_PREEMPTION_WATCHER_ENV_VAR: "0", HEALTH_CHECK_INTERVAL_S_ENV_VAR: "0.5"}
     classes = actor_classes()

@@ -674,8 +674,8 @@ def _profile_worker_loop(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def workers_plan(request: ProfileRequest) -> Plan:
-    """A plan with the request's workers, env, host CPUs and device, for trial.py's helpers
-    (worker env, resources, backend): the profile runs where and as the trials run."""
+    """A plan with the request's workers, env, host CPUs and device, for paratune.launch (worker
+    env, resources, backend): the profile runs where and as the trials run."""
     return Plan(model=request.model, model_overrides=request.model_overrides, num_workers=request.world_size,
                 global_batch=request.world_size, micro_batch=1, env=request.env, precision=request.precision,
                 cpus_per_worker=request.cpus_per_worker, device=request.device_type,
@@ -685,39 +685,21 @@ def workers_plan(request: ProfileRequest) -> Plan:
 def _run_with_ray(request: ProfileRequest, ray_address: str | None, storage_path: str | None) -> dict:
     import uuid
 
-    import ray
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig
-
-    from paratune.trial import (_remove_leaked_placement_groups, _placement_groups, _timed_trainer_class,
-                                default_storage, ensure_ray, process_group_backend, wants_gpu, worker_env,
-                                worker_resources)
+    from paratune.launch import (Deadline, build_trainer, ensure_ray, fit, placement_groups, process_group_backend,
+                                 remove_leaked_placement_groups, worker_demand)
 
     ensure_ray(ray_address)
     plan = workers_plan(request)
-    use_gpu = wants_gpu(plan)
-    env = worker_env(plan, use_gpu)
-    before = set(_placement_groups())
-    trainer = _timed_trainer_class()(
-        _profile_worker_loop,
-        train_loop_config={"request": request.model_dump(mode="json")},
-        scaling_config=ScalingConfig(num_workers=request.world_size, use_gpu=use_gpu,
-                                     resources_per_worker=worker_resources(plan, use_gpu,
-                                                                           ray.nodes() if use_gpu else None)),
-        torch_config=TorchConfig(backend=process_group_backend(plan, use_gpu), timeout_s=int(PROFILE_COMM_TIMEOUT_S)),
-        run_config=RunConfig(name=f"profile-{uuid.uuid4().hex[:8]}", storage_path=storage_path or default_storage(),
-                             failure_config=FailureConfig(max_failures=0, controller_failure_limit=0),
-                             # In place before the process group starts, as for a trial.
-                             worker_runtime_env={"env_vars": env} if env else None),
-    )
-    trainer.deadline_s = request.timeout_s
-    try:
-        result = trainer.fit()
-        error, out = result.error, result.return_value
-    except Exception as err:  # noqa: BLE001 - reported with its cause below
-        error, out = err, None
+    workers = worker_demand(plan)
+    before = set(placement_groups())
+    trainer = build_trainer(  # the env in place before the process group starts, as for a trial
+        _profile_worker_loop, {"request": request.model_dump(mode="json")},
+        name=f"profile-{uuid.uuid4().hex[:8]}", workers=workers, backend=process_group_backend(plan, workers.use_gpu),
+        comm_timeout_s=PROFILE_COMM_TIMEOUT_S, storage_path=storage_path, deadline=Deadline(request.timeout_s))
+    result, error = fit(trainer)  # an error: reported with its cause below
+    out = result.return_value if result is not None else None
     if error is not None or out is None:
-        _remove_leaked_placement_groups(before)
+        remove_leaked_placement_groups(before)
         raise ProfileError(f"profile of {request.model} on {request.world_size} workers (env {request.env}) "
                            f"failed: {type(error).__name__ if error else 'no result'}: {error}")
     return out
@@ -741,7 +723,7 @@ class ProfileStore:
 
     def __init__(self, root: str | Path | None = None):
         if root is None:
-            from paratune.trial import paratune_home
+            from paratune.launch import paratune_home
 
             root = paratune_home() / "profiles"
         self.root = Path(root)

@@ -38,27 +38,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from paratune import measure, placement
+from paratune.failures import Reason, TrialTimeout, classify
+from paratune.launch import (Deadline, WorkerDemand, abort_controller, build_trainer, default_storage, ensure_ray,
+                             placement_groups, process_group_backend, remove_leaked_placement_groups,
+                             remove_placement_group, worker_demand)
 from paratune.plan import Plan, load_plan_dict
-from paratune.trial import (
-    TrialResult,
-    TrialTimeout,
-    _placement_groups,
-    _remove_leaked_placement_groups,
-    _timed_trainer_class,
-    abort_controller,
-    check_before_launch,
-    default_storage,
-    ensure_ray,
-    node_lost_or,
-    process_group_backend,
-    release_cached_memory,
-    summarize,
-    train_and_measure,
-    wants_gpu,
-    worker_env,
-    worker_resources,
-)
-from paratune.failures import Reason, classify
+from paratune.results import SessionTrialResult, TrialResult
+from paratune.trial import prepare_trial, release_cached_memory, train_and_measure
 
 MEASURE_FUNCTION = "paratune.session:measure_request"
 DEFAULT_POOL_NAME = "paratune-session-pool"
@@ -80,12 +66,6 @@ class RequestFailed(RuntimeError):
         return (RequestFailed, (self.reason, self.message))
 
 
-class SessionTrialResult(TrialResult):
-    """A TrialResult measured in a session group, with what proves where it ran."""
-
-    worker_pids: list[int] = []  # per rank
-
-
 @dataclass(frozen=True)
 class GroupKey:
     """What two plans must share to be measured in the same worker group."""
@@ -99,14 +79,23 @@ class GroupKey:
 
     @classmethod
     def for_plan(cls, plan: Plan, use_gpu: bool, nodes: list[dict[str, Any]] | None = None) -> "GroupKey":
-        res = worker_resources(plan, use_gpu, nodes)
-        return cls(plan.num_workers, use_gpu, tuple(sorted((k, float(v)) for k, v in res.items())),
-                   tuple(sorted(worker_env(plan, use_gpu).items())), plan.gpus_per_node,
-                   placement.exclusive_nodes(plan))
+        """`nodes`: ray.nodes(), for a GPU worker's CPUs (paratune.launch.worker_resources)."""
+        return cls.for_workers(WorkerDemand.for_plan(plan, use_gpu, nodes))
+
+    @classmethod
+    def for_workers(cls, workers: WorkerDemand) -> "GroupKey":
+        demand = workers.demand
+        return cls(demand.workers, workers.use_gpu, tuple(sorted((k, float(v)) for k, v in workers.per_worker.items())),
+                   tuple(sorted(workers.env.items())), demand.slots_per_node, demand.exclusive)
 
     @property
     def placement_demand(self) -> placement.Demand:
         return placement.Demand(self.world_size, dict(self.resources), self.slots_per_node, self.exclusive)
+
+    @property
+    def workers(self) -> WorkerDemand:
+        """What the group's workers need of Ray (paratune.launch.build_trainer's input)."""
+        return WorkerDemand(self.use_gpu, dict(self.resources), self.placement_demand, dict(self.env))
 
     def demand(self) -> dict[str, float]:
         """Cluster resources the whole group holds."""
@@ -301,13 +290,7 @@ def measure_request(payload: dict[str, Any], rank: int, world: int, local_world:
 
 
 # --------------------------------------------------------------------------- driver side
-def _session_trainer_class():
-    """The timed TorchTrainer (it keeps its controller's handle while the run lasts, so a request
-    past its timeout can abort the group from another thread); its deadline is the group's life."""
-    class SessionTorchTrainer(_timed_trainer_class()):
-        deadline_message = "hang: worker group exceeded its lifetime {deadline_s:.0f}s; workers aborted"
-
-    return SessionTorchTrainer
+GROUP_LIFETIME_MESSAGE = "hang: worker group exceeded its lifetime {deadline_s:.0f}s; workers aborted"
 
 
 class WorkerSession:
@@ -341,36 +324,29 @@ class WorkerSession:
     def ended(self) -> bool:
         return self._ended.is_set()
 
+    @property
+    def submitted(self) -> int:
+        """Requests submitted so far (the one running included)."""
+        return self._seq
+
     def start(self) -> None:
         """Start the worker group (in the background: requests wait in the mailbox meanwhile)."""
         import ray
-        from ray.train import FailureConfig, RunConfig, ScalingConfig
-        from ray.train.torch import TorchConfig
 
         if self._thread is not None:
             return
-        self._before = set(_placement_groups())
+        self._before = set(placement_groups())
         self._mailbox = ray.remote(_Mailbox).options(num_cpus=0).remote(self.key.world_size)
-        env = dict(self.key.env)
-        trainer = _session_trainer_class()(
-            _serve,
-            train_loop_config={"mailbox": self._mailbox},
-            scaling_config=ScalingConfig(
-                num_workers=self.key.world_size, use_gpu=self.key.use_gpu, resources_per_worker=dict(self.key.resources),
-                label_selector=placement.pinned_selectors(self.key.placement_demand, self.nodes) if self.nodes else None),
+        # The timed trainer keeps its controller's handle while the run lasts, so a request past
+        # its timeout can abort the group from another thread; its deadline is the group's life.
+        trainer = build_trainer(
+            _serve, {"mailbox": self._mailbox}, name=f"session-{self.id}", workers=self.key.workers,
             # Replaced before the first request runs (by the request's backend and timeout). NCCL
             # on GPUs, as Ray Train's default: its communicators are made lazily, so this costs
             # nothing, and a cluster where gloo cannot connect still measures NCCL-only plans.
-            torch_config=TorchConfig(backend="nccl" if self.key.use_gpu else "gloo", timeout_s=1800),
-            run_config=RunConfig(
-                name=f"session-{self.id}",
-                storage_path=self.storage_path,
-                failure_config=FailureConfig(max_failures=0, controller_failure_limit=0),
-                worker_runtime_env={"env_vars": env} if env else None,
-            ),
-        )
-        trainer.deadline_s = self.lifetime_s
-        trainer.start_timeout_s = placement.worker_start_timeout_s()
+            backend="nccl" if self.key.use_gpu else "gloo", comm_timeout_s=1800,
+            storage_path=self.storage_path, nodes=self.nodes,
+            deadline=Deadline(self.lifetime_s, GROUP_LIFETIME_MESSAGE, placement.worker_start_timeout_s()))
         self._trainer = trainer
         self._thread = threading.Thread(target=self._fit, name=f"paratune-session-{self.id}", daemon=True)
         self._thread.start()
@@ -449,7 +425,6 @@ class WorkerSession:
     def _end_after_failure(self) -> None:
         """The group has ended (or is ending): free its placement group if Ray Train left it."""
         import ray
-        from ray.util.placement_group import PlacementGroup, remove_placement_group
 
         self._ended.wait(90)
         pg_id = None
@@ -461,12 +436,12 @@ class WorkerSession:
                 pass
             ray.kill(mailbox, no_restart=True)
         if pg_id:  # the workers said which one was theirs: remove exactly it
-            if _placement_groups().get(pg_id) == "CREATED":
-                remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+            if placement_groups().get(pg_id) == "CREATED":
+                remove_placement_group(pg_id)
         else:  # they never got that far (setup failed): the idle groups made since it started
             # (as run_trial does; a group another thread starts meanwhile is busy, or so new that
             # it is seen idle twice only if its workers take seconds to be placed: a known race)
-            _remove_leaked_placement_groups(self._before)
+            remove_leaked_placement_groups(self._before)
 
     def close(self, timeout_s: float = 60.0) -> None:
         """End the group: its train loop returns, Ray Train shuts the workers down (aborted if
@@ -529,43 +504,32 @@ class SessionPool:
 
         launch_s: the request's submission to the first step (a fresh group's start included);
         wall_s: the request's wall time."""
-        checked = check_before_launch(plan, self.ray_address)
-        if isinstance(checked, TrialResult):
-            return checked  # an invalid plan never reaches the workers
-        plan, flops_tok = checked
-        t0, started_at = time.perf_counter(), time.time()
+        launch = prepare_trial(plan, self.ray_address, setup_errors_are_results=True)
+        if isinstance(launch, TrialResult):
+            return launch  # an invalid plan never reaches the workers; nor one the cluster cannot hold
+        plan = launch.plan
         try:
-            ensure_ray(self.ray_address)
-            use_gpu = wants_gpu(plan)
-            key = self._key(plan, use_gpu)
-            missing, waited = placement.ensure_room(key.placement_demand)
-            if missing is not None:  # nothing started: the cluster cannot hold it (named: needs / has)
-                return TrialResult.failed(plan, "insufficient_resources", missing, wall_s=waited,
-                                          waited_for_nodes_s=waited)
-            session = self._acquire(key)
+            session = self._acquire(GroupKey.for_workers(launch.workers))
         except Exception as err:  # noqa: BLE001 - e.g. Ray unreachable: a result, not a raise
-            return TrialResult.failed(plan, *classify(err), wall_s=time.perf_counter() - t0)
+            return launch.setup_failed(err)
         payload = {"plan": plan.to_dict(), "stop_rule": stop_rule._asdict() if stop_rule else None}
-        nodes_at_start = {n.node_id for n in placement.alive_nodes()}
+        launch.note_nodes()
         try:
             out = session.run(MEASURE_FUNCTION, payload, plan.trial_timeout_s,
-                              backend=process_group_backend(plan, use_gpu), comm_timeout_s=plan.comm_timeout_s)
+                              backend=process_group_backend(plan, launch.workers.use_gpu),
+                              comm_timeout_s=plan.comm_timeout_s)
         except RequestFailed as err:
-            return SessionTrialResult.failed(plan, *node_lost_or(err.reason, err.message, nodes_at_start),
-                                             group_id=session.id, group_request=session._seq, started_at=started_at,
-                                             wall_s=time.perf_counter() - t0, waited_for_nodes_s=waited or None)
+            return launch.failed(err.reason, err.message, wall_s=launch.elapsed(), started_at=launch.started_at,
+                                 result_type=SessionTrialResult, group_id=session.id, group_request=session.submitted)
         except Exception as err:  # noqa: BLE001
-            return SessionTrialResult.failed(plan, *node_lost_or(*classify(err), nodes_at_start), group_id=session.id,
-                                             wall_s=time.perf_counter() - t0, waited_for_nodes_s=waited or None,
-                                             started_at=started_at)
+            return launch.failed(*classify(err), wall_s=launch.elapsed(), started_at=launch.started_at,
+                                 result_type=SessionTrialResult, group_id=session.id)
         finally:
             self._release(session)
         info = out.pop("session")
-        out["launch_s"] = out.pop("first_step_epoch_s") - info["submitted_epoch_s"]
-        result = summarize(plan, out, flops_tok, info["wall_s"], stop_rule)
-        return SessionTrialResult(**{**result.model_dump(), "group_id": info["group_id"], "group_request": info["request"],
-                                     "waited_for_nodes_s": waited or None, "started_at": started_at},
-                                  worker_pids=info["pids"])
+        return launch.measured(out, launched_at=info["submitted_epoch_s"], wall_s=info["wall_s"],
+                               started_at=launch.started_at, stop_rule=stop_rule, result_type=SessionTrialResult,
+                               group_id=info["group_id"], group_request=info["request"], worker_pids=info["pids"])
 
     def run(self, plan: Plan | dict[str, Any], function_path: str, payload: dict[str, Any],
             timeout_s: float | None = None) -> dict[str, Any]:
@@ -574,21 +538,15 @@ class SessionPool:
         trial_timeout_s). Rank 0's dict plus `session`. Raises RequestFailed (reason, message)."""
         plan = plan if isinstance(plan, Plan) else load_plan_dict(plan)
         ensure_ray(self.ray_address)
-        use_gpu = wants_gpu(plan)
-        session = self._acquire(self._key(plan, use_gpu))
+        workers = worker_demand(plan)
+        session = self._acquire(GroupKey.for_workers(workers))
         try:
             return session.run(function_path, payload, float(timeout_s or plan.trial_timeout_s),
-                               backend=process_group_backend(plan, use_gpu), comm_timeout_s=plan.comm_timeout_s)
+                               backend=process_group_backend(plan, workers.use_gpu), comm_timeout_s=plan.comm_timeout_s)
         finally:
             self._release(session)
 
     # ----------------------------------------------------------------- groups
-    @staticmethod
-    def _key(plan: Plan, use_gpu: bool) -> GroupKey:
-        import ray
-
-        return GroupKey.for_plan(plan, use_gpu, ray.nodes() if use_gpu else None)
-
     def _fits(self, key: GroupKey, alive: list[WorkerSession]) -> bool:
         if self.max_groups is not None:
             return len(alive) + 1 <= self.max_groups
