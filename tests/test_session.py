@@ -14,7 +14,9 @@ from conftest import BASE_PLAN, expected_parameter_share
 from paratune.measure import StopRule
 from paratune.plan import load_plan_dict
 from paratune.reference import max_loss_difference, reference_losses
-from paratune.session import RequestFailed, SessionTrialResult, get_pool_actor
+from paratune.pool import get_pool_actor
+from paratune.results import SessionTrialResult
+from paratune.session import RequestFailed
 from paratune.trial import run_trial
 
 pytestmark = pytest.mark.integration
