@@ -98,8 +98,9 @@ def measure(console: Console) -> list[dict]:
 # --------------------------------------------------------------------------- profiles
 def measure_profiles(plan_list, console: Console) -> list[dict]:
     """One profile per (model, env) of the plans, on 2 real Ray Train workers (gloo)."""
-    from paratune.profile import profile_requests_for, run_profile
-    from paratune.trial import ensure_ray
+    from paratune.launch import ensure_ray
+    from paratune.profile import profile_requests_for
+    from paratune.profiling import run_profile
 
     ensure_ray()
     out = []

@@ -81,7 +81,8 @@ def launch_costs(table: dict[str, dict[str, Any]]) -> tuple[dict[str, float], fl
 
 def build_profiles(plans: list, out_dir: Path) -> tuple[list, float]:
     """The step-time model's profiles for these plans, measured now (cached in out_dir)."""
-    from paratune.profile import ProfileStore, profile_requests_for, run_profile
+    from paratune.profile import ProfileStore, profile_requests_for
+    from paratune.profiling import run_profile
 
     store = ProfileStore(out_dir / "profiles")
     t0 = time.perf_counter()

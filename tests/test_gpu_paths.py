@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from paratune.plan import load_plan_dict
-from paratune.trial import gpu_node_cpus_per_gpu, needs_cpu_collectives, process_group_backend, worker_resources
+from paratune.launch import gpu_node_cpus_per_gpu, needs_cpu_collectives, process_group_backend, worker_resources
 
 BASE = {"model": "tiny-llama", "num_workers": 2, "global_batch": 8, "micro_batch": 2}
 
@@ -86,7 +86,7 @@ def test_offload_host_only_where_fsdp_was_applied():
 def test_gpu_workers_raise_on_nccl_timeouts_unless_the_plan_says_otherwise():
     """Ray Train would set TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (the watchdog kills the process: a
     timeout then reads as worker_died); GPU workers get 2, and a plan's own setting wins."""
-    from paratune.trial import worker_env
+    from paratune.launch import worker_env
 
     plan = load_plan_dict(BASE)
     assert worker_env(plan, True) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}

@@ -11,8 +11,8 @@ import importlib
 import pytest
 
 from paratune.plan import load_plan_dict
-from paratune.profile import (PROFILE_FUNCTION, ProfileStore, collect_profile, covers, profile_requests_for,
-                              run_profile)
+from paratune.profile import ProfileStore, covers, profile_requests_for
+from paratune.profiling import PROFILE_FUNCTION, collect_profile, run_profile
 from paratune.timemodel import StepTimeModel
 
 TINY = {"model": "tiny-llama", "seq_len": 64, "global_batch": 16, "num_workers": 2, "env": {"OMP_NUM_THREADS": "1"}}
@@ -79,7 +79,7 @@ def test_run_profile_through_a_runner():
     assert profile.collectives == []  # one rank: nothing to communicate
     assert profile.block(8, 64, 1, "none").block_s > profile.block(1, 64, 1, "none").block_s
     assert profile.notes == []
-    assert collect_profile is importlib.import_module("paratune.profile").collect_profile
+    assert collect_profile is importlib.import_module("paratune.profiling").collect_profile
 
 
 def test_bad_request_fields_are_named():
@@ -90,7 +90,7 @@ def test_bad_request_fields_are_named():
 def test_a_tp_slice_shrinks_the_widths_where_each_family_keeps_them():
     """A rank's tp slice of OPT halves ffn_dim (its feed-forward width); families without KV heads
     (OPT, GPT-NeoX) get no num_key_value_heads of paratune's making; Llama-likes lose both halves."""
-    from paratune.profile import _local_config
+    from paratune.profiling import _local_config
 
     def sliced(model: str):
         [request] = profile_requests_for([load_plan_dict({**TINY, "model": model, "micro_batch": 1, "tp": 2})])

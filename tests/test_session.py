@@ -14,7 +14,9 @@ from conftest import BASE_PLAN, expected_parameter_share
 from paratune.measure import StopRule
 from paratune.plan import load_plan_dict
 from paratune.reference import max_loss_difference, reference_losses
-from paratune.session import RequestFailed, SessionTrialResult, get_pool_actor
+from paratune.pool import get_pool_actor
+from paratune.results import SessionTrialResult
+from paratune.session import RequestFailed
 from paratune.trial import run_trial
 
 pytestmark = pytest.mark.integration
@@ -132,7 +134,7 @@ def assert_fresh_trial_figures(result, plan) -> None:
     # datasets, no DatasetManager either.
     from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR, HEALTH_CHECK_INTERVAL_S_ENV_VAR
 
-    from paratune.trial import MEASUREMENT_CONTROLLER_ENV
+    from paratune.launch import MEASUREMENT_CONTROLLER_ENV
 
     assert MEASUREMENT_CONTROLLER_ENV == {ENABLE_PREEMPTION_WATCHER_ENV_VAR: "0", HEALTH_CHECK_INTERVAL_S_ENV_VAR: "0.5"}
     classes = actor_classes()

@@ -36,6 +36,11 @@ REASONS: tuple[str, ...] = ("oom", "comm_timeout", "hang", "worker_died", "inval
 CLUSTER_REASONS: frozenset[str] = frozenset({"node_lost", "insufficient_resources", "invalid_placement",
                                              "environment"})
 
+
+class TrialTimeout(RuntimeError):
+    """The trial ran past plan.trial_timeout_s: a hang (a collective or a worker stuck)."""
+
+
 # NCCL could not make a system or external-library call (ncclSystemError; torch prints "unhandled
 # system error"): the node's environment, not the plan. Its "Last error" names the call, e.g.
 # shmutils.cc's "failed to extend /dev/shm/nccl-... to N bytes" when /dev/shm is full (Docker's
@@ -196,8 +201,6 @@ def classify(exc: BaseException, worker_logs: str | None = None) -> tuple[Reason
     from paratune.plan import PlanError
 
     chain = _exception_chain(exc)
-    from paratune.trial import TrialTimeout
-
     for e in chain:
         if isinstance(e, TrialTimeout):
             return "hang", str(e)

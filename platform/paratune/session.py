@@ -1,4 +1,4 @@
-"""Launch once, measure many: plans measured one after another in a reused Ray Train worker group.
+"""Launch once, measure many: one reused Ray Train worker group (WorkerSession) serving plans in turn.
 
 Starting a Ray Train worker group costs 10-30 s, a plan's measured steps a few seconds. Plans
 that need the same workers (world size, per-worker resources, GPU use and worker environment
@@ -18,9 +18,7 @@ variables: `GroupKey`) are therefore measured in one long-running TorchTrainer w
 Environment variables are part of the key because NCCL and gloo read many of them once per
 process: a plan whose env differs never reuses a group.
 
-`SessionPool` keeps groups by key (thread-safe) and makes room for a new one by closing idle
-groups of other keys; `get_pool_actor` wraps a pool in a 0-CPU threaded Ray actor, so the
-sweep's trainables (each in its own process) can share one.
+The pool of such groups, shared by a sweep's trainables, is paratune.pool.
 """
 
 from __future__ import annotations
@@ -38,30 +36,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from paratune import measure, placement
+from paratune.failures import Reason, TrialTimeout, classify
+from paratune.launch import (Deadline, WorkerDemand, abort_controller, build_trainer, default_storage, placement_groups,
+                             remove_leaked_placement_groups, remove_placement_group)
 from paratune.plan import Plan, load_plan_dict
-from paratune.trial import (
-    TrialResult,
-    TrialTimeout,
-    _placement_groups,
-    _remove_leaked_placement_groups,
-    _timed_trainer_class,
-    abort_controller,
-    check_before_launch,
-    default_storage,
-    ensure_ray,
-    node_lost_or,
-    process_group_backend,
-    release_cached_memory,
-    summarize,
-    train_and_measure,
-    wants_gpu,
-    worker_env,
-    worker_resources,
-)
-from paratune.failures import Reason, classify
+from paratune.trial import release_cached_memory, train_and_measure
 
 MEASURE_FUNCTION = "paratune.session:measure_request"
-DEFAULT_POOL_NAME = "paratune-session-pool"
 # A group's own deadline (the controller is aborted past it). Requests have their own timeouts;
 # this only bounds a group nobody closes.
 DEFAULT_GROUP_LIFETIME_S = 7 * 24 * 3600.0
@@ -80,12 +61,6 @@ class RequestFailed(RuntimeError):
         return (RequestFailed, (self.reason, self.message))
 
 
-class SessionTrialResult(TrialResult):
-    """A TrialResult measured in a session group, with what proves where it ran."""
-
-    worker_pids: list[int] = []  # per rank
-
-
 @dataclass(frozen=True)
 class GroupKey:
     """What two plans must share to be measured in the same worker group."""
@@ -99,14 +74,23 @@ class GroupKey:
 
     @classmethod
     def for_plan(cls, plan: Plan, use_gpu: bool, nodes: list[dict[str, Any]] | None = None) -> "GroupKey":
-        res = worker_resources(plan, use_gpu, nodes)
-        return cls(plan.num_workers, use_gpu, tuple(sorted((k, float(v)) for k, v in res.items())),
-                   tuple(sorted(worker_env(plan, use_gpu).items())), plan.gpus_per_node,
-                   placement.exclusive_nodes(plan))
+        """`nodes`: ray.nodes(), for a GPU worker's CPUs (paratune.launch.worker_resources)."""
+        return cls.for_workers(WorkerDemand.for_plan(plan, use_gpu, nodes))
+
+    @classmethod
+    def for_workers(cls, workers: WorkerDemand) -> "GroupKey":
+        demand = workers.demand
+        return cls(demand.workers, workers.use_gpu, tuple(sorted((k, float(v)) for k, v in workers.per_worker.items())),
+                   tuple(sorted(workers.env.items())), demand.slots_per_node, demand.exclusive)
 
     @property
     def placement_demand(self) -> placement.Demand:
         return placement.Demand(self.world_size, dict(self.resources), self.slots_per_node, self.exclusive)
+
+    @property
+    def workers(self) -> WorkerDemand:
+        """What the group's workers need of Ray (paratune.launch.build_trainer's input)."""
+        return WorkerDemand(self.use_gpu, dict(self.resources), self.placement_demand, dict(self.env))
 
     def demand(self) -> dict[str, float]:
         """Cluster resources the whole group holds."""
@@ -301,13 +285,7 @@ def measure_request(payload: dict[str, Any], rank: int, world: int, local_world:
 
 
 # --------------------------------------------------------------------------- driver side
-def _session_trainer_class():
-    """The timed TorchTrainer (it keeps its controller's handle while the run lasts, so a request
-    past its timeout can abort the group from another thread); its deadline is the group's life."""
-    class SessionTorchTrainer(_timed_trainer_class()):
-        deadline_message = "hang: worker group exceeded its lifetime {deadline_s:.0f}s; workers aborted"
-
-    return SessionTorchTrainer
+GROUP_LIFETIME_MESSAGE = "hang: worker group exceeded its lifetime {deadline_s:.0f}s; workers aborted"
 
 
 class WorkerSession:
@@ -341,36 +319,29 @@ class WorkerSession:
     def ended(self) -> bool:
         return self._ended.is_set()
 
+    @property
+    def submitted(self) -> int:
+        """Requests submitted so far (the one running included)."""
+        return self._seq
+
     def start(self) -> None:
         """Start the worker group (in the background: requests wait in the mailbox meanwhile)."""
         import ray
-        from ray.train import FailureConfig, RunConfig, ScalingConfig
-        from ray.train.torch import TorchConfig
 
         if self._thread is not None:
             return
-        self._before = set(_placement_groups())
+        self._before = set(placement_groups())
         self._mailbox = ray.remote(_Mailbox).options(num_cpus=0).remote(self.key.world_size)
-        env = dict(self.key.env)
-        trainer = _session_trainer_class()(
-            _serve,
-            train_loop_config={"mailbox": self._mailbox},
-            scaling_config=ScalingConfig(
-                num_workers=self.key.world_size, use_gpu=self.key.use_gpu, resources_per_worker=dict(self.key.resources),
-                label_selector=placement.pinned_selectors(self.key.placement_demand, self.nodes) if self.nodes else None),
+        # The timed trainer keeps its controller's handle while the run lasts, so a request past
+        # its timeout can abort the group from another thread; its deadline is the group's life.
+        trainer = build_trainer(
+            _serve, {"mailbox": self._mailbox}, name=f"session-{self.id}", workers=self.key.workers,
             # Replaced before the first request runs (by the request's backend and timeout). NCCL
             # on GPUs, as Ray Train's default: its communicators are made lazily, so this costs
             # nothing, and a cluster where gloo cannot connect still measures NCCL-only plans.
-            torch_config=TorchConfig(backend="nccl" if self.key.use_gpu else "gloo", timeout_s=1800),
-            run_config=RunConfig(
-                name=f"session-{self.id}",
-                storage_path=self.storage_path,
-                failure_config=FailureConfig(max_failures=0, controller_failure_limit=0),
-                worker_runtime_env={"env_vars": env} if env else None,
-            ),
-        )
-        trainer.deadline_s = self.lifetime_s
-        trainer.start_timeout_s = placement.worker_start_timeout_s()
+            backend="nccl" if self.key.use_gpu else "gloo", comm_timeout_s=1800,
+            storage_path=self.storage_path, nodes=self.nodes,
+            deadline=Deadline(self.lifetime_s, GROUP_LIFETIME_MESSAGE, placement.worker_start_timeout_s()))
         self._trainer = trainer
         self._thread = threading.Thread(target=self._fit, name=f"paratune-session-{self.id}", daemon=True)
         self._thread.start()
@@ -449,7 +420,6 @@ class WorkerSession:
     def _end_after_failure(self) -> None:
         """The group has ended (or is ending): free its placement group if Ray Train left it."""
         import ray
-        from ray.util.placement_group import PlacementGroup, remove_placement_group
 
         self._ended.wait(90)
         pg_id = None
@@ -461,12 +431,12 @@ class WorkerSession:
                 pass
             ray.kill(mailbox, no_restart=True)
         if pg_id:  # the workers said which one was theirs: remove exactly it
-            if _placement_groups().get(pg_id) == "CREATED":
-                remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+            if placement_groups().get(pg_id) == "CREATED":
+                remove_placement_group(pg_id)
         else:  # they never got that far (setup failed): the idle groups made since it started
             # (as run_trial does; a group another thread starts meanwhile is busy, or so new that
             # it is seen idle twice only if its workers take seconds to be placed: a known race)
-            _remove_leaked_placement_groups(self._before)
+            remove_leaked_placement_groups(self._before)
 
     def close(self, timeout_s: float = 60.0) -> None:
         """End the group: its train loop returns, Ray Train shuts the workers down (aborted if
@@ -501,232 +471,13 @@ class WorkerSession:
                 "requests_served": self.requests_served, "busy": self.busy, "ended": self.ended}
 
 
-class SessionPool:
-    """Worker groups by GroupKey: an idle group of the right key is reused; a new one is started
-    after closing idle groups of other keys (least recently used first) until it fits.
-
-    It fits when at most `max_groups` groups stay alive, or (max_groups None) when the cluster's
-    resources (GPUs, CPUs, ...) hold every alive group's workers plus the new ones. When busy
-    groups hold what is missing, the caller waits for one to come back. Thread-safe."""
-
-    def __init__(self, max_groups: int | None = None, *, storage_path: str | Path | None = None,
-                 ray_address: str | None = None, lifetime_s: float = DEFAULT_GROUP_LIFETIME_S,
-                 max_requests_per_group: int | None = None):
-        self.max_groups = max_groups
-        # A group is replaced after this many requests (None: never), should a long run show
-        # something creeping in its processes (e.g. memory a library never gives back).
-        self.max_requests_per_group = max_requests_per_group
-        self.storage_path = storage_path
-        self.ray_address = ray_address
-        self.lifetime_s = lifetime_s
-        self._sessions: list[WorkerSession] = []
-        self._cond = threading.Condition()
-        self._closed = False
-
-    # ----------------------------------------------------------------- requests
-    def measure(self, plan: Plan | dict[str, Any], stop_rule: measure.StopRule | None = None) -> TrialResult:
-        """The trial (as run_trial) in a group of the plan's key. Never raises for a failing plan.
-
-        launch_s: the request's submission to the first step (a fresh group's start included);
-        wall_s: the request's wall time."""
-        checked = check_before_launch(plan, self.ray_address)
-        if isinstance(checked, TrialResult):
-            return checked  # an invalid plan never reaches the workers
-        plan, flops_tok = checked
-        t0, started_at = time.perf_counter(), time.time()
-        try:
-            ensure_ray(self.ray_address)
-            use_gpu = wants_gpu(plan)
-            key = self._key(plan, use_gpu)
-            missing, waited = placement.ensure_room(key.placement_demand)
-            if missing is not None:  # nothing started: the cluster cannot hold it (named: needs / has)
-                return TrialResult.failed(plan, "insufficient_resources", missing, wall_s=waited,
-                                          waited_for_nodes_s=waited)
-            session = self._acquire(key)
-        except Exception as err:  # noqa: BLE001 - e.g. Ray unreachable: a result, not a raise
-            return TrialResult.failed(plan, *classify(err), wall_s=time.perf_counter() - t0)
-        payload = {"plan": plan.to_dict(), "stop_rule": stop_rule._asdict() if stop_rule else None}
-        nodes_at_start = {n.node_id for n in placement.alive_nodes()}
-        try:
-            out = session.run(MEASURE_FUNCTION, payload, plan.trial_timeout_s,
-                              backend=process_group_backend(plan, use_gpu), comm_timeout_s=plan.comm_timeout_s)
-        except RequestFailed as err:
-            return SessionTrialResult.failed(plan, *node_lost_or(err.reason, err.message, nodes_at_start),
-                                             group_id=session.id, group_request=session._seq, started_at=started_at,
-                                             wall_s=time.perf_counter() - t0, waited_for_nodes_s=waited or None)
-        except Exception as err:  # noqa: BLE001
-            return SessionTrialResult.failed(plan, *node_lost_or(*classify(err), nodes_at_start), group_id=session.id,
-                                             wall_s=time.perf_counter() - t0, waited_for_nodes_s=waited or None,
-                                             started_at=started_at)
-        finally:
-            self._release(session)
-        info = out.pop("session")
-        out["launch_s"] = out.pop("first_step_epoch_s") - info["submitted_epoch_s"]
-        result = summarize(plan, out, flops_tok, info["wall_s"], stop_rule)
-        return SessionTrialResult(**{**result.model_dump(), "group_id": info["group_id"], "group_request": info["request"],
-                                     "waited_for_nodes_s": waited or None, "started_at": started_at},
-                                  worker_pids=info["pids"])
-
-    def run(self, plan: Plan | dict[str, Any], function_path: str, payload: dict[str, Any],
-            timeout_s: float | None = None) -> dict[str, Any]:
-        """`module:function(payload, rank, world, local_world, device)` on every rank of a group
-        of the plan's key, with its backend and comm timeout (timeout default: the plan's
-        trial_timeout_s). Rank 0's dict plus `session`. Raises RequestFailed (reason, message)."""
-        plan = plan if isinstance(plan, Plan) else load_plan_dict(plan)
-        ensure_ray(self.ray_address)
-        use_gpu = wants_gpu(plan)
-        session = self._acquire(self._key(plan, use_gpu))
-        try:
-            return session.run(function_path, payload, float(timeout_s or plan.trial_timeout_s),
-                               backend=process_group_backend(plan, use_gpu), comm_timeout_s=plan.comm_timeout_s)
-        finally:
-            self._release(session)
-
-    # ----------------------------------------------------------------- groups
-    @staticmethod
-    def _key(plan: Plan, use_gpu: bool) -> GroupKey:
-        import ray
-
-        return GroupKey.for_plan(plan, use_gpu, ray.nodes() if use_gpu else None)
-
-    def _fits(self, key: GroupKey, alive: list[WorkerSession]) -> bool:
-        if self.max_groups is not None:
-            return len(alive) + 1 <= self.max_groups
-        if key.exclusive:  # whole nodes nobody else's group holds
-            return self._free_nodes(key, alive) is not None
-        import ray
-
-        total = ray.cluster_resources()
-        held: dict[str, float] = {}
-        for session in alive:
-            for kind, amount in session.key.demand().items():
-                held[kind] = held.get(kind, 0.0) + amount
-        return all(held.get(kind, 0.0) + amount <= total.get(kind, 0.0) + 1e-9
-                   for kind, amount in key.demand().items())
-
-    @staticmethod
-    def _free_nodes(key: GroupKey, alive: list[WorkerSession]) -> list[str] | None:
-        """Whole nodes for a group of an exclusive key that no alive group holds (the pool is the
-        sweep's only source of worker groups, so it is the record of who holds which node); None
-        while a shared group is alive (its workers could be on any node) or too few are free."""
-        if any(not s.key.exclusive for s in alive):
-            return None
-        held = {node for s in alive for node in s.nodes}
-        return placement.choose_nodes(key.placement_demand, placement.alive_nodes(), held)
-
-    def _acquire(self, key: GroupKey) -> WorkerSession:
-        """An idle group of `key` (marked busy), or a new one once there is room for it."""
-        while True:
-            with self._cond:
-                if self._closed:
-                    raise RuntimeError("session pool is closed")
-                # Ended while idle (a worker died), or served its share: closed before anything
-                # starts, so the resources they free are free when the new group asks for them.
-                done = [s for s in self._sessions if not s.busy and (s.ended or self._retired(s))]
-                if not done:
-                    for session in self._sessions:
-                        if session.key == key and not session.busy:
-                            session.busy = True
-                            return session
-                    idle = sorted((s for s in self._sessions if not s.busy), key=lambda s: s.last_used)
-                    alive, victims = list(self._sessions), []
-                    while not self._fits(key, alive) and idle:
-                        victims.append(idle.pop(0))
-                        alive.remove(victims[-1])
-                    if self._fits(key, alive) or not any(s.busy for s in alive):
-                        nodes = self._free_nodes(key, alive) if key.exclusive and self.max_groups is None else None
-                        session = WorkerSession(key, storage_path=self.storage_path, lifetime_s=self.lifetime_s,
-                                                start=False, nodes=nodes)
-                        session.busy = True
-                        self._sessions = alive + [session]
-                        break
-                    self._cond.wait(5)  # busy groups hold what is missing: wait for one to come back
-                    continue
-                self._sessions = [s for s in self._sessions if s not in done]
-            for session in done:
-                session.close()
-        try:
-            for victim in victims:  # their workers must be gone before the new group asks for room
-                victim.close()
-            session.start()
-        except Exception:
-            session.close()
-            self._release(session)
-            raise
-        return session
-
-    def _retired(self, session: WorkerSession) -> bool:
-        return self.max_requests_per_group is not None and session.requests_served >= self.max_requests_per_group
-
-    def _release(self, session: WorkerSession) -> None:
-        with self._cond:
-            session.busy = False
-            session.last_used = time.monotonic()
-            if session.ended and session in self._sessions:
-                self._sessions.remove(session)
-            self._cond.notify_all()
-
-    def groups(self) -> list[dict[str, Any]]:
-        with self._cond:
-            return [s.describe() for s in self._sessions]
-
-    def close(self) -> None:
-        """End every group (a running request is aborted after a grace period)."""
-        with self._cond:
-            self._closed = True
-            sessions, self._sessions = self._sessions, []
-            self._cond.notify_all()
-        for session in sessions:
-            session.close()
-
-    def __enter__(self) -> "SessionPool":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+# moved: see paratune.pool; kept until the layout pass (sweep.py imports get_pool_actor from here;
+# SessionTrialResult: paratune.results). Lazy: paratune.pool imports this module.
+_MOVED = {"SessionPool": "paratune.pool", "PoolActor": "paratune.pool", "get_pool_actor": "paratune.pool",
+          "DEFAULT_POOL_NAME": "paratune.pool", "SessionTrialResult": "paratune.results"}
 
 
-# --------------------------------------------------------------------------- the pool as an actor
-class PoolActor:
-    """A SessionPool in a threaded Ray actor, shared by the sweep's trainables (each in its own
-    process). It reserves no CPU: the workers of its groups hold the cluster's."""
-
-    def __init__(self, max_groups: int | None = None, storage_path: str | None = None,
-                 max_requests_per_group: int | None = None):
-        self.pool = SessionPool(max_groups, storage_path=storage_path, max_requests_per_group=max_requests_per_group)
-
-    def measure(self, plan: dict[str, Any], stop_rule: dict[str, Any] | None = None) -> dict[str, Any]:
-        """SessionTrialResult as a dict (TrialResult.model_validate accepts it)."""
-        rule = measure.StopRule(**stop_rule) if stop_rule else None
-        return self.pool.measure(plan, rule).model_dump()
-
-    def run(self, plan: dict[str, Any], function_path: str, payload: dict[str, Any],
-            timeout_s: float | None = None) -> dict[str, Any]:
-        return self.pool.run(plan, function_path, payload, timeout_s)
-
-    def groups(self) -> list[dict[str, Any]]:
-        return self.pool.groups()
-
-    def close(self) -> None:
-        self.pool.close()
-
-
-def get_pool_actor(name: str = DEFAULT_POOL_NAME, *, namespace: str | None = None, detached: bool = False,
-                   max_groups: int | None = None, storage_path: str | None = None,
-                   max_requests_per_group: int | None = None, max_concurrency: int = 64):
-    """The named pool actor, created on first use (get_if_exists: every trainable gets the same;
-    the options count only for the call that creates it). Create it in the sweep's driver before
-    the trials start: a non-detached actor dies with the process that created it, so one made by
-    a trainable would go (and its groups with it) when that trial ends. Detached: it outlives
-    every process (call close.remote(), then ray.kill it). Its methods: measure(plan_dict, stop_rule_dict
-    or None) -> SessionTrialResult dict; run(plan_dict, function_path, payload, timeout_s=None) ->
-    dict (raises RequestFailed); groups() -> list[dict]; close().
-    It runs on the caller's node (the driver's: the head on a cluster), as Ray Train pins its
-    controller there: a 0-CPU actor may otherwise land on any node, and when that node dies, every
-    worker group of the sweep (whose Train controllers it runs) goes with it."""
-    import ray
-
-    return ray.remote(PoolActor).options(
-        name=name, namespace=namespace, get_if_exists=True, lifetime="detached" if detached else None,
-        num_cpus=0, max_concurrency=max_concurrency, scheduling_strategy=placement.on_this_node(),
-    ).remote(max_groups, storage_path, max_requests_per_group)
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

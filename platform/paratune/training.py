@@ -30,7 +30,8 @@ from pydantic import BaseModel, Field
 from paratune import measure
 from paratune.failures import Reason, classify
 from paratune.plan import Plan, PlanError, load_plan_dict
-from paratune.trial import default_storage, ensure_ray, maybe_inject_fault, reduce_losses_and_times, sync_device
+from paratune.launch import build_trainer, ensure_ray, fit, process_group_backend, worker_demand
+from paratune.trial import maybe_inject_fault, reduce_losses_and_times, sync_device
 
 PROGRESS_FILE = "progress.json"  # next step and the loss curve so far (rank 0 writes it)
 STATE_DIR = "state"  # model + optimizer shards
@@ -169,43 +170,26 @@ def run_training(plan: Plan | dict[str, Any], *, steps: int, checkpoint_every: i
     except (ModelError, PlanError) as err:
         return TrainingResult(status="failed", reason="invalid_config", message=str(err), name=name, steps=steps)
 
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
-    import ray
-
-    from paratune.trial import process_group_backend, wants_gpu, worker_env, worker_resources
+    from ray.train import CheckpointConfig, FailureConfig
 
     ensure_ray(ray_address)
-    use_gpu = wants_gpu(plan)
-    env = worker_env(plan, use_gpu)
+    workers = worker_demand(plan)
     run_id = None
     if track:
         from paratune.tracking import default_tracking_uri, start_training_run
 
         tracking_uri = tracking_uri or default_tracking_uri()  # resolved here: the controller's cwd differs
         run_id = start_training_run(tracking_uri, plan, name, steps, checkpoint_every)
-    trainer = TorchTrainer(
-        train_loop,
-        train_loop_config={"plan": plan.to_dict(), "steps": steps, "checkpoint_every": checkpoint_every},
-        scaling_config=ScalingConfig(num_workers=plan.num_workers, use_gpu=use_gpu,
-                                     resources_per_worker=worker_resources(plan, use_gpu, ray.nodes() if use_gpu else None)),
-        torch_config=TorchConfig(backend=process_group_backend(plan, use_gpu), timeout_s=int(plan.comm_timeout_s)),
-        run_config=RunConfig(
-            name=name,
-            storage_path=str(storage_path or default_storage()),
-            failure_config=FailureConfig(max_failures=max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=2),
-            worker_runtime_env={"env_vars": env} if env else None,
-            callbacks=[_progress_callback(tracking_uri, run_id, plan.tokens_per_step, plan.num_workers)],
-        ),
-    )
-    try:
-        result = trainer.fit()
-        error, out = result.error, result.return_value
-        checkpoint = result.checkpoint.path if result.checkpoint is not None else None
-    except Exception as err:  # noqa: BLE001 - the run failed past max_failures
-        error, out, checkpoint = err, None, None
+    # Ray's own TorchTrainer and defaults (no deadline): a training run is retried and checkpointed.
+    trainer = build_trainer(
+        train_loop, {"plan": plan.to_dict(), "steps": steps, "checkpoint_every": checkpoint_every},
+        name=name, workers=workers, backend=process_group_backend(plan, workers.use_gpu),
+        comm_timeout_s=plan.comm_timeout_s, storage_path=storage_path,
+        failure_config=FailureConfig(max_failures=max_failures), checkpoint_config=CheckpointConfig(num_to_keep=2),
+        callbacks=[_progress_callback(tracking_uri, run_id, plan.tokens_per_step, plan.num_workers)])
+    result, error = fit(trainer)  # an error: the run failed past max_failures
+    out = result.return_value if result is not None else None
+    checkpoint = result.checkpoint.path if result is not None and result.checkpoint is not None else None
     if error is not None or out is None:
         reason, message = classify(error) if error is not None else ("error", "no result from rank 0")
         outcome = TrainingResult(status="failed", reason=reason, message=message, name=name, steps=steps,

@@ -1,8 +1,10 @@
-"""The measured trial: one plan run as a Ray Train TorchTrainer job, instrumented.
+"""The measured trial: one plan's workers timed (worker side), and run_trial, the flow that measures it.
 
 Driver side (`run_trial`): validate, start N workers with the plan's env vars in place before
-their process group starts, wait, and turn whatever happened into a TrialResult; a failure is a
-result with a classified reason, never an exception through the caller.
+their process group starts (paratune.launch), wait, and turn whatever happened into a
+TrialResult; a failure is a result with a classified reason, never an exception through the
+caller. `prepare_trial` and `TrialLaunch` are that flow (check -> Ray -> demand -> room -> run ->
+failed or summarized), shared with the reused worker groups of paratune.pool.
 
 Worker side (`train_and_measure`): build the model identically on every rank, apply the plan's
 strategy, run warm-up then measured whole optimizer steps timed after device synchronisation,
@@ -17,77 +19,38 @@ import signal
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, Field
 
-from paratune import measure
+from paratune import measure, placement
 from paratune.failures import Reason, classify
+from paratune.launch import (Deadline, WorkerDemand, build_trainer, ensure_ray, fit, placement_groups,
+                             process_group_backend, remove_leaked_placement_groups, wants_gpu, worker_demand)
 from paratune.plan import Plan, PlanError, load_plan_dict
+from paratune.results import TrialResult
+
+# Public here too (users import them from paratune.trial): TrialResult (paratune.results) and
+# TrialTimeout (paratune.failures).
+from paratune.failures import TrialTimeout  # noqa: F401
+# moved: see paratune.launch; kept until the layout pass
+from paratune.launch import (  # noqa: F401
+    GPU_WORKER_ENV,
+    MEASUREMENT_CONTROLLER_ENV,
+    abort_controller,
+    default_storage,
+    gpu_node_cpus_per_gpu,
+    needs_cpu_collectives,
+    paratune_home,
+    worker_env,
+    worker_resources,
+)
 
 # Fault injection for tests: "kill:rank=1:step=2[:delay_s=3][:seed=7]" | "hang:rank=0:step=1" | "none"
 # (seed=N: only in plans with that seed, so one plan of several in a reused worker group fails).
 FAULT_ENV = "PARATUNE_FAULT"
-
-
-class TrialResult(BaseModel):
-    """What one trial measured, or why it failed."""
-
-    # stopped_early: a loser seen in its first measured steps (measure.StopRule); its partial
-    # figures are kept, and it is neither a failure nor a full measurement.
-    status: Literal["ok", "failed", "stopped_early"]
-    reason: Reason | None = None
-    message: str | None = None
-    plan: dict[str, Any]
-    world_size: int
-    device: str = "unknown"
-    tokens_per_step: int = 0
-    tokens_per_s_per_gpu: float | None = None
-    step_time_median_s: float | None = None
-    step_time_p10_s: float | None = None
-    step_time_p90_s: float | None = None
-    step_time_spread: float | None = None  # (p90 - p10) / median
-    mfu: float | None = None
-    flops_per_token: float | None = None
-    peak_memory_bytes: list[int] = Field(default_factory=list)  # per rank
-    local_parameter_counts: list[int] = Field(default_factory=list)  # per rank: what it holds
-    memory_method: str | None = None
-    construction_peak_bytes: list[int | None] = Field(default_factory=list)  # per rank, model build + layout
-    construction_method: str | None = None
-    construction_s: float | None = None  # slowest rank's model build + layout + init (part of launch)
-    linear_matmul_dtypes: dict[str, int] = Field(default_factory=dict)  # one warm-up step, all ranks
-    optimizer_class: str | None = None  # what stepped: AdamW, DeepSpeedCPUAdam, ...
-    comm_share: float | None = None
-    comm_method: str | None = None
-    losses: list[float] = Field(default_factory=list)  # every step, warm-up included
-    step_times_s: list[float] = Field(default_factory=list)  # measured steps (slowest rank)
-    launch_s: float | None = None  # trial start to first step
-    wall_s: float | None = None
-    started_at: float | None = None  # epoch seconds the trial's launch began (ends at + wall_s)
-    env_seen: dict[str, str | None] = Field(default_factory=dict)  # plan env as workers saw it
-    # Where every rank ran: rank, node_id, node_ip, local_rank, local_world_size (paratune.placement).
-    placement: list[dict[str, Any]] = Field(default_factory=list)
-    waited_for_nodes_s: float | None = None  # the autoscaler's time to bring nodes up (not launch)
-    # Measured in a reused worker group (paratune.session): which, and the how-manieth request
-    # (1: this trial paid the group's launch). None: a worker group of its own.
-    group_id: str | None = None
-    group_request: int | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    @property
-    def stopped_early(self) -> bool:
-        return self.status == "stopped_early"
-
-    @classmethod
-    def failed(cls, plan: Plan | dict, reason: Reason, message: str, world_size: int = 0, **kw: Any) -> "TrialResult":
-        plan_dict = plan.to_dict() if isinstance(plan, Plan) else dict(plan)
-        return cls(status="failed", reason=reason, message=message, plan=plan_dict,
-                   world_size=world_size or int(plan_dict.get("num_workers", 0) or 0), **kw)
 
 
 # --------------------------------------------------------------------------- worker side
@@ -396,217 +359,6 @@ def worker_loop(config: dict[str, Any]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- driver side
-def ensure_ray(address: str | None = None) -> None:
-    """Join RAY_ADDRESS (e.g. under `ray job submit`) or start an in-process local cluster."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS") or "local"
-    ray.init(address=address, log_to_driver=bool(os.environ.get("PARATUNE_VERBOSE")),
-             include_dashboard=False if address == "local" else None)
-
-
-def wants_gpu(plan: Plan) -> bool:
-    """The plan's device: cuda/cpu as set, or auto = GPUs when the cluster has any."""
-    import ray
-
-    if plan.device == "cuda":
-        return True
-    if plan.device == "cpu":
-        return False
-    return ray.cluster_resources().get("GPU", 0) >= 1
-
-
-def needs_cpu_collectives(plan: Plan) -> bool:
-    """Whether a plan runs collectives on host tensors: under FSDP2 CPU offload the gradients
-    live on the host, so gradient clipping's all-reduce runs on CPU tensors."""
-    return plan.strategy == "fsdp" and plan.fsdp is not None and plan.fsdp.cpu_offload
-
-
-def process_group_backend(plan: Plan, use_gpu: bool) -> str:
-    """gloo on CPU workers; NCCL on GPUs, plus gloo for CPU tensors when the plan has CPU-side
-    collectives (an NCCL-only group cannot reduce host tensors: the step would crash)."""
-    if not use_gpu:
-        return "gloo"
-    return "cpu:gloo,cuda:nccl" if needs_cpu_collectives(plan) else "nccl"
-
-
-def gpu_node_cpus_per_gpu(nodes: list[dict[str, Any]]) -> float | None:
-    """CPUs per GPU on the alive GPU nodes (the smallest ratio, so any node can host a worker)."""
-    ratios = [n["Resources"].get("CPU", 0) / n["Resources"]["GPU"] for n in nodes
-              if n.get("Alive") and n.get("Resources", {}).get("GPU", 0) >= 1]
-    return min(ratios) if ratios else None
-
-
-def worker_resources(plan: Plan, use_gpu: bool, nodes: list[dict[str, Any]] | None = None) -> dict[str, float]:
-    """What Ray reserves per worker. CPUs matter beyond scheduling: Ray sets OMP_NUM_THREADS to a
-    worker's CPUs (1 when it reserves none), and offload plans run their optimizer on them, so a
-    GPU worker reserving 0 CPUs would measure offload on one thread. Default on GPUs: the GPU
-    nodes' CPUs / GPUs, floored (a whole share of the node), never less than 1."""
-    if not use_gpu:
-        return {"CPU": plan.cpus_per_worker or 1}
-    cpus = plan.cpus_per_worker
-    if cpus is None:
-        ratio = gpu_node_cpus_per_gpu(nodes or [])
-        cpus = max(1, int(ratio)) if ratio else 1
-    return {"GPU": 1, "CPU": cpus}
-
-
-# Set on GPU workers unless the plan sets them. Ray Train sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1
-# (TearDown) when unset, and torch's default (3) also kills the process: the driver then sees a
-# dead actor (worker_died) where the truth is a collective timeout. 2 (CleanUpOnly, still in torch
-# 2.13's ErrorHandlingMode) aborts the communicators but keeps the process, so the next collective
-# raises DistBackendError in the worker: classified comm_timeout.
-GPU_WORKER_ENV: dict[str, str] = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
-
-
-def worker_env(plan: Plan, use_gpu: bool) -> dict[str, str]:
-    """Env vars for the workers, in place before their process group starts (the plan's win)."""
-    return {**GPU_WORKER_ENV, **plan.env} if use_gpu else dict(plan.env)
-
-
-def _placement_groups() -> dict[str, str]:
-    from ray.util import placement_group_table
-
-    return {pg_id: info["state"] for pg_id, info in placement_group_table().items()}
-
-
-def _idle_placement_groups(candidates: set[str]) -> set[str]:
-    """Those of the given placement groups in which nothing runs (all their resources free)."""
-    import ray
-
-    total, free = ray.cluster_resources(), ray.available_resources()
-    idle = set()
-    for pg_id in candidates:
-        keys = [k for k in total if k.endswith(f"_group_{pg_id}")]
-        if keys and all(free.get(k, 0) >= total[k] for k in keys):
-            idle.add(pg_id)
-    return idle
-
-
-def _remove_leaked_placement_groups(before: set[str]) -> int:
-    """A failed process-group setup leaves its placement group behind (seen with Ray 2.60),
-    starving every later trial. Remove the groups created since this trial started once they
-    hold nothing (their failed workers take a few seconds to go), seen idle in two checks 1 s
-    apart, so a concurrent trial's group (busy) is left alone."""
-    import ray
-    from ray.util.placement_group import PlacementGroup, remove_placement_group
-
-    new = {pg_id for pg_id, state in _placement_groups().items() if pg_id not in before and state == "CREATED"}
-    idle: set[str] = set()
-    previous: set[str] = set()
-    for _ in range(15):
-        if not new:
-            break
-        now_idle = _idle_placement_groups(new)
-        idle = now_idle & previous
-        if idle == new:
-            break
-        previous = now_idle
-        time.sleep(1)
-    for pg_id in idle:
-        remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
-    return len(idle)
-
-
-class TrialTimeout(RuntimeError):
-    """The trial ran past plan.trial_timeout_s: a hang (a collective or a worker stuck)."""
-
-
-def abort_controller(controller) -> None:
-    """End a Ray Train run now, whatever its state: abort (shuts the worker group down), then kill."""
-    import ray
-
-    try:
-        ray.get(controller.abort.remote(), timeout=60)
-    except Exception:  # noqa: BLE001 - abort exits the actor; kill it in any case
-        pass
-    ray.kill(controller, no_restart=True)
-
-
-# Ray Train's controller settings for a measurement (Ray's own switches; a user's environment
-# wins; the training job, paratune.training, keeps Ray's defaults):
-# - A measurement is never retried (max_failures 0), so the preemption watcher (an actor per run
-#   that polls node drains to hand the run a grace window before a restart) has nothing to do: a
-#   trial on a drained node ends node_lost either way. Off: one Ray process fewer per trial (a
-#   few CPU-seconds of imports each).
-# - The controller polls its workers every 2 s: a trial's end (and its failure) is noticed up to
-#   2 s late, every trial of a sweep. Every 0.5 s: a poll is one small task per worker, and a
-#   missed poll is only a worker's fault after 10 minutes of them.
-MEASUREMENT_CONTROLLER_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
-
-
-def _timed_trainer_class():
-    """TorchTrainer whose fit() gives up after a deadline, aborting the controller and workers.
-
-    Ray Train's own timeouts cover process-group setup and collectives (TorchConfig.timeout_s)
-    but not a worker stuck elsewhere; a sweep must never wait forever on one trial. This mirrors
-    Ray 2.60's `_initialize_and_run_controller`, waiting on the controller with a deadline.
-    While the run lasts `controller` is its handle (a session aborts it from another thread);
-    then the handle goes, so Ray ends the controller and with it the workers and placement group
-    a failed run (e.g. its process group setup) would otherwise keep alive.
-    """
-    import ray
-    import ray.train.v2.api.data_parallel_trainer as dpt
-    from ray.train.torch import TorchTrainer
-
-    class TimedTorchTrainer(TorchTrainer):
-        deadline_s: float = 1800.0
-        deadline_message: str = "hang: trial exceeded trial_timeout_s={deadline_s:.0f}s; workers aborted"
-        controller = None
-        start_timeout_s: float | None = None  # Ray Train's worker-group start timeout (None: its 60 s)
-
-        def _create_default_callbacks(self):
-            """Ray's callbacks, less the datasets callback when there are no datasets (a trial
-            has none): with none it still starts a DatasetManager actor per run, a process that
-            imports Ray Data (pandas, pyarrow: ~2.7 CPU-seconds) and serves nothing."""
-            from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-
-            callbacks = super()._create_default_callbacks()
-            return [c for c in callbacks if self.datasets or not isinstance(c, DatasetsCallback)]
-
-        def _initialize_and_run_controller(self, **controller_init_kwargs):
-            env_vars = dpt.get_env_vars_to_propagate()
-            if self.start_timeout_s is not None:
-                from ray.train.v2._internal.constants import WORKER_GROUP_START_TIMEOUT_S_ENV_VAR
-
-                env_vars[WORKER_GROUP_START_TIMEOUT_S_ENV_VAR] = str(self.start_timeout_s)
-            env_vars.setdefault(dpt.RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
-                                dpt.DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)
-            for name, value in MEASUREMENT_CONTROLLER_ENV.items():
-                env_vars.setdefault(name, value)  # set by the user (propagated by Ray): theirs
-            controller_cls = ray.remote(
-                num_cpus=0,
-                label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},
-                runtime_env={"env_vars": env_vars},
-            )(dpt.TrainController)
-            self.controller = controller = controller_cls.remote(**controller_init_kwargs)
-            try:
-                done, _ = ray.wait([controller.run.remote()], timeout=self.deadline_s)
-                if not done:
-                    abort_controller(controller)
-                    raise TrialTimeout(self.deadline_message.format(deadline_s=self.deadline_s))
-                ray.get(done[0])
-                return ray.get(controller.get_result.remote())
-            finally:
-                self.controller = controller = None
-
-    return TimedTorchTrainer
-
-
-def paratune_home() -> Path:
-    """Where sweeps and training runs write (PARATUNE_HOME, else ./paratune_runs). Under `ray job
-    submit` the working directory is a temporary copy, so jobs/runtime_env.yaml sets it."""
-    return Path(os.environ.get("PARATUNE_HOME") or Path.cwd() / "paratune_runs").expanduser().resolve()
-
-
-def default_storage() -> str:
-    """Ray Train's storage_path: PARATUNE_STORAGE (shared storage: NFS path or s3://... on a
-    multi-node cluster, where checkpoints must outlive a node), else under paratune_home()."""
-    return os.environ.get("PARATUNE_STORAGE") or str(paratune_home() / "ray")
-
-
 # transformers imports its classes lazily, and two threads importing the same one at once can see
 # a half-initialised module ("cannot import name 'AutoConfig' from 'transformers'"): seen in the
 # sweep's worker-group pool, a threaded actor checking two concurrent trials' plans.
@@ -655,67 +407,97 @@ def run_trial(plan: Plan | dict[str, Any], *, storage_path: str | Path | None = 
     """Run one plan on Ray Train (its own worker group) and measure it. Never raises for a failing
     plan. With a stop rule, a trial that cannot reach the incumbent ends as stopped_early. With
     `nodes` (whole nodes a sweep leased to it: paratune.placement) its workers run there only."""
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig
+    launch = prepare_trial(plan, ray_address)
+    if isinstance(launch, TrialResult):
+        return launch
+    plan, workers = launch.plan, launch.workers
+    before = set(placement_groups())
+    alive = launch.note_nodes()
+    if nodes is None and workers.demand.exclusive and len(alive) > 1:  # on its own (no sweep's leases): whole nodes
+        nodes = placement.choose_nodes(workers.demand, alive, set())
+    trainer = build_trainer(
+        worker_loop, {"plan": plan.to_dict(), "stop_rule": stop_rule._asdict() if stop_rule else None},
+        name=f"trial-{uuid.uuid4().hex[:8]}", workers=workers, backend=process_group_backend(plan, workers.use_gpu),
+        comm_timeout_s=plan.comm_timeout_s, storage_path=storage_path, nodes=nodes,
+        deadline=Deadline(plan.trial_timeout_s, start_timeout_s=placement.worker_start_timeout_s()))
+    t0, fit_started = time.perf_counter(), time.time()
+    result, error = fit(trainer)
+    out = result.return_value if result is not None else None
+    wall = time.perf_counter() - t0
+    if error is not None or out is None:
+        remove_leaked_placement_groups(before)
+        reason, message = classify(error) if error is not None else ("error", "no result from rank 0")
+        return launch.failed(reason, message, wall_s=wall, started_at=fit_started)
+    return launch.measured(out, launched_at=fit_started, wall_s=wall, started_at=fit_started, stop_rule=stop_rule)
 
-    import ray
 
-    from paratune import placement
+@dataclass
+class TrialLaunch:
+    """A checked plan the cluster has room for: what measuring it needs between the launch and
+    its result, whichever worker group runs it (its own: run_trial; a reused one: paratune.pool)."""
 
+    plan: Plan
+    flops_per_token: float
+    workers: WorkerDemand
+    waited_s: float  # for an autoscaler's nodes (0 when none was needed)
+    t0: float  # perf_counter when the launch began (after the plan's checks)
+    started_at: float  # epoch seconds then
+    nodes_at_start: set[str] = dataclasses.field(default_factory=set)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def note_nodes(self) -> list[placement.NodeRoom]:
+        """The alive nodes now, remembered: a node gone by the end makes a failure node_lost."""
+        alive = placement.alive_nodes()
+        self.nodes_at_start = {n.node_id for n in alive}
+        return alive
+
+    def setup_failed(self, err: BaseException) -> TrialResult:
+        """Ray (or the worker group) failed before the plan ran: a result, not a raise."""
+        return TrialResult.failed(self.plan, *classify(err), wall_s=self.elapsed())
+
+    def failed(self, reason: Reason, message: str, *, wall_s: float, started_at: float,
+               result_type: type[TrialResult] = TrialResult, **fields: Any) -> TrialResult:
+        """The run failed: its reason (node_lost when a node died meanwhile), wall time, wait."""
+        reason, message = node_lost_or(reason, message, self.nodes_at_start)
+        return result_type.failed(self.plan, reason, message, wall_s=wall_s, waited_for_nodes_s=self.waited_s or None,
+                                  started_at=started_at, **fields)
+
+    def measured(self, out: dict[str, Any], *, launched_at: float, wall_s: float | None, started_at: float,
+                 stop_rule: measure.StopRule | None, result_type: type[TrialResult] = TrialResult,
+                 **fields: Any) -> TrialResult:
+        """Rank 0's measurements summarized; launch_s counts from `launched_at` (epoch seconds)."""
+        out["launch_s"] = out.pop("first_step_epoch_s") - launched_at
+        result = summarize(self.plan, out, self.flops_per_token, wall_s, stop_rule)
+        update = {"waited_for_nodes_s": self.waited_s or None, "started_at": started_at, **fields}
+        if result_type is TrialResult:
+            return result.model_copy(update=update)
+        return result_type(**{**result.model_dump(), **update})
+
+
+def prepare_trial(plan: Plan | dict[str, Any], ray_address: str | None = None, *,
+                  setup_errors_are_results: bool = False) -> TrialLaunch | TrialResult:
+    """The flow's first half: the plan's checks, Ray joined, the workers' demand, room for them
+    on the cluster (waiting for an autoscaler's nodes, bounded). A failed TrialResult when no
+    worker should start. `setup_errors_are_results`: Ray failing here (e.g. unreachable) is a
+    failed result too (the pool's way; run_trial lets it raise)."""
     checked = check_before_launch(plan, ray_address)
     if isinstance(checked, TrialResult):
         return checked
     plan, flops_tok = checked
-    ensure_ray(ray_address)
-    use_gpu = wants_gpu(plan)
-    per_worker = worker_resources(plan, use_gpu, ray.nodes() if use_gpu else None)
-    demand = placement.demand_for(plan, per_worker)
-    missing, waited = placement.ensure_room(demand)
+    t0, started_at = time.perf_counter(), time.time()
+    try:
+        ensure_ray(ray_address)
+        workers = worker_demand(plan)
+        missing, waited = placement.ensure_room(workers.demand)
+    except Exception as err:  # noqa: BLE001 - only when asked for: a result, not a raise
+        if not setup_errors_are_results:
+            raise
+        return TrialResult.failed(plan, *classify(err), wall_s=time.perf_counter() - t0)
     if missing is not None:  # nothing started: the cluster cannot hold it (named: needs / has)
         return TrialResult.failed(plan, "insufficient_resources", missing, wall_s=waited, waited_for_nodes_s=waited)
-    before = set(_placement_groups())
-    alive = placement.alive_nodes()
-    nodes_at_start = {n.node_id for n in alive}
-    if nodes is None and demand.exclusive and len(alive) > 1:  # on its own (no sweep's leases): whole nodes
-        nodes = placement.choose_nodes(demand, alive, set())
-    trainer_cls = _timed_trainer_class()
-    env = worker_env(plan, use_gpu)
-    trainer = trainer_cls(
-        worker_loop,
-        train_loop_config={"plan": plan.to_dict(), "stop_rule": stop_rule._asdict() if stop_rule else None},
-        scaling_config=ScalingConfig(num_workers=plan.num_workers, use_gpu=use_gpu, resources_per_worker=per_worker,
-                                     label_selector=placement.pinned_selectors(demand, nodes) if nodes else None),
-        torch_config=TorchConfig(backend=process_group_backend(plan, use_gpu), timeout_s=int(plan.comm_timeout_s)),
-        run_config=RunConfig(
-            name=f"trial-{uuid.uuid4().hex[:8]}",
-            storage_path=str(storage_path or default_storage()),
-            # A trial is a measurement: never retry it, and never let the controller loop forever.
-            failure_config=FailureConfig(max_failures=0, controller_failure_limit=0),
-            # Env vars reach every worker before TorchConfig starts the process group.
-            worker_runtime_env={"env_vars": env} if env else None,
-        ),
-    )
-    trainer.deadline_s = plan.trial_timeout_s
-    trainer.start_timeout_s = placement.worker_start_timeout_s()
-    t0, fit_started = time.perf_counter(), time.time()
-    try:
-        result = trainer.fit()
-        error = result.error
-        out = result.return_value
-    except Exception as err:  # noqa: BLE001 - every failure becomes a classified result
-        error, out = err, None
-    wall = time.perf_counter() - t0
-    if error is not None or out is None:
-        _remove_leaked_placement_groups(before)
-        reason, message = classify(error) if error is not None else ("error", "no result from rank 0")
-        reason, message = node_lost_or(reason, message, nodes_at_start)
-        return TrialResult.failed(plan, reason, message, wall_s=wall, waited_for_nodes_s=waited or None,
-                                  started_at=fit_started)
-    out["launch_s"] = out.pop("first_step_epoch_s") - fit_started
-    result = summarize(plan, out, flops_tok, wall, stop_rule)
-    result.waited_for_nodes_s = waited or None
-    result.started_at = fit_started
-    return result
+    return TrialLaunch(plan, flops_tok, workers, waited, t0, started_at)
 
 
 def node_lost_or(reason: Reason, message: str, nodes_at_start: set[str]) -> tuple[Reason, str]:
