@@ -269,10 +269,11 @@ def noise_band(relative_spread: float) -> float:
     return max(NOISE_FLOOR, relative_spread / 2)
 
 
-class StopRule(NamedTuple):
-    """When a running trial is stopped early: after `min_steps` measured steps, if even its fastest
-    step, raised by its own noise band, stays below the incumbent lowered by the incumbent's band
-    (outside both noise bands), it cannot reach the incumbent."""
+class TrialStopRule(NamedTuple):
+    """When a running trial is stopped early (a trial, not a sweep: the sweep's stopping rule ends
+    that): after `min_steps` measured steps, if even its fastest step, raised by its own noise
+    band, stays below the incumbent lowered by the incumbent's band (outside both noise bands),
+    it cannot reach the incumbent."""
 
     incumbent_tokens_per_s_per_gpu: float
     incumbent_spread: float = 0.0  # the incumbent's (p90 - p10) / median
@@ -299,3 +300,6 @@ class StopRule(NamedTuple):
                 f"{self.upper_bound(tokens_per_step, step_times, world_size):,.0f} tokens/s/GPU (fastest step + its "
                 f"noise band) < the incumbent's {self.incumbent_floor():,.0f} ({self.incumbent_tokens_per_s_per_gpu:,.0f} "
                 f"less its noise band)")
+
+
+StopRule = TrialStopRule  # the old name (a public import: paratune.measure.StopRule)
