@@ -162,7 +162,8 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
 def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     import time
 
-    from paratune.estimate import estimate_space, get_device
+    from paratune.devices import get_device
+    from paratune.estimate import estimate_space
     from paratune.report import print_estimates
     from paratune.space import SpaceError, read_yaml_mapping, space_from_dict
 
@@ -316,7 +317,7 @@ def _cluster_device_name() -> str:
     import ray
 
     if ray.cluster_resources().get("GPU", 0) >= 1:
-        from paratune.estimate import probe_gpu
+        from paratune.devices import probe_gpu
 
         answer = probe_gpu()
         if answer is not None:
