@@ -17,7 +17,7 @@ communication efficiency, a fixed per-step overhead) are fitted from measured tr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from paratune.activations import ActivationModel
@@ -289,6 +289,9 @@ class Estimate:
     capacity_bytes: float
     overflow: str | None = None
     construction: float = 0.0  # device bytes per rank while the model is built (construction_bytes)
+    # The step's parts (s) when `time` came from a paratune.predict.TimePredictor (`paratune plan
+    # --profile`: the profile-composed model's compute, communication, optimizer, overheads).
+    time_parts: dict[str, float] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:

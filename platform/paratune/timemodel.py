@@ -39,10 +39,10 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from dataclasses import dataclass, field
 from functools import lru_cache
 
 from paratune.plan import Plan
+from paratune.predict import StepPrediction
 from paratune.profile import Profile
 
 MULTIPLIERS = ("compute", "tp_comm", "pp_comm", "dp_comm", "optimizer", "offload")
@@ -63,17 +63,6 @@ HUBER = 0.15  # relative error past which a trial counts linearly in the refit (
 MULTIPLIER_WEIGHT = (TRIAL_NOISE / 0.25) ** 2
 SHARED_OVERHEAD_WEIGHT = (TRIAL_NOISE / 1.0) ** 2
 OVERHEAD_WEIGHT = (TRIAL_NOISE / 5.0) ** 2
-
-
-@dataclass
-class StepPrediction:
-    """A plan's predicted step time, its tokens/s/GPU and the calibrated parts (seconds)."""
-
-    step_s: float
-    tokens_per_s_per_gpu: float
-    parts: dict[str, float]
-    profile_env: dict[str, str] = field(default_factory=dict)
-    note: str | None = None  # e.g. "no profile for env ...: used the nearest"
 
 
 # --------------------------------------------------------------------------- model pieces
@@ -336,7 +325,8 @@ def _env_key(env: dict[str, str]) -> str:
 
 
 class StepTimeModel:
-    """Step time of plans from profiles (one per env), refitted on every measured trial.
+    """Step time of plans from profiles (one per env), refitted on every measured trial: the
+    calibrated paratune.predict.TimePredictor.
 
     `error_band()`: before 3 trials, PRIOR_BAND (10%) or the largest pre-refit error seen so far,
     whichever is larger; from 3 trials, the 80th percentile of the leave-one-out relative errors
