@@ -30,7 +30,7 @@ from machine import describe  # noqa: E402
 from paratune import measure  # noqa: E402
 from paratune.data import TokenBatches  # noqa: E402
 from paratune.models import build_config, build_model  # noqa: E402
-from paratune.parallel import StepRunner, apply_activation_checkpointing, make_optimizer  # noqa: E402
+from paratune.parallel.runner import StepRunner, apply_activation_checkpointing, make_optimizer  # noqa: E402
 from paratune.plan import load_plan_dict  # noqa: E402
 
 MODEL, SEQ, GLOBAL_BATCH = "llama3.2-1b", 2048, 8

@@ -61,7 +61,8 @@ def measured():
 
 @pytest.mark.parametrize("name", list(TRACKED))
 def test_a_steps_tracked_peak_meets_the_cost_model(name, measured):
-    from paratune.estimate import estimate, get_device
+    from paratune.devices import get_device
+    from paratune.estimate import estimate
 
     plan, out = measured[f"tracked-{name}"]
     predicted = estimate(plan, get_device("cpu")).memory.total

@@ -217,7 +217,7 @@ def reference_gradients(plan) -> dict:
 
     from paratune.data import TokenBatches
     from paratune.models import build_config, build_model
-    from paratune.parallel import StepRunner, apply_activation_checkpointing, make_optimizer
+    from paratune.parallel.runner import StepRunner, apply_activation_checkpointing, make_optimizer
 
     config = build_config(plan.model, plan.model_overrides)
     model = build_model(config, seed=plan.seed)

@@ -13,7 +13,7 @@ import torch
 from gloo_harness import one_torch_thread  # noqa: F401 (fixture: in-process training on one thread)
 
 from paratune.export import export_winner
-from paratune.parallel import ADAM_BETAS, ADAM_EPS
+from paratune.parallel.runner import ADAM_BETAS, ADAM_EPS
 from paratune.plan import load_plan_dict
 
 VARIANTS = [

@@ -4,21 +4,18 @@ hand from docs/DESIGN.md, the traced activations, the time model's fit, and `par
 import pytest
 from gloo_harness import one_torch_thread  # noqa: F401 (fixture: in-process tracing on one thread)
 
+from paratune.activations import activation_coefficients
+from paratune.devices import get_device
 from paratune.estimate import (
-    GiB,
     TimeConstants,
     _time_terms,
     comm_volume,
-    activation_coefficients,
     estimate,
-    estimate_memory,
     fit_time_constants,
-    get_device,
-    memory_moments,
-    model_shape,
-    model_states,
 )
+from paratune.memory import estimate_memory, memory_moments, model_states
 from paratune.plan import load_plan_dict
+from paratune.shapes import GiB, model_shape
 
 P_8B = 8_030_261_248  # Llama-3-8B, counted from the architecture (test_measure checks it)
 
@@ -260,13 +257,13 @@ import json  # noqa: E402
 import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from paratune.estimate import (  # noqa: E402
-    construction_bytes,
+from paratune.devices import (  # noqa: E402
     device_for_cluster,
     device_from_probe,
     devices_for_accelerator_type,
     load_devices,
 )
+from paratune.memory import construction_bytes  # noqa: E402
 
 DEVICE_NAMES = json.loads((Path(__file__).parent / "data" / "gpu" / "device_names.json").read_text())["devices"]
 MiB = 2**20
@@ -349,7 +346,7 @@ def test_a_probe_that_matches_nothing_is_no_device():
 def test_context_parallelism_in_the_cost_model():
     """cp 2 over the same 8 GPUs: each rank holds half of every sequence's activations, FSDP2 still
     shards over all 8 (dp 4 x cp 2), and the K/V ring adds its bytes (Llama-3-8B: 8 KV heads of 128)."""
-    from paratune.estimate import activation_bytes
+    from paratune.memory import activation_bytes
 
     base = {"strategy": "fsdp", "seq_len": 8192, "global_batch": 16}
     plain, ring = _plan(**base), _plan(**base, cp=2)
@@ -367,7 +364,8 @@ def test_zero_with_autotp_as_deepspeed_lays_it_out():
     untied embedding and the norms whole (95,552 parameters per rank at tp 2), ZeRO-3 partitions
     everything over dp x tp (79,008); construction builds the whole fp32 model first at ZeRO 0-2
     (779,584 bytes measured) and gathers one module whole under ZeRO-3 (578,240 measured)."""
-    from paratune.estimate import _local_params, construction_bytes
+    from paratune.memory import construction_bytes
+    from paratune.shapes import local_params as _local_params
 
     base = {"model": "tiny-llama", "seq_len": 32, "global_batch": 8, "micro_batch": 2, "num_workers": 2, "tp": 2,
             "strategy": "zero"}
@@ -394,7 +392,7 @@ def test_the_trace_is_what_a_real_micro_batch_holds(precision):
     bf16 parameters. Before, transformers built a 2 x s x s causal mask and repeated GQA's keys
     and values under fake tensors (it takes them for tracing), memory a real run never
     allocates."""
-    from paratune.estimate import PHASES, _trace_micro_batch, _traced_coefficients
+    from paratune.activations import PHASES, _trace_micro_batch, _traced_coefficients
     from paratune.models import build_config, config_from_key, config_key
 
     key = config_key(build_config("tiny-llama"))
@@ -412,7 +410,7 @@ def test_moe_experts_are_traced_not_guessed(tmp_path):
     duration (before, the trace failed and the formula stood in)."""
     import torch
 
-    from paratune.estimate import activation_coefficients
+    from paratune.activations import activation_coefficients
 
     config = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "num_local_experts": 4,
@@ -581,7 +579,7 @@ def test_fsdp2_holds_a_blocks_gradients_as_its_backward_forms_them():
     """FSDP2 keeps a block's unsharded gradients where autograd put them until its post-backward
     (the trace holds them that long): at the peak of the block's backward only the first ones
     exist, all of them at its end, none after its reduce-scatter copied them; the root's stay."""
-    from paratune.estimate import _trace_micro_batch
+    from paratune.activations import _trace_micro_batch
     from paratune.models import build_config, config_from_key, config_key
 
     config = config_from_key(config_key(build_config("tiny-llama")), num_hidden_layers=1)
@@ -596,7 +594,7 @@ def test_bf16_compute_as_each_strategy_makes_it():
     """FSDP2's MixedPrecisionPolicy and DeepSpeed's bf16 engine compute with bf16 parameters (a
     bf16 residual stream, bf16 gradients, no cached weight copies); DDP, and model-parallel plans
     with a single replica (no FSDP2 there), autocast over fp32 parameters."""
-    from paratune.estimate import compute_precision
+    from paratune.shapes import compute_precision
 
     bf16 = {"precision": "bf16"}
     assert compute_precision(_tiny(strategy="ddp", **bf16)) == "bf16"
@@ -773,7 +771,7 @@ def test_a_trace_is_stored_once_and_read_back_by_the_next_process(tmp_path, monk
     """`paratune plan`, the sweep's driver and a resumed driver trace a space's shapes once: the
     coefficients go to PARATUNE_HOME and come back equal without tracing; a damaged file is
     traced again, and a change of the key (here the micro-batch) is another file."""
-    import paratune.estimate as est
+    import paratune.activations as est
 
     monkeypatch.setenv("PARATUNE_HOME", str(tmp_path))
     est._traced_or_reason.cache_clear()

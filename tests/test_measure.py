@@ -294,7 +294,7 @@ def test_comm_share_from_a_real_profile():
 
 
 def test_stop_rule_waits_for_its_steps_then_stops_only_outside_both_noise_bands():
-    from paratune.measure import StopRule
+    from paratune.measure import TrialStopRule as StopRule
 
     # 1,000 tokens per step on 2 GPUs: a 1 s step is 500 tokens/s/GPU.
     # The incumbent's band is half its spread (as the verdict's), here 15%: its floor is 850.

@@ -99,7 +99,8 @@ def test_tensor_parallel_all_reduces_per_layer_and_recompute_adds_two():
 
 def test_ddp_buckets_and_bandwidth():
     """DDP all-reduces fp32 gradients once per step in buckets: 1 MiB first, then bucket_cap_mb."""
-    from paratune.estimate import _local_params, model_shape
+    from paratune.shapes import local_params as _local_params
+    from paratune.shapes import model_shape
 
     spb, latency = 1e-9, 1e-3
     profile = make_profile(latency=latency, seconds_per_byte=spb)

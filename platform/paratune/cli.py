@@ -174,7 +174,8 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
 def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     import time
 
-    from paratune.estimate import estimate_space, get_device
+    from paratune.devices import get_device
+    from paratune.estimate import estimate_space
     from paratune.report import print_estimates
     from paratune.space import SpaceError, read_yaml_mapping, space_from_dict
 
@@ -209,7 +210,9 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
                                activation_model="formula" if args.formula else "trace")
     notes: list[str] = []
     if profiles:
-        estimates, notes = _times_from_profiles(estimates, space, profiles)
+        from paratune.timemodel import StepTimeModel
+
+        estimates, notes = _times_from_profiles(estimates, space, StepTimeModel(profiles))
     first = space.candidates[0].plan
     console.print(space.pruning_report())
     print_estimates(estimates, device, console, top=args.top,
@@ -227,32 +230,25 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(
             [{"plan": e.plan.to_dict(), "fits": e.fits, "overflow": e.overflow, **e.summary(),
-              **({"predicted_step_parts_s": e.time_parts} if hasattr(e, "time_parts") else {})} for e in estimates],
+              **({"predicted_step_parts_s": e.time_parts} if profiles else {})} for e in estimates],
             indent=1))
     return 0 if any(e.fits for e in estimates) else 1
 
 
-def _times_from_profiles(estimates, space, profiles) -> tuple[list, list[str]]:
-    """Each estimate once per env choice of the space, its step time from the profile of that env
-    (paratune.timemodel) instead of the roofline; fastest first among those that fit."""
+def _times_from_profiles(estimates, space, predictor) -> tuple[list, list[str]]:
+    """Each estimate once per env choice of the space, its step time (and its parts) from
+    `predictor` (a paratune.predict.TimePredictor: the profiles' StepTimeModel, which takes the
+    profile of that env) instead of the roofline; fastest first among those that fit."""
     from dataclasses import replace
 
-    from paratune.estimate import TimeEstimate
-    from paratune.timemodel import StepTimeModel
-
-    model = StepTimeModel(profiles)
     out, notes = [], set()
     for e in estimates:
         for env in space.env_grid():
             plan = e.plan.with_changes(env={**e.plan.env, **env}, grad_accum=e.plan.grad_accum) if env else e.plan
-            pred = model.predict(plan)
+            pred = predictor.predict(plan)
             if pred.note:
                 notes.add(pred.note)
-            comm = sum(v for k, v in pred.parts.items() if k.endswith("_comm"))
-            out.append(replace(e, plan=plan, time=TimeEstimate(
-                compute_s=pred.parts.get("compute", 0.0), comm_s=comm, exposed_comm_s=comm, bubble=0.0,
-                step_s=pred.step_s, tokens_per_s_per_gpu=pred.tokens_per_s_per_gpu)))
-            out[-1].time_parts = pred.parts  # type: ignore[attr-defined]
+            out.append(replace(e, plan=plan, time=pred.time_estimate(), time_parts=pred.parts))
     out.sort(key=lambda e: (not e.fits, -e.time.tokens_per_s_per_gpu if e.fits else e.memory.total))
     return out, sorted(notes)
 
@@ -267,7 +263,7 @@ def _print_time_parts(estimates, profiles, console: Console, top: int) -> None:
     for col in ("#", "plan", "env", "compute", "tp", "pp", "dp", "optimizer", "other", "step s"):
         table.add_column(col, justify="left" if col in ("plan", "env") else "right")
     for i, e in enumerate([e for e in estimates if e.fits][:top], 1):
-        parts = getattr(e, "time_parts", {})
+        parts = e.time_parts
         known = ("compute", "tp_comm", "pp_comm", "dp_comm", "optimizer")
         other = sum(v for k, v in parts.items() if k not in known)
         env = env_label(e.plan.env) or "-"
@@ -328,7 +324,7 @@ def _cluster_device_name() -> str:
     import ray
 
     if ray.cluster_resources().get("GPU", 0) >= 1:
-        from paratune.estimate import probe_gpu
+        from paratune.devices import probe_gpu
 
         answer = probe_gpu()
         if answer is not None:

@@ -1,110 +1,17 @@
 """The numbers every plan is judged by: tokens/s/GPU, step-time spread, MFU, communication share.
 
-Pure arithmetic on measured step times, device names and profiler events; the trial
-(paratune.trial) does the measuring.
+Pure arithmetic on measured step times and profiler events; the trial (paratune.trial) does the
+measuring, and a device's peak comes from paratune.devices.
 """
 
 from __future__ import annotations
 
-import re
 import statistics
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple
 
-# Dense peak FLOP/s per GPU model (never the 2x structured-sparsity figures), keyed by the
-# canonical model `gpu_model()` derives from a device name. Figures from NVIDIA's datasheets; where
-# a datasheet gives only the sparsity figure, half of it. "fp32" is the non-tensor FP32 peak (torch
-# keeps TF32 off for matmuls by default). A model without a "bf16" entry has no bf16 tensor cores.
-GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "h100-sxm": {"bf16": 989.0, "fp32": 67.0},  # H100 SXM5 datasheet: BF16 1,979* (sparse), FP32 67
-    "h100-pcie": {"bf16": 756.0, "fp32": 51.0},  # H100 PCIe: BF16 1,513*, FP32 51
-    "h100-nvl": {"bf16": 835.0, "fp32": 60.0},  # H100 NVL (94 GB): BF16 1,671*, FP32 60
-    "h200": {"bf16": 989.0, "fp32": 67.0},  # H200 SXM: BF16 1,979*, FP32 67
-    "h200-nvl": {"bf16": 835.0, "fp32": 60.0},  # H200 NVL: BF16 1,671*, FP32 60
-    "h800": {"bf16": 989.0, "fp32": 67.0},  # H800 SXM5: as H100 SXM5 (NVLink and FP64 cut)
-    "h800-pcie": {"bf16": 756.0, "fp32": 51.0},  # H800 PCIe: as H100 PCIe
-    "gh200": {"bf16": 989.0, "fp32": 67.0},  # GH200 Grace Hopper: BF16 1,979*, FP32 67
-    "b200": {"bf16": 2250.0, "fp32": 80.0},  # HGX B200: BF16 4.5 PFLOPS* per GPU
-    "a100": {"bf16": 312.0, "fp32": 19.5},  # A100 40/80 GB, SXM and PCIe: BF16 312 (624*), FP32 19.5
-    "a800": {"bf16": 312.0, "fp32": 19.5},  # A800: as A100 (NVLink cut)
-    "l40s": {"bf16": 362.0, "fp32": 91.6},  # L40S: BF16 362.05 (733*), FP32 91.6
-    "l40": {"bf16": 181.0, "fp32": 90.5},  # L40: BF16 181.05 (362.1*), FP32 90.5
-    "l4": {"bf16": 121.0, "fp32": 30.3},  # L4: BF16 242*, FP32 30.3
-    "a10": {"bf16": 125.0, "fp32": 31.2},  # A10: BF16 125 (250*), FP32 31.2
-    "a10g": {"bf16": 70.0, "fp32": 31.2},  # A10G (AWS): no NVIDIA datasheet; the figure AWS users quote
-    "v100-sxm2": {"fp32": 15.7},  # V100 SXM2: FP32 15.7; no bf16 tensor cores
-    "v100-pcie": {"fp32": 14.0},  # V100 PCIe: FP32 14
-    "v100s-pcie": {"fp32": 16.4},  # V100S PCIe: FP32 16.4
-}
-
-# How each model token of a device name resolves to a table key, by form factor: "sxm" (SXM or
-# HBM3, as "NVIDIA H100 80GB HBM3" says), "pcie", "nvl", "" (the name says none), "*" (any:
-# every form has the same peaks). A form not listed gives no model: never a guess.
-_FORMS: dict[str, dict[str, str]] = {
-    "H100": {"sxm": "h100-sxm", "pcie": "h100-pcie", "nvl": "h100-nvl"},
-    "H200": {"": "h200", "sxm": "h200", "nvl": "h200-nvl"},
-    "H800": {"": "h800", "sxm": "h800", "pcie": "h800-pcie"},
-    "GH200": {"*": "gh200"},
-    "B200": {"": "b200", "sxm": "b200"},
-    "A100": {"*": "a100"},
-    "A800": {"*": "a800"},
-    "L40S": {"": "l40s"},
-    "L40": {"": "l40"},
-    "L4": {"": "l4"},
-    "A10": {"": "a10"},
-    "A10G": {"": "a10g"},
-    "V100": {"sxm": "v100-sxm2", "pcie": "v100-pcie"},
-    "V100S": {"pcie": "v100s-pcie"},
-}
-# Superchips whose name states CPU + GPU memory ("GH200 480GB"): the figure is not the GPU's.
-_NAME_MEMORY_IS_NOT_GPU = {"GH200"}
-
-
-@dataclass(frozen=True)
-class GpuModel:
-    """A GPU as the tables know it: `key` into GPU_PEAK_TFLOPS, and the memory (GB) the device
-    name states (None when it does not: "NVIDIA H100 PCIe", "NVIDIA L40S")."""
-
-    key: str
-    memory_gb: int | None
-
-
-def gpu_model(device_name: str) -> GpuModel | None:
-    """The canonical model of a `torch.cuda.get_device_name()` string, or None when the name is
-    not one the table knows exactly (a CPU, a MIG slice, a form factor not listed). Exact tokens,
-    never substrings: "NVIDIA L40" is the L40, not the L4."""
-    name = re.sub(r"^(NVIDIA\s+)?(Tesla\s+)?", "", device_name.strip())
-    tokens = [t for t in re.split(r"[\s\-]+", name.upper()) if t]
-    if not tokens or "MIG" in tokens:  # a MIG slice has a fraction of the SMs: no peak applies
-        return None
-    model, rest = tokens[0], tokens[1:]
-    forms = _FORMS.get(model)
-    if forms is None:
-        return None
-    if "PCIE" in rest:
-        form = "pcie"
-    elif "NVL" in rest:
-        form = "nvl"
-    elif any(t.startswith("SXM") or t.startswith("HBM") for t in rest):
-        form = "sxm"
-    else:
-        form = ""
-    key = forms.get(form, forms.get("*"))
-    if key is None:
-        return None
-    memory = next((int(m.group(1)) for t in rest if (m := re.fullmatch(r"(\d+)GB?", t))), None)
-    return GpuModel(key, None if model in _NAME_MEMORY_IS_NOT_GPU else memory)
-
-
-def device_peak_flops(device_name: str, precision: str) -> float | None:
-    """Dense peak FLOP/s of a device name at a precision, or None when unknown (a CPU, a name the
-    table does not know exactly, a precision the device has no peak for)."""
-    model = gpu_model(device_name)
-    if model is None:
-        return None
-    peak = GPU_PEAK_TFLOPS[model.key].get(precision)
-    return peak * 1e12 if peak is not None else None
-
+# moved: see paratune.devices; kept until the layout pass (measure.device_peak_flops, gpu_model, ...)
+from paratune.devices import GPU_PEAK_TFLOPS, GpuModel, device_peak_flops, gpu_model  # noqa: F401
 
 # --------------------------------------------------------------------------- communication share
 class ProfileEvent(NamedTuple):
@@ -269,10 +176,11 @@ def noise_band(relative_spread: float) -> float:
     return max(NOISE_FLOOR, relative_spread / 2)
 
 
-class StopRule(NamedTuple):
-    """When a running trial is stopped early: after `min_steps` measured steps, if even its fastest
-    step, raised by its own noise band, stays below the incumbent lowered by the incumbent's band
-    (outside both noise bands), it cannot reach the incumbent."""
+class TrialStopRule(NamedTuple):
+    """When a running trial is stopped early (a trial, not a sweep: the sweep's stopping rule ends
+    that): after `min_steps` measured steps, if even its fastest step, raised by its own noise
+    band, stays below the incumbent lowered by the incumbent's band (outside both noise bands),
+    it cannot reach the incumbent."""
 
     incumbent_tokens_per_s_per_gpu: float
     incumbent_spread: float = 0.0  # the incumbent's (p90 - p10) / median
@@ -299,3 +207,6 @@ class StopRule(NamedTuple):
                 f"{self.upper_bound(tokens_per_step, step_times, world_size):,.0f} tokens/s/GPU (fastest step + its "
                 f"noise band) < the incumbent's {self.incumbent_floor():,.0f} ({self.incumbent_tokens_per_s_per_gpu:,.0f} "
                 f"less its noise band)")
+
+
+StopRule = TrialStopRule  # the old name (a public import: paratune.measure.StopRule)

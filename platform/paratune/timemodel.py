@@ -1,6 +1,6 @@
 """Step time per plan, composed from a measured profile and refitted on measured trials.
 
-Why not the roofline (paratune.estimate): with a few global constants it predicts every
+Why not the roofline (paratune.estimate.Roofline): with a few global constants it predicts every
 data-parallel strategy at the same micro-batch at the same time, and misses what the device
 really does at a given shape. Here each term comes from a measurement of the real thing on the
 real workers (paratune.profile), composed the way each framework schedules its work:
@@ -25,7 +25,7 @@ real workers (paratune.profile), composed the way each framework schedules its w
   and communication share the cores, so everything counts and the exposed fraction is a refit
   coefficient;
 - optimizer: the measured clip + AdamW + zero_grad line at the rank's local parameter count;
-- offload: estimate._offload_bytes over the measured host link.
+- offload: shapes.offload_bytes over the measured host link.
 
 Refit (`observe`): non-negative least squares of measured step time (relative errors) on the
 terms' multipliers, a fixed cost per step and per micro-batch, and a per-framework cost per
@@ -39,10 +39,10 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from dataclasses import dataclass, field
 from functools import lru_cache
 
 from paratune.plan import Plan
+from paratune.predict import StepPrediction
 from paratune.profile import Profile
 
 MULTIPLIERS = ("compute", "tp_comm", "pp_comm", "dp_comm", "optimizer", "offload")
@@ -63,17 +63,6 @@ HUBER = 0.15  # relative error past which a trial counts linearly in the refit (
 MULTIPLIER_WEIGHT = (TRIAL_NOISE / 0.25) ** 2
 SHARED_OVERHEAD_WEIGHT = (TRIAL_NOISE / 1.0) ** 2
 OVERHEAD_WEIGHT = (TRIAL_NOISE / 5.0) ** 2
-
-
-@dataclass
-class StepPrediction:
-    """A plan's predicted step time, its tokens/s/GPU and the calibrated parts (seconds)."""
-
-    step_s: float
-    tokens_per_s_per_gpu: float
-    parts: dict[str, float]
-    profile_env: dict[str, str] = field(default_factory=dict)
-    note: str | None = None  # e.g. "no profile for env ...: used the nearest"
 
 
 # --------------------------------------------------------------------------- model pieces
@@ -168,7 +157,8 @@ def _stage_layers(plan: Plan, layers: int) -> list[tuple[int, bool, bool]]:
 def compose(plan: Plan, profile: Profile) -> dict[str, float]:
     """The plan's terms in seconds (MULTIPLIERS, each at multiplier 1) and its overhead features
     (micro-batches, steps, per-framework micro-batches; in OVERHEAD_UNIT_S units)."""
-    from paratune.estimate import BYTES, _fsdp_shard_degree, _local_params, _offload_bytes, _replicas, model_shape
+    from paratune.estimate import data_parallel_comm
+    from paratune.shapes import fsdp_shard_degree, local_params, model_shape, offload_bytes, replicas
 
     shape = model_shape(plan)
     m, t, p, cp = plan.grad_accum, plan.tp, plan.pp, plan.cp
@@ -208,9 +198,10 @@ def compose(plan: Plan, profile: Profile) -> dict[str, float]:
         act_bytes = mb * seq * shape.hidden * act / (t if plan.sequence_parallel else 1)
         pp_comm = 2 * v * m * profile.comm_seconds("send_recv", p, act_bytes, plan.num_workers // p)
 
-    # ---- data parallel
-    local, layer = _local_params(plan, shape)
-    dp = _replicas(plan)
+    # ---- data parallel: the collectives estimate.data_parallel_comm describes, on the measured curves
+    local, layer = local_params(plan, shape)
+    dp = replicas(plan)
+    d = data_parallel_comm(plan)
     stride = t
     dp_comm = 0.0
     if dp > 1:
@@ -218,24 +209,23 @@ def compose(plan: Plan, profile: Profile) -> dict[str, float]:
         AG = lambda nbytes, size=dp: profile.comm_seconds("all_gather", size, nbytes, stride)  # noqa: E731
         RS = lambda nbytes, size=dp: profile.comm_seconds("reduce_scatter", size, nbytes, stride)  # noqa: E731
         backward_last = t_mb * 2 / 3  # backward is ~2/3 of a micro-batch's compute
-        if plan.strategy == "ddp" or (plan.strategy == "fsdp" and plan.fsdp and plan.fsdp.sharding == "no_shard"):
-            if plan.strategy == "ddp" and p == 1:
+        if d.scheme == "all_reduce":
+            if d.ddp_buckets:
                 cap = (plan.ddp.bucket_cap_mb if plan.ddp else 25.0) * 2**20
-                buckets = _buckets(4 * local, cap, DDP_FIRST_BUCKET_BYTES)
+                buckets = _buckets(d.grad_bytes * local, cap, DDP_FIRST_BUCKET_BYTES)
             else:  # FSDP2 replicate: one all-reduce per unit
                 blocks_here = max(n for n, _, _ in _stage_layers(plan, shape.layers))
-                buckets = [4 * layer] * blocks_here + [4 * max(0.0, local - blocks_here * layer)]
+                buckets = [d.grad_bytes * layer] * blocks_here + [d.grad_bytes * max(0.0, local - blocks_here * layer)]
             times = [AR(b) for b in buckets if b > 0]
             dp_comm = (times[-1] + max(0.0, sum(times[:-1]) - backward_last)) if gpu else sum(times)
-        elif plan.strategy == "fsdp":
-            shard = _fsdp_shard_degree(plan)
-            pb = BYTES[plan.precision]  # FSDP2 gathers in its param dtype (bf16 under mixed precision)
+        elif d.scheme == "fsdp":
+            shard = fsdp_shard_degree(plan)
+            pb = d.param_bytes  # FSDP2 gathers in its param dtype (bf16 under mixed precision)
             blocks_here = max(n for n, _, _ in _stage_layers(plan, shape.layers))
             root = max(0.0, local - blocks_here * layer)
-            gathers = 2 if plan.fsdp and plan.fsdp.reshards_after_forward else 1
             ag_block, ag_root = AG(pb * layer, shard), AG(pb * root, shard)
-            rs = blocks_here * RS(4 * layer, shard) + RS(4 * root, shard)
-            per_mb = gathers * blocks_here * ag_block + ag_root + rs
+            rs = blocks_here * RS(d.grad_bytes * layer, shard) + RS(d.grad_bytes * root, shard)
+            per_mb = d.gathers_per_micro_batch * blocks_here * ag_block + ag_root + rs
             if shard < dp:  # hybrid: the shards' gradients all-reduced across replicas once per step
                 extra = AR(4 * local / shard, dp // shard)
             else:
@@ -247,24 +237,22 @@ def compose(plan: Plan, profile: Profile) -> dict[str, float]:
                 dp_comm = m * per_mb + extra
         else:
             z = plan.zero
-            stage = z.stage if z else 2
-            pb = BYTES[plan.precision]
-            red = _buckets(pb * local, pb * (z.reduce_bucket_size if z else 5e8))
+            pb = d.param_bytes
+            red = _buckets(d.grad_bytes * local, d.grad_bytes * (z.reduce_bucket_size if z else 5e8))
             gat = _buckets(pb * local, pb * (z.allgather_bucket_size if z else 5e8))
-            if stage == 0:
-                dp_comm = sum(AR(b) for b in red)
-            elif stage == 1:
-                dp_comm = sum(RS(b) for b in red) + sum(AG(b) for b in gat)
-            elif stage == 2:
-                dp_comm = m * sum(RS(b) for b in red) + sum(AG(b) for b in gat)
-            else:
+            if not d.gathers_per_micro_batch:  # ZeRO 0-2: reduce buckets; the partition gathered once
+                reduce = AR if d.gradients == "all_reduce" else RS
+                grads = sum(reduce(b) for b in red)
+                dp_comm = (m * grads if d.grads_every_micro_batch else grads) + (
+                    d.gathers_per_step * sum(AG(b) for b in gat) if d.gathers_per_step else 0.0)
+            else:  # ZeRO-3: every module above the persistence threshold, each micro-batch
                 block_sizes, rest_sizes = module_sizes(plan)
                 blocks_here = max(n for n, _, _ in _stage_layers(plan, shape.layers))
                 gathered = [s / t for s in block_sizes if s > ZERO3_PERSISTENCE] * blocks_here
                 gathered += [s / t for s in rest_sizes if s > ZERO3_PERSISTENCE]
+                # its default reuse distance keeps them for backward: one pass (the volume counts two)
                 passes = 1 if shape.total < ZERO3_MAX_REUSE else 2
-                grads = _buckets(pb * local, pb * (z.reduce_bucket_size if z else 5e8))
-                per_mb = passes * sum(AG(pb * s) for s in gathered) + sum(RS(b) for b in grads)
+                per_mb = passes * sum(AG(pb * s) for s in gathered) + sum(RS(b) for b in red)
                 dp_comm = m * per_mb
             if gpu and z is not None and z.overlap_comm:
                 dp_comm = max(0.0, dp_comm - m * backward_last)
@@ -274,7 +262,7 @@ def compose(plan: Plan, profile: Profile) -> dict[str, float]:
 
     optimizer = profile.optimizer.seconds(optimizer_params(plan))
     host = profile.host_link_bytes_per_s or 25e9
-    offload = _offload_bytes(plan, shape) / host
+    offload = offload_bytes(plan, shape) / host
     terms = {"compute": compute, "tp_comm": tp_comm, "pp_comm": pp_comm, "dp_comm": dp_comm,
              "optimizer": optimizer, "offload": offload,
              "overhead:step": 1.0, "overhead:micro_batch": float(m)}
@@ -337,7 +325,8 @@ def _env_key(env: dict[str, str]) -> str:
 
 
 class StepTimeModel:
-    """Step time of plans from profiles (one per env), refitted on every measured trial.
+    """Step time of plans from profiles (one per env), refitted on every measured trial: the
+    calibrated paratune.predict.TimePredictor.
 
     `error_band()`: before 3 trials, PRIOR_BAND (10%) or the largest pre-refit error seen so far,
     whichever is larger; from 3 trials, the 80th percentile of the leave-one-out relative errors

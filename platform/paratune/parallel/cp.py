@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratune.parallel import StepRunner
+from paratune.parallel.runner import StepRunner
 from paratune.plan import CP_CPU_REASON, Plan
 
 IGNORE_INDEX = -100

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from paratune.parallel import StepRunner, apply_activation_checkpointing, make_optimizer
+from paratune.parallel.runner import StepRunner, apply_activation_checkpointing, make_optimizer
 from paratune.materialize import ModelInit, materialize
 from paratune.plan import Plan
 

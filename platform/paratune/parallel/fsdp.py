@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from paratune.models import decoder_blocks
-from paratune.parallel import StepRunner, apply_activation_checkpointing, make_optimizer
+from paratune.parallel.runner import StepRunner, apply_activation_checkpointing, make_optimizer
 from paratune.materialize import ModelInit, materialize, move_buffers
 from paratune.plan import Plan
 

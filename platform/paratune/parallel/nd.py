@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paratune.materialize import ModelInit, materialize, move_buffers
 from paratune.models import decoder_blocks, decoder_parts
-from paratune.parallel import StepRunner, apply_activation_checkpointing, make_optimizer
+from paratune.parallel.runner import StepRunner, apply_activation_checkpointing, make_optimizer
 from paratune.parallel.dims import ParallelDims
 from paratune.parallel.tp import apply_tp, clip_grad_norm
 from paratune.plan import Plan

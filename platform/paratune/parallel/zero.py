@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from paratune.materialize import ModelInit, attn_implementation, materialize
-from paratune.parallel import ADAM_BETAS, ADAM_EPS, StepRunner, apply_activation_checkpointing, make_optimizer
+from paratune.parallel.runner import ADAM_BETAS, ADAM_EPS, StepRunner, apply_activation_checkpointing, make_optimizer
 from paratune.plan import Plan
 
 

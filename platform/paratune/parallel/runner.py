@@ -1,0 +1,141 @@
+"""The step every strategy runs: StepRunner (accumulate, clip, step), the shared AdamW and recompute.
+
+Strategy modules (ddp, fsdp, nd, cp, zero) subclass or build a StepRunner from here; the package
+`__init__` only dispatches a plan to them, so nothing here imports a strategy module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, Iterator
+
+import torch
+from torch import nn
+
+from paratune.plan import Plan
+
+
+ADAM_BETAS, ADAM_EPS = (0.9, 0.95), 1e-8
+
+
+def make_optimizer(params, plan: Plan) -> torch.optim.Optimizer:
+    """The same AdamW for every strategy (and the reference), so losses are comparable."""
+    return torch.optim.AdamW(params, lr=plan.lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=plan.weight_decay)
+
+
+def apply_activation_checkpointing(model: nn.Module, plan: Plan) -> None:
+    """`full`: recompute every decoder block in backward (non-reentrant, works under DDP/FSDP2)."""
+    if plan.activation_checkpointing == "full":
+        enable_full_recompute(model)
+
+
+def enable_full_recompute(model: nn.Module) -> None:
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _no_sync_context(step: int, last_micro: bool) -> ContextManager:
+    return contextlib.nullcontext()
+
+
+def _no_forward_extra(ids: torch.Tensor) -> dict:
+    return {}
+
+
+class StepRunner:
+    """The torch-native step (DDP, FSDP2, single process): accumulate, clip, step."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        plan: Plan,
+        device: torch.device,
+        sync_context: Callable[[int, bool], ContextManager] | None = None,
+        autocast: bool = False,
+        clip: Callable[[], object] | None = None,
+        forward_extra: Callable[[torch.Tensor], dict] | None = None,
+    ):
+        self.model, self.optimizer, self.plan, self.device = model, optimizer, plan, device
+        self._sync_context = sync_context or _no_sync_context
+        self._autocast = autocast
+        # No default closure over self: a runner must not keep itself alive through a reference
+        # cycle (a finished trial's model would then outlive it and inflate the next one's peak).
+        self._clip = clip
+        self._forward_extra = forward_extra or _no_forward_extra
+        self.steps_done = 0
+
+    def clip_gradients(self) -> None:
+        if self._clip is not None:
+            self._clip()
+        else:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.plan.grad_clip)
+
+    def micro_batch_roots(self) -> list[nn.Module]:
+        """The modules each micro-batch enters through (for per-micro-batch instrumentation)."""
+        return [self.model]
+
+    def _autocast_ctx(self) -> ContextManager:
+        if not self._autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    # Each rank's loss is multiplied by this before backward (context parallelism: DDP averages
+    # over dp x cp ranks where the step needs the sum over cp).
+    loss_scale: float = 1.0
+
+    @contextlib.contextmanager
+    def micro_batch_inputs(self, ids: torch.Tensor) -> Iterator[dict]:
+        """The model's keyword arguments for one micro-batch; forward and backward run inside."""
+        yield {"input_ids": ids, "labels": ids, **self._forward_extra(ids)}
+
+    def step_loss(self, total: torch.Tensor) -> torch.Tensor:
+        """The step's summed micro-batch losses as the reference computes them (hook: cp sums ranks)."""
+        return total
+
+    def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor | None:
+        """One optimizer step; the mean loss, or None on a rank that computes no loss (a PP stage)."""
+        n = len(micro_batches)
+        total = torch.zeros((), device=self.device)
+        for i, ids in enumerate(micro_batches):
+            with self._sync_context(self.steps_done, i == n - 1), self.micro_batch_inputs(ids) as inputs:
+                with self._autocast_ctx():
+                    loss = self.model(**inputs).loss
+                (loss * self.loss_scale / n).backward()
+            total += loss.detach().float()
+        total = self.step_loss(total)
+        self.optimizer_step()
+        return total / n
+
+    def optimizer_step(self) -> None:
+        """Clip (when the plan does), step and zero the gradients: the end of every step."""
+        if self.plan.grad_clip > 0:
+            self.clip_gradients()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps_done += 1
+
+    def save_state(self, path: str) -> None:
+        """Model and optimizer state, sharded as the strategy holds it (torch.distributed.checkpoint:
+        each rank writes its own shards, so a checkpoint never gathers the model on one rank)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self._state_module(), self.optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+
+    def load_state(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        module = self._state_module()
+        model_state, optim_state = get_state_dict(module, self.optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def _state_module(self) -> nn.Module:
+        return self.model if isinstance(self.model, nn.Module) else nn.ModuleList(self.model)
