@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from machine import describe  # noqa: E402
 
 from paratune.plan import load_plan_dict  # noqa: E402
-from paratune.report import env_label, strategy_label  # noqa: E402
+from paratune.tables import env_label, strategy_label  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 BUCKETS = {"reduce_bucket_size": 2_000_000, "allgather_bucket_size": 2_000_000}

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from paratune.estimate import estimate_memory, estimate_time, fit_time_constants, get_device
 from paratune.plan import load_plan_dict
-from paratune.report import strategy_label
+from paratune.tables import strategy_label
 
 TARGET = 0.15  # the bar for peak memory
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 
 from machine import describe  # noqa: E402
-from paratune import measure  # noqa: E402
+from paratune import devices, measure  # noqa: E402
 from paratune.data import TokenBatches  # noqa: E402
 from paratune.models import build_config, build_model  # noqa: E402
 from paratune.parallel.runner import StepRunner, apply_activation_checkpointing, make_optimizer  # noqa: E402
@@ -96,7 +96,7 @@ def _measure_variant(micro_batch: int, ckpt: str, device: torch.device,
     stats = measure.step_stats(measured)
     tps = measure.tokens_per_second_per_gpu(plan.tokens_per_step, measured, 1)
     flops_tok = measure.model_flops_per_token(config, SEQ)
-    peak = None if SMOKE else measure.device_peak_flops(torch.cuda.get_device_name(0), "bf16")
+    peak = None if SMOKE else devices.device_peak_flops(torch.cuda.get_device_name(0), "bf16")
     gib = (lambda f: 0.0) if SMOKE else (lambda f: f(device) / 2**30)
     return {"micro_batch": micro_batch, "grad_accum": plan.grad_accum, "checkpointing": ckpt, "status": "ok",
             "tokens_per_s": tps, "mfu": measure.mfu(tps, flops_tok, peak), "step_median_s": stats.median,

@@ -80,7 +80,7 @@ def predict(rows: list[dict]) -> list[dict]:
     """Predicted beside measured (the largest rank), the relative error and the predicted peak's moment."""
     from paratune.estimate import estimate_memory, get_device
     from paratune.plan import load_plan_dict
-    from paratune.report import strategy_label
+    from paratune.tables import strategy_label
 
     cpu = get_device("cpu")
     out = []

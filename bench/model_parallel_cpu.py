@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from machine import describe  # noqa: E402
 
 from paratune.plan import load_plan_dict  # noqa: E402
-from paratune.report import strategy_label  # noqa: E402
+from paratune.tables import strategy_label  # noqa: E402
 from paratune.trial import run_trial  # noqa: E402
 
 BASE = {"model": "small-llama", "seq_len": 128, "global_batch": 16, "micro_batch": 2,

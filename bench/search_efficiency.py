@@ -7,9 +7,9 @@
    bootstrap resample (seeded) of its measured steps, so every seed sees different noise; the
    quality of a search after n trials is the *table* value of the plan it would pick (the best
    it observed), relative to the table's best. Every searcher gets early stopping as the sweep
-   gives it (measure.StopRule against its incumbent), and each trial costs its measured wall
+   gives it (measure.TrialStopRule against its incumbent), and each trial costs its measured wall
    time (a stopped trial: its launch and the steps it ran). The calibrated search is the sweep's
-   own: paratune.search.StoppingRule over StepTimeModel predictions, refitted after every trial.
+   own: paratune.sweep.stopping.SweepStopRule over StepTimeModel predictions, refitted after every trial.
 4. The model's ranking: predicted (profile only, before any trial) vs measured tokens/s: Kendall
    tau and whether the measured best is in the predicted top 3; and each trial's step time
    predicted before it ran, in the calibrated order (out of sample).
@@ -33,10 +33,10 @@ import optuna
 sys.path.insert(0, str(Path(__file__).parent))
 from machine import describe  # noqa: E402
 
-from paratune.measure import StopRule, step_stats, tokens_per_second_per_gpu  # noqa: E402
+from paratune.measure import TrialStopRule, step_stats, tokens_per_second_per_gpu  # noqa: E402
 from paratune.plan import load_plan_dict  # noqa: E402
-from paratune.report import env_label, strategy_label  # noqa: E402
-from paratune.search import Incumbent, StoppingRule  # noqa: E402
+from paratune.tables import env_label, strategy_label  # noqa: E402
+from paratune.sweep.stopping import Incumbent, SweepStopRule  # noqa: E402
 from paratune.space import load_space  # noqa: E402
 from paratune.sweep import CandidateTree, Ledger, run_sweep  # noqa: E402
 
@@ -124,7 +124,7 @@ class Replay:
             steps = [rng.choice(row["step_times_s"]) for _ in row["step_times_s"]]
             incumbent = self.incumbent()
             if incumbent is not None:
-                rule = StopRule(incumbent.tokens_per_s_per_gpu, incumbent.spread, EARLY_STOP_STEPS)
+                rule = TrialStopRule(incumbent.tokens_per_s_per_gpu, incumbent.spread, EARLY_STOP_STEPS)
                 for n in range(EARLY_STOP_STEPS, len(steps)):
                     if rule.cannot_reach(plan.tokens_per_step, steps[:n], plan.num_workers):
                         cost -= sum(row["step_times_s"]) - sum(steps[:n])  # the steps it did not run
@@ -182,7 +182,7 @@ def replay_calibrated(table, profiles, seed: int) -> tuple[Replay, str, list[dic
 
     model = StepTimeModel(profiles)
     plans = {k: load_plan_dict(v["plan"]) for k, v in table.items()}
-    rule = StoppingRule()
+    rule = SweepStopRule()
     replay = Replay(table, seed)
     predictions: list[dict[str, float]] = []
     while True:
@@ -309,7 +309,7 @@ def main() -> None:
                      f"{statistics.median(walls) if walls else float('nan'):.0f} | "
                      f"{statistics.median(r['stopped'] for r in rs):.0f} | {statistics.median(r['trials'] for r in rs):.0f} |")
     cal = runs["calibrated"]
-    lines += ["", "Calibrated search, by its stated rule (paratune.search.StoppingRule): "
+    lines += ["", "Calibrated search, by its stated rule (paratune.sweep.stopping.SweepStopRule): "
               f"stopped after a median of {statistics.median(r['trials'] for r in cal):.0f} trials "
               f"({statistics.median(r['trials'] for r in cal) / len(valid):.0%} of the grid); the plan it picks is "
               f"within 3% of the grid best in {sum(r['picked'] >= TARGET for r in cal)}/{len(cal)} seeds "

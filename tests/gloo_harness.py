@@ -246,9 +246,9 @@ _references: dict[str, list[float]] = {}
 
 
 def reference_for(plan) -> list[float]:
-    """`paratune.reference.reference_losses(plan)`, computed once per distinct training in this
+    """`paratune.parity.reference_losses(plan)`, computed once per distinct training in this
     test session (the reference is deterministic: same training, same losses)."""
-    from paratune.reference import reference_losses
+    from paratune.parity import reference_losses
 
     key = training_key(plan)
     if key not in _references:

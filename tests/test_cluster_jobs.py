@@ -229,7 +229,7 @@ def test_training_job_checkpoints_and_resumes_after_a_worker_is_killed(cluster):
     and the loss curve is the uninterrupted one step for step (the same training run on one
     process without interruption, which every fp32 strategy matches to < 1e-5)."""
     from paratune.plan import load_plan_dict
-    from paratune.reference import reference_losses
+    from paratune.parity import reference_losses
 
     plan = {**FIXED, "strategy": "fsdp", "fsdp": {"sharding": "full"},
             "env": {"PARATUNE_FAULT": "kill:rank=1:step=3:delay_s=3"}}

@@ -20,7 +20,7 @@ from gloo_harness import one_torch_thread, reference_for, run_plans_on_gloo  # n
 
 from paratune.models import build_config, parameter_layout
 from paratune.plan import load_plan_dict
-from paratune.reference import max_loss_difference
+from paratune.parity import max_loss_difference
 
 pytestmark = pytest.mark.integration
 

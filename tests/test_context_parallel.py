@@ -17,7 +17,7 @@ from gloo_harness import one_torch_thread  # noqa: F401 (fixture: in-process ref
 from gloo_harness import assert_groups_use_plan_timeout, batch_result, run_named_batch, single_torch_thread, training_key
 
 from paratune.plan import CP_CPU_REASON, load_plan_dict
-from paratune.reference import max_loss_difference, reference_losses
+from paratune.parity import max_loss_difference, reference_losses
 
 SHIM = "cp_cpu_shim:install"
 MEASURE = "test_context_parallel:measure_with_gradients"
@@ -212,7 +212,7 @@ def measure_with_gradients(plan, rank: int, world: int, local_world: int, device
 
 
 def reference_gradients(plan) -> dict:
-    """The single-process reference's first-step gradients (as paratune.reference trains)."""
+    """The single-process reference's first-step gradients (as paratune.parity trains its reference)."""
     import torch
 
     from paratune.data import TokenBatches

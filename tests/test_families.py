@@ -23,7 +23,7 @@ from paratune.materialize import build_meta
 from paratune.models import PRESET_DIR, ModelError, build_config, build_model, parameter_counts
 from paratune.plan import PlanError, load_plan_dict
 from paratune.preflight import attention_windows, check_plan_against_model
-from paratune.reference import max_loss_difference
+from paratune.parity import max_loss_difference
 from paratune.trial import run_trial
 
 FAMILIES = ["tiny-llama3", "tiny-qwen2.5", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-phi3", "tiny-gptneox",

@@ -66,7 +66,9 @@ def test_acceptance_script_smoke_runs_as_on_the_gpu_image(tmp_path):
 # module of the worker path, the model-parallel layouts the five families do not reach included.
 WORKER_PATH = ["paratune.trial", "paratune.placement", "paratune.measure", "paratune.failures", "paratune.plan",
                "paratune.data", "paratune.models", "paratune.materialize", "paratune.precision",
-               "paratune.reference", "paratune.preflight", "paratune.estimate", "paratune.parallel",
+               "paratune.parity", "paratune.preflight", "paratune.estimate", "paratune.devices", "paratune.shapes",
+               "paratune.activations", "paratune.memory", "paratune.results", "paratune.launch",
+               "paratune.parallel", "paratune.parallel.runner",
                "paratune.parallel.ddp", "paratune.parallel.fsdp", "paratune.parallel.zero", "paratune.parallel.tp",
                "paratune.parallel.pp", "paratune.parallel.cp", "paratune.parallel.nd", "paratune.parallel.dims"]
 

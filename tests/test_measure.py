@@ -2,7 +2,7 @@
 
 import pytest
 
-from paratune import measure
+from paratune import devices, measure
 from paratune.models import build_config, parameter_counts, parameter_layout
 from paratune.plan import load_plan_dict
 from paratune.trial import summarize
@@ -178,12 +178,12 @@ def test_dense_models_have_every_parameter_active():
 
 
 def test_mfu_against_the_dense_peak():
-    peak = measure.device_peak_flops("NVIDIA H200", "bf16")
+    peak = devices.device_peak_flops("NVIDIA H200", "bf16")
     assert peak == 989e12  # dense, never the sparsity figure
     assert measure.mfu(5000.0, 6e10, peak) == pytest.approx(5000 * 6e10 / 989e12)
-    assert measure.device_peak_flops("cpu", "bf16") is None
+    assert devices.device_peak_flops("cpu", "bf16") is None
     assert measure.mfu(5000.0, 6e10, None) is None
-    assert measure.device_peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
+    assert devices.device_peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
 
 
 # --------------------------------------------------------------------------- device names
@@ -196,26 +196,26 @@ DEVICE_NAMES = json.loads((GPU_DATA / "device_names.json").read_text())["devices
 
 @pytest.mark.parametrize("entry", DEVICE_NAMES, ids=lambda e: e["name"])
 def test_device_names_match_exactly(entry):
-    model = measure.gpu_model(entry["name"])
+    model = devices.gpu_model(entry["name"])
     if entry["model"] is None:  # unknown: no model and no peak, never a near match
-        assert model is None and measure.device_peak_flops(entry["name"], "bf16") is None
+        assert model is None and devices.device_peak_flops(entry["name"], "bf16") is None
         return
-    assert model == measure.GpuModel(entry["model"], entry["memory_gb"])
-    peaks = measure.GPU_PEAK_TFLOPS[entry["model"]]
-    assert measure.device_peak_flops(entry["name"], "fp32") == peaks["fp32"] * 1e12
+    assert model == devices.GpuModel(entry["model"], entry["memory_gb"])
+    peaks = devices.GPU_PEAK_TFLOPS[entry["model"]]
+    assert devices.device_peak_flops(entry["name"], "fp32") == peaks["fp32"] * 1e12
 
 
 def test_an_l40_is_not_an_l4_and_a100_sizes_share_one_peak():
     # Substring matching took "NVIDIA L40" for the L4 entry: MFU ~1.5x too high.
-    assert measure.device_peak_flops("NVIDIA L40", "bf16") == 181e12  # L40 datasheet: 181.05 dense (362.1 sparse)
-    assert measure.device_peak_flops("NVIDIA L40", "fp32") == 90.5e12
-    assert measure.device_peak_flops("NVIDIA L4", "bf16") == 121e12
-    assert measure.device_peak_flops("NVIDIA L40S", "bf16") == 362e12
-    assert measure.device_peak_flops("NVIDIA A10", "bf16") == 125e12  # not the A10G, not the A100
+    assert devices.device_peak_flops("NVIDIA L40", "bf16") == 181e12  # L40 datasheet: 181.05 dense (362.1 sparse)
+    assert devices.device_peak_flops("NVIDIA L40", "fp32") == 90.5e12
+    assert devices.device_peak_flops("NVIDIA L4", "bf16") == 121e12
+    assert devices.device_peak_flops("NVIDIA L40S", "bf16") == 362e12
+    assert devices.device_peak_flops("NVIDIA A10", "bf16") == 125e12  # not the A10G, not the A100
     for name in ("NVIDIA A100-SXM4-40GB", "NVIDIA A100-SXM4-80GB", "NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe"):
-        assert measure.device_peak_flops(name, "bf16") == 312e12
-    assert measure.device_peak_flops("Tesla V100-SXM2-32GB", "bf16") is None  # no bf16 tensor cores
-    assert measure.device_peak_flops("NVIDIA H100 80GB HBM3", "fp8") is None  # a precision without a peak
+        assert devices.device_peak_flops(name, "bf16") == 312e12
+    assert devices.device_peak_flops("Tesla V100-SXM2-32GB", "bf16") is None  # no bf16 tensor cores
+    assert devices.device_peak_flops("NVIDIA H100 80GB HBM3", "fp8") is None  # a precision without a peak
 
 
 # --------------------------------------------------------------------------- communication share
@@ -294,11 +294,11 @@ def test_comm_share_from_a_real_profile():
 
 
 def test_stop_rule_waits_for_its_steps_then_stops_only_outside_both_noise_bands():
-    from paratune.measure import TrialStopRule as StopRule
+    from paratune.measure import TrialStopRule
 
     # 1,000 tokens per step on 2 GPUs: a 1 s step is 500 tokens/s/GPU.
     # The incumbent's band is half its spread (as the verdict's), here 15%: its floor is 850.
-    rule = StopRule(incumbent_tokens_per_s_per_gpu=1000.0, incumbent_spread=0.30, min_steps=2)
+    rule = TrialStopRule(incumbent_tokens_per_s_per_gpu=1000.0, incumbent_spread=0.30, min_steps=2)
     assert not rule.cannot_reach(1000, [2.0], 2)  # one step is not evidence
     assert rule.cannot_reach(1000, [1.0, 1.0], 2)  # 500 x 1.05 < 850
     # Within the bands: 0.62 s -> 806 tokens/s/GPU, raised by 5% (847)... just below: stops;
@@ -309,6 +309,6 @@ def test_stop_rule_waits_for_its_steps_then_stops_only_outside_both_noise_bands(
     assert not rule.cannot_reach(1000, [0.7, 1.2], 2)
     assert rule.upper_bound(1000, [0.7, 1.2], 2) == pytest.approx(1000 / (0.7 * 2) * (1 + (1.2 - 0.7) / 0.95 / 2))
     # The bands never go under the 5% floor: a quiet incumbent's floor is 950.
-    assert StopRule(1000.0, 0.02).incumbent_floor() == pytest.approx(950)
+    assert TrialStopRule(1000.0, 0.02).incumbent_floor() == pytest.approx(950)
     text = rule.explain(1000, [1.0, 1.0], 2, planned=5)
     assert "after 2 of 5 measured steps" in text and "850" in text

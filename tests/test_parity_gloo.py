@@ -12,7 +12,7 @@ from gloo_harness import assert_groups_use_plan_timeout, batch_result, one_torch
 from conftest import BASE_PLAN, expected_parameter_share
 
 from paratune.plan import load_plan_dict
-from paratune.reference import max_loss_difference
+from paratune.parity import max_loss_difference
 
 pytestmark = pytest.mark.integration
 

@@ -125,7 +125,7 @@ def test_proxy_that_cannot_be_built_is_a_failed_check_with_a_reason(tmp_path):
     plan = load_plan_dict({"model": str(tmp_path), "seq_len": 256, "global_batch": 8, "micro_batch": 2,
                            "num_workers": 2, "strategy": "fsdp", "precision": "bf16"})
     assert parameter_counts(build_config(plan.model))["total"] > 200_000_000
-    for given in (plan, plan.to_dict()):  # _finish passes the ledger's plan dict
+    for given in (plan, plan.to_dict()):  # finish_sweep passes the ledger's plan dict
         check = winner_parity(given, _ok_result(plan, [5.0, 4.9, 4.8]))
         assert isinstance(check, Parity) and not check.passed and check.max_abs_loss_diff == math.inf
         assert "building the proxy" in check.reason and "short_factor" in check.reason
@@ -153,7 +153,7 @@ def test_small_model_is_compared_with_the_reference_directly():
     assert "over tolerance 0.0001" in off.reason
 
 
-# --------------------------------------------------------------------------- _finish, without Ray
+# --------------------------------------------------------------------------- finish_sweep, without Ray
 @pytest.fixture(scope="module")
 def tracker(tmp_path_factory):
     """A real MLflow store (sqlite), shared by the tests of this module: creating one takes seconds."""
@@ -178,7 +178,8 @@ def _finish_with(tmp_path: Path, tracker, space_fixed: dict, measured: list[tupl
     gets (default: `tracker`, which started the parent)."""
     from rich.console import Console
 
-    from paratune.sweep import Ledger, LedgerEntry, SweepReport, _finish
+    from paratune.sweep import Ledger, LedgerEntry
+    from paratune.sweep.finish import SweepOutcome, finish_sweep
 
     space = _finish_space(space_fixed)
     ledger = Ledger(tmp_path / "ledger.jsonl")
@@ -187,10 +188,10 @@ def _finish_with(tmp_path: Path, tracker, space_fixed: dict, measured: list[tupl
                              step_time_spread=0.0, losses=losses)
         ledger.append(LedgerEntry(number, json.dumps({"micro_batch": plan["micro_batch"]}), result, "search"))
     parent = tracker.start_parent("finish", None, params={}, tags={})
-    report = SweepReport(tmp_path / "sweep", parent, ledger.entries)
+    report = SweepOutcome(tmp_path / "sweep", parent, ledger.entries)
     report.out_dir.mkdir()  # run_sweep's folder
     console = Console(file=io.StringIO(), width=400)
-    _finish(space, report, ledger, finishing_tracker or tracker, None, console)
+    finish_sweep(space, report, ledger, finishing_tracker or tracker, None, console)
     return report, tracker.client.get_run(parent), console.file.getvalue()
 
 
@@ -221,7 +222,8 @@ def test_finish_with_mlflow_down_keeps_the_winner_and_a_resume_logs_the_end_once
     from procs import free_port
     from rich.console import Console
 
-    from paratune.sweep import Ledger, SweepReport, _finish
+    from paratune.sweep import Ledger
+    from paratune.sweep.finish import SweepOutcome, finish_sweep
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # a refused connection fails at once
     down = copy.copy(tracker)
@@ -239,8 +241,8 @@ def test_finish_with_mlflow_down_keeps_the_winner_and_a_resume_logs_the_end_once
 
     for _ in range(2):  # MLflow is back: `--resume` finishes again (a new report, the same ledger); twice: no change
         ledger = Ledger(tmp_path / "ledger.jsonl")
-        again = SweepReport(report.out_dir, parent.info.run_id, ledger.entries)
-        _finish(_finish_space(fixed), again, ledger, tracker, None, Console(file=io.StringIO(), width=400))
+        again = SweepOutcome(report.out_dir, parent.info.run_id, ledger.entries)
+        finish_sweep(_finish_space(fixed), again, ledger, tracker, None, Console(file=io.StringIO(), width=400))
     parent = tracker.client.get_run(parent.info.run_id)
     assert parent.info.status == "FINISHED" and parent.data.tags["paratune.winner"] == "ddp mb2x2"
     assert sorted(int(r.data.tags["paratune.trial_number"]) for r in tracker.child_runs(parent.info.run_id)) == [1, 2]

@@ -1,4 +1,4 @@
-"""The calibrated search's stopping rule (paratune.search): pure, so tested without Ray."""
+"""The calibrated search's stopping rule (paratune.sweep.stopping): pure, so tested without Ray."""
 
 import pytest
 

@@ -11,9 +11,9 @@ import time
 import pytest
 from conftest import BASE_PLAN, expected_parameter_share
 
-from paratune.measure import StopRule
+from paratune.measure import TrialStopRule
 from paratune.plan import load_plan_dict
-from paratune.reference import max_loss_difference, reference_losses
+from paratune.parity import max_loss_difference, reference_losses
 from paratune.pool import get_pool_actor
 from paratune.results import SessionTrialResult
 from paratune.session import RequestFailed
@@ -44,7 +44,7 @@ def pool(ray_local):
     actor = get_pool_actor("paratune-test-pool")
 
     class Pool:
-        def measure(self, plan: dict, stop_rule: StopRule | None = None) -> SessionTrialResult:
+        def measure(self, plan: dict, stop_rule: TrialStopRule | None = None) -> SessionTrialResult:
             rule = stop_rule._asdict() if stop_rule else None
             return SessionTrialResult.model_validate(ray_local.get(actor.measure.remote(plan, rule), timeout=600))
 
@@ -151,10 +151,10 @@ def actor_classes() -> set[str]:
 
 def test_the_stop_rule_works_in_a_reused_group(pool):
     plan = {**DDP, "measure_steps": 5}
-    result = pool.measure(plan, StopRule(incumbent_tokens_per_s_per_gpu=1e12, min_steps=2))
+    result = pool.measure(plan, TrialStopRule(incumbent_tokens_per_s_per_gpu=1e12, min_steps=2))
     assert result.status == "stopped_early" and "after 2 of 5 measured steps" in result.message
     assert len(result.step_times_s) == 2 and result.peak_memory_bytes == [0, 0]
-    full = pool.measure(plan, StopRule(incumbent_tokens_per_s_per_gpu=1e-3, min_steps=2))
+    full = pool.measure(plan, TrialStopRule(incumbent_tokens_per_s_per_gpu=1e-3, min_steps=2))
     assert full.ok and len(full.step_times_s) == 5 and min(full.peak_memory_bytes) > 0
     assert full.losses[: len(result.losses)] == result.losses
     assert full.group_id == result.group_id and full.group_request == result.group_request + 1

@@ -134,11 +134,12 @@ def test_exported_winner_loads_back(tmp_path):
 def test_the_sweep_searcher_never_repeats_and_finishes_when_the_space_is_spent(tmp_path):
     from ray.tune.search import Searcher
 
-    from paratune.sweep import Ledger, _searcher
+    from paratune.sweep import Ledger
+    from paratune.sweep.searchers import optuna_searcher
 
     space = space_from_dict({**SPACE, "space": {"strategy": {"ddp": {}, "fsdp": {"sharding": ["full"]}},
                                                 "micro_batch": [1, 2]}})
-    searcher = _searcher(space, "tpe", seed=0, ledger=Ledger(tmp_path / "ledger.jsonl"), budget_gb=None, trials=10)
+    searcher = optuna_searcher(space, "tpe", seed=0, ledger=Ledger(tmp_path / "ledger.jsonl"), budget_gb=None, trials=10)
     seen = []
     for i in range(6):
         config = searcher.suggest(f"t{i}")

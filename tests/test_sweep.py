@@ -30,7 +30,7 @@ def sweep_pool(ray_local):
     the default, started and closed with it: the sweep jobs of tests/test_cluster_jobs.py.) Closed
     at the module's end, so the CPUs its idle group holds go back before the next module's workers
     need them."""
-    from paratune.session import get_pool_actor
+    from paratune.pool import get_pool_actor
 
     name = "paratune-test-sweep-pool"
     actor = get_pool_actor(name)
@@ -235,7 +235,7 @@ def _pool_groups(name: str) -> list[dict]:
     """The worker groups of a running pool actor (paratune.session), ended ones left out."""
     import ray
 
-    from paratune.session import get_pool_actor
+    from paratune.pool import get_pool_actor
 
     return [g for g in ray.get(get_pool_actor(name).groups.remote()) if not g["ended"]]
 

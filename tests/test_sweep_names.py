@@ -30,12 +30,12 @@ def test_the_page_and_paratune_report_never_load_ray_tune():
 
 def test_the_old_names_are_the_new_objects():
     import paratune.sweep as sweep
-    from paratune import parity, search
+    from paratune import parity
     from paratune.sweep.finish import SweepOutcome, finish_sweep, write_page
     from paratune.sweep.stopping import SweepStopRule
 
-    assert sweep.SweepReport is SweepOutcome and sweep.write_report is write_page and sweep._finish is finish_sweep
-    assert search.StoppingRule is SweepStopRule and sweep.StoppingRule is SweepStopRule
+    assert sweep.SweepReport is SweepOutcome and sweep.write_report is write_page
+    assert sweep.StoppingRule is SweepStopRule and sweep.finish_sweep is finish_sweep
     assert sweep.winner_parity is parity.winner_parity and sweep.Parity is parity.Parity
     for name in sweep._MOVED:  # every old name resolves
         assert getattr(sweep, name) is not None, name

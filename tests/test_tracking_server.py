@@ -23,7 +23,8 @@ from mlflow.tracking import MlflowClient
 
 from paratune.plan import load_plan_dict
 from paratune.space import load_space
-from paratune.sweep import Ledger, LedgerEntry, _LedgerCallback, run_sweep
+from paratune.sweep import Ledger, LedgerEntry, run_sweep
+from paratune.sweep.callbacks import LedgerCallback
 from paratune.tracking import SweepTracker, trial_metrics
 from paratune.trial import TrialResult
 
@@ -33,7 +34,7 @@ from procs import free_port, stop_group
 pytestmark = pytest.mark.integration
 
 BIN = Path(sys.executable).parent
-# One worker per trial: the 2-CPU cluster runs two trials at once (sweep._concurrency).
+# One worker per trial: the 2-CPU cluster runs two trials at once (paratune.sweep.cluster.concurrency).
 FIXED = {"model": "tiny-llama", "seq_len": 32, "global_batch": 8, "num_workers": 1, "warmup_steps": 1,
          "measure_steps": 2, "profile_comm": False, "lr": 0.01, "trial_timeout_s": 300}
 
@@ -119,7 +120,7 @@ def test_a_sweep_logs_through_the_server_each_of_two_concurrent_trials_once(ray_
 
     # When the driver saw each trial start and finish (Tune calls its callbacks on one thread).
     seen: dict[str, dict[str, float]] = {}
-    complete = _LedgerCallback.on_trial_complete
+    complete = LedgerCallback.on_trial_complete
 
     def on_trial_start(self, iteration, trials, trial, **info):
         seen.setdefault(trial.trial_id, {})["start"] = time.time()
@@ -128,8 +129,8 @@ def test_a_sweep_logs_through_the_server_each_of_two_concurrent_trials_once(ray_
         seen.setdefault(trial.trial_id, {})["end"] = time.time()
         return complete(self, iteration, trials, trial, **info)
 
-    monkeypatch.setattr(_LedgerCallback, "on_trial_start", on_trial_start, raising=False)
-    monkeypatch.setattr(_LedgerCallback, "on_trial_complete", on_trial_complete)
+    monkeypatch.setattr(LedgerCallback, "on_trial_start", on_trial_start, raising=False)
+    monkeypatch.setattr(LedgerCallback, "on_trial_complete", on_trial_complete)
 
     # Through the faulty proxy: the first trial's last write ("paratune.logged") fails 3 times,
     # MLflow's 1 + 2 retries (the `faulty` fixture); the start of the sweep sets no tag.

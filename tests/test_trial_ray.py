@@ -89,13 +89,13 @@ def test_hanging_worker_is_ended_by_the_trial_timeout(ray_local):
 
 
 def test_a_trial_that_cannot_reach_the_incumbent_stops_early_with_its_partial_figures(ray_local):
-    from paratune.measure import StopRule
+    from paratune.measure import TrialStopRule
 
     # The plan's env reaches its workers (and comes back as seen): settings that are not
     # communication settings are still delivered.
     env = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_ALGO": "Ring", "PARATUNE_PROBE": "42"}
     plan = load_plan_dict({**BASE_PLAN, "measure_steps": 5, "track_memory": True, "env": env})
-    result = run_trial(plan, stop_rule=StopRule(incumbent_tokens_per_s_per_gpu=1e12, min_steps=2))
+    result = run_trial(plan, stop_rule=TrialStopRule(incumbent_tokens_per_s_per_gpu=1e12, min_steps=2))
     assert result.env_seen == env, result.env_seen
     assert result.status == "stopped_early" and not result.ok and result.stopped_early
     assert len(result.step_times_s) == 2 and len(result.losses) == plan.warmup_steps + 2

@@ -11,7 +11,7 @@ from conftest import BASE_PLAN
 from gloo_harness import assert_groups_use_plan_timeout, one_torch_thread, reference_for  # noqa: F401 (fixture)
 
 from paratune.plan import PlanError, load_plan_dict
-from paratune.reference import max_loss_difference
+from paratune.parity import max_loss_difference
 
 
 def _plan(**changes):

@@ -389,7 +389,7 @@ def _trace_store_path(config_json: str, checkpointing: str, precision: str, micr
     import torch
     import transformers
 
-    from paratune.trial import paratune_home
+    from paratune.launch import paratune_home
 
     text = json.dumps([config_json, checkpointing, precision, micro_batch, seq_len, torch.__version__,
                        transformers.__version__, hashlib.sha256(Path(__file__).read_bytes()).hexdigest()])

@@ -20,7 +20,8 @@ def _cmd_trial(args: argparse.Namespace, console: Console) -> int:
     from paratune.failures import classify
     from paratune.parity import winner_parity
     from paratune.tables import print_results
-    from paratune.trial import TrialResult, run_trial
+    from paratune.results import TrialResult
+    from paratune.trial import run_trial
 
     rows: list[tuple[str, TrialResult, float | None]] = []
     passed: dict[int, bool] = {}  # row index -> the parity judge's verdict (--parity, ok trials only)
@@ -85,7 +86,7 @@ def _cmd_tune(args: argparse.Namespace, console: Console) -> int:
     except SpaceError as err:
         console.print(f"[red]invalid space[/red]\n{escape(str(err))}")
         return 2
-    from paratune.trial import paratune_home
+    from paratune.launch import paratune_home
 
     out = Path(args.out) if args.out else paratune_home() / space.spec.name
     try:
@@ -176,7 +177,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
     from paratune.devices import get_device
     from paratune.estimate import estimate_space
-    from paratune.report import print_estimates
+    from paratune.tables import print_estimates
     from paratune.space import SpaceError, read_yaml_mapping, space_from_dict
 
     t0 = time.perf_counter()
@@ -257,7 +258,7 @@ def _print_time_parts(estimates, profiles, console: Console, top: int) -> None:
     """`paratune plan --profile`: where each fitting plan's predicted step goes."""
     from rich.table import Table
 
-    from paratune.report import env_label, strategy_label
+    from paratune.tables import env_label, strategy_label
 
     table = Table(title="step time from the profile (s): compute, exposed communication, optimizer, overheads")
     for col in ("#", "plan", "env", "compute", "tp", "pp", "dp", "optimizer", "other", "step s"):
@@ -279,9 +280,10 @@ def _print_time_parts(estimates, profiles, console: Console, top: int) -> None:
 def _cmd_profile(args: argparse.Namespace, console: Console) -> int:
     """Profile what a space's plans need on the running Ray cluster (or an in-process one), store
     it under PARATUNE_HOME/profiles (reused when it already covers the plans), write --out."""
-    from paratune.profile import ProfileError, ProfileStore, profile_requests_for, run_profile
+    from paratune.profile import ProfileError, ProfileStore, profile_requests_for
+    from paratune.profiling import run_profile
     from paratune.space import SpaceError, load_space
-    from paratune.trial import ensure_ray
+    from paratune.launch import ensure_ray
 
     try:
         space = load_space(args.space)
@@ -356,7 +358,7 @@ def _print_construction(estimates, console: Console, top: int) -> None:
     for the plans shown above, and how many plans cannot even be built."""
     from rich.table import Table
 
-    from paratune.report import strategy_label, strategy_options
+    from paratune.tables import strategy_label, strategy_options
 
     fitting = [e for e in estimates if e.fits][:top]
     if fitting:

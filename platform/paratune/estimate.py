@@ -26,8 +26,8 @@ from paratune.memory import MemoryEstimate, construction_bytes, estimate_memory
 from paratune.plan import Plan
 from paratune.shapes import BYTES, GiB, local_params, model_shape, offload_bytes, replicas
 
-# moved: see paratune.devices, paratune.shapes, paratune.activations, paratune.memory; the old
-# names stay importable from here (public ones for users; the private ones until the layout pass).
+# The cost model's public names, importable from here as before the split (paratune.devices,
+# .shapes, .activations, .memory hold them; paratune's own modules import them from there).
 from paratune.activations import (  # noqa: E402, F401
     PHASES,
     TRACE_STORE_DIR,
@@ -58,10 +58,6 @@ from paratune.shapes import (  # noqa: E402, F401
     ModelShape,
     compute_precision,
 )
-from paratune.shapes import fsdp_shard_degree as _fsdp_shard_degree  # noqa: E402, F401 - profile.py's import
-from paratune.shapes import local_params as _local_params  # noqa: E402, F401 - profile.py's import
-from paratune.shapes import offload_bytes as _offload_bytes  # noqa: E402, F401
-from paratune.shapes import replicas as _replicas  # noqa: E402, F401 - profile.py's import
 
 
 # --------------------------------------------------------------------------- communication

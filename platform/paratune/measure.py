@@ -10,8 +10,6 @@ import statistics
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple
 
-# moved: see paratune.devices; kept until the layout pass (measure.device_peak_flops, gpu_model, ...)
-from paratune.devices import GPU_PEAK_TFLOPS, GpuModel, device_peak_flops, gpu_model  # noqa: F401
 
 # --------------------------------------------------------------------------- communication share
 class ProfileEvent(NamedTuple):
@@ -209,4 +207,3 @@ class TrialStopRule(NamedTuple):
                 f"less its noise band)")
 
 
-StopRule = TrialStopRule  # the old name (a public import: paratune.measure.StopRule)

@@ -17,9 +17,10 @@ import torch
 
 from paratune.data import TokenBatches
 from paratune.models import build_config, build_model, ffn_width_key, load_config_dict, parameter_counts
-from paratune.parallel import StepRunner, apply_activation_checkpointing, make_optimizer
+from paratune.parallel.runner import StepRunner, apply_activation_checkpointing, make_optimizer
 from paratune.plan import Plan, load_plan_dict
-from paratune.trial import TrialResult, run_trial
+from paratune.results import TrialResult
+from paratune.trial import run_trial
 
 
 def reference_losses(plan: Plan, steps: int | None = None) -> list[float]:

@@ -47,7 +47,7 @@ class SessionPool:
         self._closed = False
 
     # ----------------------------------------------------------------- requests
-    def measure(self, plan: Plan | dict[str, Any], stop_rule: measure.StopRule | None = None) -> TrialResult:
+    def measure(self, plan: Plan | dict[str, Any], stop_rule: measure.TrialStopRule | None = None) -> TrialResult:
         """The trial (as run_trial) in a group of the plan's key. Never raises for a failing plan.
 
         launch_s: the request's submission to the first step (a fresh group's start included);
@@ -203,7 +203,7 @@ class PoolActor:
 
     def measure(self, plan: dict[str, Any], stop_rule: dict[str, Any] | None = None) -> dict[str, Any]:
         """SessionTrialResult as a dict (TrialResult.model_validate accepts it)."""
-        rule = measure.StopRule(**stop_rule) if stop_rule else None
+        rule = measure.TrialStopRule(**stop_rule) if stop_rule else None
         return self.pool.measure(plan, rule).model_dump()
 
     def run(self, plan: dict[str, Any], function_path: str, payload: dict[str, Any],

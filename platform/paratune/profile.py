@@ -25,7 +25,6 @@ step time from a profile. Neither torch nor Ray is imported here.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import math
 import time
@@ -165,13 +164,13 @@ def plan_blocks(plan: Plan) -> list[BlockShape]:
 
 def optimizer_params(plan: Plan) -> int:
     """Parameter elements one rank's optimizer steps under a plan (sharded by ZeRO/FSDP)."""
-    from paratune.estimate import _fsdp_shard_degree, _local_params, _replicas, model_shape
+    from paratune.shapes import fsdp_shard_degree, local_params, model_shape, replicas
 
-    local, _ = _local_params(plan, model_shape(plan))
+    local, _ = local_params(plan, model_shape(plan))
     if plan.strategy == "fsdp" and plan.fsdp is not None:
-        local /= _fsdp_shard_degree(plan)
+        local /= fsdp_shard_degree(plan)
     elif plan.strategy == "zero" and plan.zero is not None and plan.zero.stage >= 1:
-        local /= _replicas(plan)
+        local /= replicas(plan)
     return max(1, int(local))
 
 
@@ -496,15 +495,3 @@ def load_profiles(path: str | Path) -> list[Profile]:
         return [Profile.model_validate(item) for item in items]
     except Exception as err:  # noqa: BLE001
         raise ProfileError(f"profile: {path} is not a paratune profile: {str(err).splitlines()[0]}") from None
-
-
-# moved: see paratune.profiling; kept until the layout pass (sweep.py and cli.py import
-# run_profile and workers_plan from here). Lazy: paratune.profiling imports this module.
-_MOVED = {"run_profile", "workers_plan", "collect_profile", "PROFILE_FUNCTION", "PROFILE_COMM_TIMEOUT_S", "Runner",
-          "CPU_SIZES", "GPU_SIZES"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        return getattr(importlib.import_module("paratune.profiling"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -84,7 +84,7 @@ def _profile_block_shapes(request: ProfileRequest, device, barrier: Callable[[],
     every requested shape: the real transformers modules, the trials' precision handling."""
     import torch
 
-    from paratune.parallel import enable_full_recompute
+    from paratune.parallel.runner import enable_full_recompute
     from paratune.parallel.pp import StageModule, causal_lm_loss
 
     out = []
@@ -209,7 +209,7 @@ def _profile_optimizer(request: ProfileRequest, device, barrier: Callable[[], No
     size of a model's: ~10 per decoder layer's worth), for each requested n."""
     import torch
 
-    from paratune.parallel import ADAM_BETAS, ADAM_EPS
+    from paratune.parallel.runner import ADAM_BETAS, ADAM_EPS
 
     points = []
     for n in request.local_params:

@@ -17,7 +17,7 @@ from paratune.plan import Plan
 class TrialResult(BaseModel):
     """What one trial measured, or why it failed."""
 
-    # stopped_early: a loser seen in its first measured steps (measure.StopRule); its partial
+    # stopped_early: a loser seen in its first measured steps (measure.TrialStopRule); its partial
     # figures are kept, and it is neither a failure nor a full measurement.
     status: Literal["ok", "failed", "stopped_early"]
     reason: Reason | None = None

@@ -280,7 +280,7 @@ def probe(payload: dict[str, Any], rank: int, world: int, local_world: int, devi
 def measure_request(payload: dict[str, Any], rank: int, world: int, local_world: int, device) -> dict[str, Any]:
     """The trial's worker side as a session function: train_and_measure on one plan."""
     plan = load_plan_dict(payload["plan"])
-    rule = measure.StopRule(**payload["stop_rule"]) if payload.get("stop_rule") else None
+    rule = measure.TrialStopRule(**payload["stop_rule"]) if payload.get("stop_rule") else None
     return train_and_measure(plan, rank, world, local_world, device, stop_rule=rule)
 
 
@@ -469,15 +469,3 @@ class WorkerSession:
         return {"group_id": self.id, "world_size": self.key.world_size, "use_gpu": self.key.use_gpu, "nodes": self.nodes,
                 "resources": dict(self.key.resources), "env": dict(self.key.env), "pids": self.pids,
                 "requests_served": self.requests_served, "busy": self.busy, "ended": self.ended}
-
-
-# moved: see paratune.pool; kept until the layout pass (sweep.py imports get_pool_actor from here;
-# SessionTrialResult: paratune.results). Lazy: paratune.pool imports this module.
-_MOVED = {"SessionPool": "paratune.pool", "PoolActor": "paratune.pool", "get_pool_actor": "paratune.pool",
-          "DEFAULT_POOL_NAME": "paratune.pool", "SessionTrialResult": "paratune.results"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

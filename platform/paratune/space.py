@@ -56,13 +56,13 @@ class Objective(_Strict):
 
 class SearchSettings(_Strict):
     # calibrated: the plans predicted fastest by the step-time model (profiled on the cluster,
-    # refitted on each trial) first, stopping when none left can win (paratune.search).
+    # refitted on each trial) first, stopping when none left can win (paratune.sweep.stopping).
     algorithm: Literal["calibrated", "tpe", "random", "grid"] = "calibrated"
     trials: int = Field(12, ge=1, le=10_000)  # the budget: at most this many trials
     seed: int = 0
     # Stop a running trial whose first measured steps show it cannot reach the incumbent
-    # (measure.StopRule); it is recorded as stopped_early. Grid sweeps always measure fully.
-    # calibrated: stop measuring once no unmeasured plan can win (paratune.search.StoppingRule);
+    # (measure.TrialStopRule); it is recorded as stopped_early. Grid sweeps always measure fully.
+    # calibrated: stop measuring once no unmeasured plan can win (paratune.sweep.stopping.SweepStopRule);
     # false spends the whole trial budget (plans predicted fastest first).
     stopping_rule: bool = True
     early_stop: bool = True

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from paratune.trial import TrialResult
+from paratune.results import TrialResult
 
 
 def env_label(env: dict[str, str] | None) -> str:
@@ -163,7 +163,7 @@ def measured_compute(results: list[TrialResult], device_name: str) -> tuple[floa
     its model FLOPs per token x tokens/s per worker over the device table's dense peak at its
     precision (MFU against the table). None without such a trial or a table peak. Measured, so
     it is at most 100% wherever the table's peak is the device's."""
-    from paratune.estimate import get_device
+    from paratune.devices import get_device
 
     done = [r for r in results if r.ok and r.tokens_per_s_per_gpu and r.flops_per_token]
     if not done:

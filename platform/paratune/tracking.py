@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from paratune import __version__
-from paratune.report import strategy_label
-from paratune.trial import TrialResult
+from paratune.tables import strategy_label
+from paratune.results import TrialResult
 
 DEFAULT_EXPERIMENT = "paratune"
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from paratune import measure, placement
+from paratune import devices, measure, placement
 from paratune.failures import Reason, classify
 from paratune.launch import (Deadline, WorkerDemand, build_trainer, ensure_ray, fit, placement_groups,
                              process_group_backend, remove_leaked_placement_groups, wants_gpu, worker_demand)
@@ -35,18 +35,6 @@ from paratune.results import TrialResult
 # Public here too (users import them from paratune.trial): TrialResult (paratune.results) and
 # TrialTimeout (paratune.failures).
 from paratune.failures import TrialTimeout  # noqa: F401
-# moved: see paratune.launch; kept until the layout pass
-from paratune.launch import (  # noqa: F401
-    GPU_WORKER_ENV,
-    MEASUREMENT_CONTROLLER_ENV,
-    abort_controller,
-    default_storage,
-    gpu_node_cpus_per_gpu,
-    needs_cpu_collectives,
-    paratune_home,
-    worker_env,
-    worker_resources,
-)
 
 # Fault injection for tests: "kill:rank=1:step=2[:delay_s=3][:seed=7]" | "hang:rank=0:step=1" | "none"
 # (seed=N: only in plans with that seed, so one plan of several in a reused worker group fails).
@@ -203,7 +191,7 @@ def _local_parameter_count(runner) -> int:
 
 
 def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, device: torch.device,
-                      stop_rule: measure.StopRule | None = None) -> dict[str, Any]:
+                      stop_rule: measure.TrialStopRule | None = None) -> dict[str, Any]:
     """Everything a worker does. Returns the same dict on every rank (reduced across ranks).
 
     With a stop rule, each measured step's slowest-rank time is agreed on by all ranks (one small
@@ -353,7 +341,7 @@ def worker_loop(config: dict[str, Any]) -> dict[str, Any]:
     ctx = ray.train.get_context()
     plan = load_plan_dict(config["plan"])
     device = ray.train.torch.get_device()
-    rule = measure.StopRule(**config["stop_rule"]) if config.get("stop_rule") else None
+    rule = measure.TrialStopRule(**config["stop_rule"]) if config.get("stop_rule") else None
     return train_and_measure(plan, ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_world_size(), device,
                              stop_rule=rule)
 
@@ -402,7 +390,7 @@ def check_before_launch(plan: Plan | dict[str, Any], ray_address: str | None = N
 
 
 def run_trial(plan: Plan | dict[str, Any], *, storage_path: str | Path | None = None,
-              ray_address: str | None = None, stop_rule: measure.StopRule | None = None,
+              ray_address: str | None = None, stop_rule: measure.TrialStopRule | None = None,
               nodes: list[str] | None = None) -> TrialResult:
     """Run one plan on Ray Train (its own worker group) and measure it. Never raises for a failing
     plan. With a stop rule, a trial that cannot reach the incumbent ends as stopped_early. With
@@ -465,7 +453,7 @@ class TrialLaunch:
                                   started_at=started_at, **fields)
 
     def measured(self, out: dict[str, Any], *, launched_at: float, wall_s: float | None, started_at: float,
-                 stop_rule: measure.StopRule | None, result_type: type[TrialResult] = TrialResult,
+                 stop_rule: measure.TrialStopRule | None, result_type: type[TrialResult] = TrialResult,
                  **fields: Any) -> TrialResult:
         """Rank 0's measurements summarized; launch_s counts from `launched_at` (epoch seconds)."""
         out["launch_s"] = out.pop("first_step_epoch_s") - launched_at
@@ -517,7 +505,7 @@ def node_lost_or(reason: Reason, message: str, nodes_at_start: set[str]) -> tupl
 
 
 def summarize(plan: Plan, out: dict[str, Any], flops_tok: float, wall_s: float | None = None,
-              stop_rule: measure.StopRule | None = None) -> TrialResult:
+              stop_rule: measure.TrialStopRule | None = None) -> TrialResult:
     """Turn a worker's raw measurements into the trial's numbers (partial ones for a trial
     stopped early: its figures are over the measured steps it ran)."""
     step_times = out["step_times_s"]
@@ -526,7 +514,7 @@ def summarize(plan: Plan, out: dict[str, Any], flops_tok: float, wall_s: float |
         if stopped and stop_rule is not None else ("stopped early" if stopped else None)
     stats = measure.step_stats(step_times)
     tps = measure.tokens_per_second_per_gpu(plan.tokens_per_step, step_times, plan.num_workers)
-    peak = measure.device_peak_flops(out.get("device", "cpu"), plan.precision)
+    peak = devices.device_peak_flops(out.get("device", "cpu"), plan.precision)
     return TrialResult(
         status="stopped_early" if stopped else "ok", message=message,
         plan=plan.to_dict(), world_size=plan.num_workers, device=out.get("device", "cpu"),

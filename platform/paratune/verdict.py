@@ -7,7 +7,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from paratune.trial import TrialResult
+from paratune.results import TrialResult
 
 
 def complexity(plan: dict[str, Any]) -> int:

@@ -11,14 +11,6 @@ import torch
 from torch import nn
 
 from paratune.materialize import ConstructionMeter, ModelInit, build_meta
-from paratune.parallel.runner import (  # noqa: F401 - moved: see paratune.parallel.runner; kept until the layout pass
-    ADAM_BETAS,
-    ADAM_EPS,
-    StepRunner,
-    apply_activation_checkpointing,
-    enable_full_recompute,
-    make_optimizer,
-)
 from paratune.plan import Plan
 
 

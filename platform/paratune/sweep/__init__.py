@@ -25,35 +25,21 @@ _MOVED: dict[str, tuple[str, str]] = {
         "OBJECTIVE", "SweepError", "point_key", "candidate_key", "LedgerEntry", "Ledger", "unscored",
         "objective_value", "incumbent_of", "stop_rule_for", "apply_budget", "predicted_only",
         "observe_calibration", "log_trial_or_say")},
-    "_candidate_key": ("ledger", "candidate_key"),
-    "_observe": ("ledger", "observe_calibration"),
     **{name: ("stopping", name) for name in ("Incumbent", "Decision", "SweepStopRule", "StoppingRule")},
     **{name: ("searchers", name) for name in (
-        "all_points", "CandidateTree", "optuna_searcher", "RooflineTimeModel", "TimePredictions",
+        "all_points", "CandidateTree", "optuna_searcher", "TimePredictions",
         "calibrated_searcher", "env_suffix")},
-    "_searcher": ("searchers", "optuna_searcher"),
-    "_calibrated_searcher": ("searchers", "calibrated_searcher"),
-    "_env_label": ("searchers", "env_suffix"),
     **{name: ("cluster", name) for name in (
         "measure_plan", "trainable", "pool_measure", "start_pool", "close_pool", "start_leases", "close_leases",
-        "prune_unplaceable", "concurrency", "device_tag", "pool_runner", "_POOL_HANDLES")},
-    **{f"_{name}": ("cluster", name) for name in (
-        "trainable", "start_pool", "close_pool", "start_leases", "close_leases", "prune_unplaceable",
-        "concurrency", "device_tag", "pool_runner")},
+        "prune_unplaceable", "concurrency", "device_tag", "pool_runner")},
     **{name: ("callbacks", name) for name in ("LedgerCallback", "QuietTuneOutput")},
-    "_LedgerCallback": ("callbacks", "LedgerCallback"),
-    "_QuietTuneOutput": ("callbacks", "QuietTuneOutput"),
     **{name: ("driver", name) for name in (
-        "run_sweep", "SweepSettings", "SweepRun", "_search", "_predict", "_time_predictions", "_request_label",
-        "_time_model_summary", "_space_digest")},
-    "_time_model_report": ("driver", "_time_model_summary"),
+        "run_sweep", "SweepSettings", "SweepRun")},
     **{name: ("finish", name) for name in (
         "SweepOutcome", "SweepReport", "finish_sweep", "log_sweep_end", "write_page", "write_report")},
-    "_finish": ("finish", "finish_sweep"),
-    "_log_sweep_end": ("finish", "log_sweep_end"),
     **{name: ("paratune.parity", name) for name in (
         "parity_tolerance", "Parity", "PARITY_MAX_REFERENCE_PARAMS", "PROXY_HEAD_DIM", "PROXY_VOCAB", "PROXY_SEQ_LEN",
-        "PER_LAYER_KEYS", "proxy_shape", "parity_proxy", "winner_parity", "_finite", "_round_up")},
+        "PER_LAYER_KEYS", "proxy_shape", "parity_proxy", "winner_parity")},
 }
 
 

@@ -18,7 +18,7 @@ from paratune.sweep.ledger import (Ledger, LedgerEntry, apply_budget, log_trial_
                                    predicted_only)
 from paratune.sweep.searchers import TimePredictions
 from paratune.tables import env_label, strategy_label
-from paratune.trial import TrialResult
+from paratune.results import TrialResult
 
 
 class QuietTuneOutput(AirProgressReporter):

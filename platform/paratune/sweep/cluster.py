@@ -15,11 +15,13 @@ from rich.console import Console
 from rich.markup import escape
 
 from paratune import placement
-from paratune.measure import StopRule
+from paratune.measure import TrialStopRule
 from paratune.plan import load_plan_dict
 from paratune.space import Space
 from paratune.sweep.ledger import OBJECTIVE, SweepError
-from paratune.trial import TrialResult, run_trial
+from paratune.results import TrialResult
+from paratune.launch import worker_demand
+from paratune.trial import run_trial
 
 
 # --------------------------------------------------------------------------- one trial
@@ -28,7 +30,7 @@ def measure_plan(plan: dict[str, Any], stop_rule: dict[str, Any] | None, pool: s
     """One measured trial: in a reused worker group of the sweep's pool (paratune.session, which
     places whole nodes itself) when there is one, else in a worker group of its own, on whole
     nodes leased from the sweep's `leases` actor when the plan wants them (paratune.placement)."""
-    rule = StopRule(**stop_rule) if stop_rule else None
+    rule = TrialStopRule(**stop_rule) if stop_rule else None
     if pool:
         return pool_measure(pool, plan, rule)
     checked = load_plan_dict(plan)
@@ -36,12 +38,7 @@ def measure_plan(plan: dict[str, Any], stop_rule: dict[str, Any] | None, pool: s
         return run_trial(checked, storage_path=storage, stop_rule=rule)
     import uuid
 
-    from paratune.trial import wants_gpu, worker_resources
-
-    import ray
-
-    use_gpu = wants_gpu(checked)
-    demand = placement.demand_for(checked, worker_resources(checked, use_gpu, ray.nodes() if use_gpu else None))
+    demand = worker_demand(checked).demand
     if placement.shortfall(demand, placement.alive_nodes()) is not None:
         return run_trial(checked, storage_path=storage, stop_rule=rule)  # says insufficient_resources
     owner = uuid.uuid4().hex[:8]
@@ -66,12 +63,12 @@ def trainable(config: dict[str, Any], *, plans: dict[str, dict], storage: str, p
                  "trial_result": result.model_dump_json()})
 
 
-def pool_measure(pool: str, plan: dict[str, Any], rule: StopRule | None) -> TrialResult:
+def pool_measure(pool: str, plan: dict[str, Any], rule: TrialStopRule | None) -> TrialResult:
     """The trial in one of the pool's worker groups. Never raises for a failing plan."""
     import ray
 
     from paratune.failures import classify
-    from paratune.session import get_pool_actor
+    from paratune.pool import get_pool_actor
 
     try:
         out = ray.get(get_pool_actor(pool).measure.remote(plan, rule._asdict() if rule else None))
@@ -85,14 +82,8 @@ def concurrency(space: Space) -> int:
     """Trials at once: on whole nodes (paratune.placement, default when gpus_per_node is set),
     the nodes that can host one trial's share / the nodes a trial needs, so concurrent trials
     never share a node; else the workers the cluster holds / a trial's workers."""
-    import ray
-
-    from paratune.trial import wants_gpu, worker_resources
-
     plan = max((c.plan for c in space.candidates), key=lambda p: p.num_workers)
-    use_gpu = wants_gpu(plan)
-    demand = placement.demand_for(plan, worker_resources(plan, use_gpu, ray.nodes() if use_gpu else None))
-    return placement.trials_at_once(demand, placement.alive_nodes())
+    return placement.trials_at_once(worker_demand(plan).demand, placement.alive_nodes())
 
 
 def device_tag() -> str:
@@ -112,8 +103,6 @@ def prune_unplaceable(space: Space, console: Console) -> Space:
 
     import ray
 
-    from paratune.trial import wants_gpu, worker_resources
-
     first = space.candidates[0].plan
     if first.device == "cuda" and ray.cluster_resources().get("GPU", 0) < 1:
         gpu_demand = placement.Demand(1, {"GPU": 1}, None, False)
@@ -128,8 +117,7 @@ def prune_unplaceable(space: Space, console: Console) -> Space:
     nodes = placement.alive_nodes()
     removed, examples, kept = space.removed.copy(), dict(space.examples), []
     for c in space.candidates:
-        use_gpu = wants_gpu(c.plan)
-        demand = placement.demand_for(c.plan, worker_resources(c.plan, use_gpu, ray.nodes() if use_gpu else None))
+        demand = worker_demand(c.plan).demand
         missing = placement.shortfall(demand, nodes)
         if missing is None:
             kept.append(c)
@@ -154,7 +142,7 @@ def start_pool(console: Console) -> str | None:
     try:
         import uuid
 
-        from paratune.session import get_pool_actor
+        from paratune.pool import get_pool_actor
 
         name = f"paratune-sweep-pool-{uuid.uuid4().hex[:8]}"
         _POOL_HANDLES[name] = get_pool_actor(name)
@@ -187,7 +175,7 @@ def close_pool(pool: str) -> None:
     """Closes the pool's worker groups, then ends its actor (start_pool)."""
     import ray
 
-    from paratune.session import get_pool_actor
+    from paratune.pool import get_pool_actor
 
     actor = _POOL_HANDLES.pop(pool, None) or get_pool_actor(pool)
     try:
@@ -203,8 +191,8 @@ def pool_runner(pool: str | None, request):
         return None
     import ray
 
-    from paratune.profile import workers_plan
-    from paratune.session import get_pool_actor
+    from paratune.profiling import workers_plan
+    from paratune.pool import get_pool_actor
 
     def runner(function_path: str, payload: dict[str, Any]) -> dict[str, Any]:
         plan = workers_plan(request).to_dict()

@@ -28,11 +28,11 @@ from paratune.sweep.cluster import (close_leases, close_pool, concurrency, devic
                                     start_leases, start_pool, trainable)
 from paratune.sweep.finish import SweepOutcome, finish_sweep, write_page
 from paratune.sweep.ledger import Ledger, SweepError, candidate_key, observe_calibration, point_key
-from paratune.sweep.searchers import (RooflineTimeModel, TimePredictions, all_points, calibrated_searcher,
+from paratune.sweep.searchers import (TimePredictions, all_points, calibrated_searcher,
                                       optuna_searcher)
 from paratune.sweep.stopping import SweepStopRule
 from paratune.tables import env_label, strategy_label
-from paratune.trial import ensure_ray
+from paratune.launch import ensure_ray
 
 
 # --------------------------------------------------------------------------- settings
@@ -80,7 +80,7 @@ class SweepRun:
     tracker: Any
     parent: str
     console: Console
-    calibration: Any = None  # the roofline (estimate.Calibration), refitted on every trial; None: no predictions
+    calibration: Any = None  # the roofline (estimate.Roofline), refitted on every trial; None: no predictions
     predictions: TimePredictions | None = None  # the calibrated search's step-time model
     fastest_first: list[str] = field(default_factory=list)  # candidate keys, predicted fastest first
     pool: str | None = None
@@ -275,14 +275,15 @@ def _predict(space: Space, budget_gb: float | None, console: Console):
 
     import ray
 
-    from paratune.estimate import Calibration, device_for_cluster
+    from paratune.devices import device_for_cluster
+    from paratune.estimate import Roofline
 
     settings = space.spec.estimate
     first = space.candidates[0].plan
     try:
         device = device_for_cluster(settings.device, ray.cluster_resources(), first.num_workers)
         capacity = min(device.memory_gib, budget_gb) if budget_gb else device.memory_gib
-        calibration = Calibration(device, capacity)
+        calibration = Roofline(device, capacity)
         estimates = {c.key: calibration.predict(c.plan, settings.margin) for c in space.candidates}
     except Exception as err:  # noqa: BLE001 - the sweep still runs, unguided, and says so
         console.print(f"[yellow]no predictions ({type(err).__name__}: {escape(str(err))[:300]}); "
@@ -313,7 +314,8 @@ def _time_predictions(space: Space, plans: dict[str, dict], calibration, pool: s
     when profiling fails. Returns (predictions, seconds spent profiling)."""
     t0 = time.perf_counter()
     try:
-        from paratune.profile import ProfileStore, profile_requests_for, run_profile
+        from paratune.profile import ProfileStore, profile_requests_for
+        from paratune.profiling import run_profile
         from paratune.timemodel import StepTimeModel
 
         store = ProfileStore()
@@ -335,9 +337,10 @@ def _time_predictions(space: Space, plans: dict[str, dict], calibration, pool: s
                       "orders plans by the roofline instead[/yellow]")
         if calibration is None:
             return None, time.perf_counter() - t0
-        from paratune.estimate import Calibration
+        from paratune.estimate import Roofline
+        from paratune.predict import RooflinePredictor
 
-        roofline = RooflineTimeModel(Calibration(calibration.device, calibration.capacity_gib))  # its own refits
+        roofline = RooflinePredictor(Roofline(calibration.device, calibration.capacity_gib))  # its own refits
         return TimePredictions(roofline, plans, "roofline"), time.perf_counter() - t0
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from paratune.sweep.ledger import Ledger, LedgerEntry, unscored
 from paratune.tables import env_label, strategy_label
-from paratune.trial import TrialResult
+from paratune.results import TrialResult
 from paratune.verdict import Standing, decide
 
 

@@ -19,10 +19,10 @@ from rich.console import Console
 from rich.markup import escape
 
 from paratune.failures import CLUSTER_REASONS
-from paratune.measure import StopRule
+from paratune.measure import TrialStopRule
 from paratune.plan import load_plan_dict
 from paratune.sweep.stopping import Incumbent
-from paratune.trial import TrialResult
+from paratune.results import TrialResult
 
 OBJECTIVE = "objective"
 
@@ -118,10 +118,10 @@ def incumbent_of(results: dict[str, TrialResult], memory_budget_gb: float | None
 
 
 def stop_rule_for(incumbent: Incumbent | None, min_steps: int) -> dict[str, Any] | None:
-    """What a trial launched now is stopped against (measure.StopRule as a dict), if anything."""
+    """What a trial launched now is stopped against (measure.TrialStopRule as a dict), if anything."""
     if incumbent is None:
         return None
-    return StopRule(incumbent.tokens_per_s_per_gpu, incumbent.spread, min_steps)._asdict()
+    return TrialStopRule(incumbent.tokens_per_s_per_gpu, incumbent.spread, min_steps)._asdict()
 
 
 def apply_budget(result: TrialResult, memory_budget_gb: float | None) -> TrialResult:

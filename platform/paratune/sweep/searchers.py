@@ -19,7 +19,7 @@ from paratune.sweep.ledger import (OBJECTIVE, Ledger, incumbent_of, objective_va
                                    unscored)
 from paratune.sweep.stopping import SweepStopRule
 from paratune.tables import env_label, strategy_label
-from paratune.trial import TrialResult
+from paratune.results import TrialResult
 
 
 # --------------------------------------------------------------------------- points
@@ -184,34 +184,6 @@ def optuna_searcher(space: Space, algorithm: str, seed: int, ledger: Ledger, bud
 
 
 # --------------------------------------------------------------------------- calibrated search
-class RooflineTimeModel:
-    """The roofline (estimate.Calibration) behind the step-time model's interface: what the
-    calibrated search falls back to when the cluster cannot be profiled."""
-
-    PRIOR_BAND = 0.25  # its out-of-sample median error was 18%, worst 35% (bench/results)
-
-    def __init__(self, calibration):
-        self.calibration = calibration
-        self.errors: list[float] = []
-
-    def predict(self, plan: Plan):
-        return self.calibration.predict(plan).time
-
-    def observe(self, plan: Plan, measured_step_s: float) -> dict[str, float]:
-        out = self.calibration.observe(plan, None, measured_step_s)
-        self.errors.append(abs(out["step_time_prediction_error"]))
-        return {"predicted_step_time_s": out["predicted_step_time_s"],
-                "step_time_prediction_error": out["step_time_prediction_error"]}
-
-    def error_band(self) -> float:
-        if len(self.errors) < 3:
-            return self.PRIOR_BAND
-        return max(sorted(self.errors)[int(0.9 * (len(self.errors) - 1))], 0.05)
-
-    def summary(self) -> dict[str, float]:
-        return {"error_band": self.error_band()}
-
-
 class TimePredictions:
     """The sweep's step-time model over its points, shared by the searcher (what to measure
     next) and the ledger callback (predicted beside measured in MLflow): each trial is observed

@@ -40,7 +40,7 @@ class Decision:
 
 @dataclass(frozen=True)
 class SweepStopRule:
-    """What stops a sweep (measure.StopRule stops one trial). Stop when every unmeasured plan
+    """What stops a sweep (measure.TrialStopRule stops one trial). Stop when every unmeasured plan
     satisfies predicted x (1 + error band) <= incumbent x (1 + incumbent noise): none can beat
     the incumbent by more than noise plus the model's error.
     `min_trials` full measurements come first (the band means little before the model has seen
