@@ -161,7 +161,7 @@ def compose(plan: Plan, profile: Profile) -> dict[str, float]:
     from paratune.shapes import fsdp_shard_degree, local_params, model_shape, offload_bytes, replicas
 
     shape = model_shape(plan)
-    m, t, p, cp = plan.grad_accum, plan.tp, plan.pp, plan.cp
+    m, t, p = plan.grad_accum, plan.tp, plan.pp
     mb, seq = plan.micro_batch, plan.seq_len // plan.cp
     act = 2 if plan.precision == "bf16" else 4  # bytes of an activation element (autocast: bf16)
     gpu = profile.device_type == "cuda"

@@ -7,11 +7,16 @@ suppress gradient sync between micro-batches, and step the optimizer.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from paratune.materialize import ConstructionMeter, ModelInit, build_meta
 from paratune.plan import Plan
+
+if TYPE_CHECKING:  # the runner is built by the strategy modules; this package only dispatches
+    from paratune.parallel.runner import StepRunner
 
 
 def use_comm_timeout(seconds: float) -> None:
