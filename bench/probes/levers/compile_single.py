@@ -4,16 +4,12 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="induct
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
-from transformers import LlamaConfig, LlamaForCausalLM
+from _tiny import tiny_llama
 V, H, L, B, S = 1000, 128, 4, 2, 128
 torch.set_num_threads(int(os.environ.get("NT", "2")))
 
 def build():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=344, num_hidden_layers=L, num_attention_heads=4,
-                      num_key_value_heads=4, max_position_embeddings=S, tie_word_embeddings=False)
-    cfg._attn_implementation = "sdpa"
-    m = LlamaForCausalLM(cfg); m.train(); return m
+    return tiny_llama(V, H, 344, L, S)
 
 g = torch.Generator().manual_seed(1)
 batches = [torch.randint(0, V, (B, S), generator=g) for _ in range(4)]

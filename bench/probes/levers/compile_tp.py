@@ -4,15 +4,11 @@ import torch, torch.nn.functional as F, torch.distributed as dist, torch.multipr
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, Replicate, DTensor
 from torch.distributed.tensor.parallel import parallelize_module, ColwiseParallel, RowwiseParallel, loss_parallel
-from transformers import LlamaConfig, LlamaForCausalLM
+from _tiny import selective_policy, tiny_llama
 V, H, L, B, S = 1000, 128, 2, 2, 64
 MODES = sys.argv[1:] or ["eager", "compiled"]
 def build(mesh):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=256, num_hidden_layers=L, num_attention_heads=4,
-                      num_key_value_heads=4, max_position_embeddings=S, tie_word_embeddings=False)
-    cfg._attn_implementation = "sdpa"
-    m = LlamaForCausalLM(cfg); m.train()
+    m = tiny_llama(V, H, 256, L, S)
     plan = {"lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)}
     for i in range(L):
         p = f"model.layers.{i}."
@@ -30,11 +26,11 @@ def worker(rank, world, q):
             m = build(mesh)
             if mode.startswith("sac"):
                 from functools import partial
-                from torch.utils.checkpoint import create_selective_checkpoint_contexts, CheckpointPolicy
+                from torch.utils.checkpoint import create_selective_checkpoint_contexts
                 aten = torch.ops.aten; c10 = torch.ops._c10d_functional
                 SAVE = {aten.mm.default, aten.addmm.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
                         c10.reduce_scatter_tensor.default, c10.all_reduce.default}
-                pol = lambda ctx, f, *a, **k: CheckpointPolicy.MUST_SAVE if f in SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+                pol = selective_policy(SAVE)  # under TP the functional collectives too
                 m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": partial(create_selective_checkpoint_contexts, pol)})
             if "compiled" in mode:
                 for blk in m.model.layers: blk.compile()

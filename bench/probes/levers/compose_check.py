@@ -3,20 +3,12 @@ import os, sys, time, json, tempfile, statistics
 from functools import partial
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 from torch.utils.checkpoint import create_selective_checkpoint_contexts, CheckpointPolicy
-from transformers import LlamaConfig, LlamaForCausalLM
+from _tiny import selective_policy, tiny_llama
 aten = torch.ops.aten
 V, H, L, B, S = 1000, 128, 4, 2, 128
-SAVE = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
-        aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_flash_attention.default,
-        aten._scaled_dot_product_cudnn_attention.default}
-def policy(ctx, func, *a, **k):
-    return CheckpointPolicy.MUST_SAVE if func in SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+policy = selective_policy()
 def build(ckpt):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=344, num_hidden_layers=L, num_attention_heads=4,
-                      num_key_value_heads=4, max_position_embeddings=S, tie_word_embeddings=False)
-    cfg._attn_implementation = "sdpa"
-    m = LlamaForCausalLM(cfg); m.train()
+    m = tiny_llama(V, H, 344, L, S)
     if ckpt == "sac":
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": partial(create_selective_checkpoint_contexts, policy)})
     elif ckpt == "full":

@@ -8,6 +8,14 @@ from torch.distributed.tensor.parallel import parallelize_module, ColwiseParalle
 
 V, H, L, B, S = 1000, 128, 2, 2, 16
 
+
+def sharded_head(model, mesh):
+    """A copy of `model` whose LM head is column-parallel with its output kept vocab-sharded."""
+    m = copy.deepcopy(model)
+    parallelize_module(m, mesh, {"lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+                                                            use_local_output=False)})
+    return m
+
 def build():
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=256, num_hidden_layers=L,
@@ -81,8 +89,7 @@ def worker(rank, world, q):
                 res[key] = "FAIL " + repr(e)[:600]
     # (c) HF's own loss path: model(ids, labels=labels) under loss_parallel with DTensor logits
     try:
-        m = copy.deepcopy(model)
-        parallelize_module(m, mesh, {"lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)})
+        m = sharded_head(model, mesh)
         with loss_parallel():
             out = m(ids, labels=labels)
             out.loss.backward()
@@ -93,8 +100,7 @@ def worker(rank, world, q):
         res["hf_labels_path"] = "FAIL " + repr(e)[:600]
     # (d) backward outside the context (docs say it must be inside)
     try:
-        m = copy.deepcopy(model)
-        parallelize_module(m, mesh, {"lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)})
+        m = sharded_head(model, mesh)
         logits = m.lm_head(m.model(ids).last_hidden_state)
         with loss_parallel():
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
@@ -105,8 +111,7 @@ def worker(rank, world, q):
         res["backward_outside_ctx"] = "FAIL " + repr(e)[:400]
     # (e) label_smoothing
     try:
-        m = copy.deepcopy(model)
-        parallelize_module(m, mesh, {"lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)})
+        m = sharded_head(model, mesh)
         logits = m.lm_head(m.model(ids).last_hidden_state)
         with loss_parallel():
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), label_smoothing=0.1)
@@ -116,8 +121,7 @@ def worker(rank, world, q):
         res["label_smoothing"] = "FAIL " + repr(e)[:400]
     # (f) without loss_parallel: CE on sharded DTensor
     try:
-        m = copy.deepcopy(model)
-        parallelize_module(m, mesh, {"lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)})
+        m = sharded_head(model, mesh)
         logits = m.lm_head(m.model(ids).last_hidden_state)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
         res["no_ctx"] = f"ran type={type(loss).__name__}"
@@ -125,8 +129,7 @@ def worker(rank, world, q):
         res["no_ctx"] = "FAIL " + repr(e)[:400]
     # (c2) HF path with num_items_in_batch (tensor) -> reduction="sum" then loss / num_items_in_batch
     try:
-        m = copy.deepcopy(model)
-        parallelize_module(m, mesh, {"lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)})
+        m = sharded_head(model, mesh)
         nib = (labels[:, 1:] != -100).sum()
         with loss_parallel():
             out = m(ids, labels=labels, num_items_in_batch=nib)

@@ -4,26 +4,14 @@ from functools import partial
 import torch, torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, CheckpointPolicy
 from torch.distributed._tools.mem_tracker import MemTracker
-from transformers import LlamaConfig, LlamaForCausalLM
+from _tiny import selective_policy, tiny_llama
 aten = torch.ops.aten
 V, H, L, B, S = 2000, 256, 4, 4, 256
-SAVE_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default,
-            aten._scaled_dot_product_flash_attention_for_cpu.default,   # what CPU dispatches (measured)
-            aten._scaled_dot_product_efficient_attention.default,      # CUDA mem-efficient
-            aten._scaled_dot_product_flash_attention.default,          # CUDA flash
-            aten._scaled_dot_product_cudnn_attention.default}
 seen = {}
-def policy(ctx, func, *args, **kwargs):
-    save = func in SAVE_OPS
-    seen[str(func)] = save
-    return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+policy = selective_policy(seen=seen)
 
 def build(mode):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=688, num_hidden_layers=L, num_attention_heads=4,
-                      num_key_value_heads=4, max_position_embeddings=S, tie_word_embeddings=False)
-    cfg._attn_implementation = "sdpa"
-    m = LlamaForCausalLM(cfg); m.train()
+    m = tiny_llama(V, H, 688, L, S)
     if mode == "full":
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif mode == "every2":
