@@ -58,6 +58,23 @@ def test_gpu_workers_reserve_their_share_of_the_node():
     assert worker_resources(plan, False, None) == {"CPU": 1}
 
 
+def test_one_worker_demand_carries_the_gpu_share_and_the_nccl_env_to_every_launch():
+    """launch.WorkerDemand is what trials, reused groups, profiles and training all launch with:
+    on GPUs each worker's share of the node, the NCCL error handling that keeps a timed-out
+    collective a comm_timeout (not a dead worker), the plan's own env winning; none of it on CPU."""
+    from paratune.launch import GPU_WORKER_ENV, WorkerDemand
+
+    plan = load_plan_dict({**BASE, "gpus_per_node": 8, "env": {"NCCL_ALGO": "Ring"}})
+    gpu = WorkerDemand.for_plan(plan, True, NODES)
+    assert gpu.per_worker == {"GPU": 1, "CPU": 12} and gpu.demand.per_worker == gpu.per_worker
+    assert gpu.env == {**GPU_WORKER_ENV, "NCCL_ALGO": "Ring"} and gpu.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert gpu.demand.slots_per_node == 8 and gpu.workers == plan.num_workers
+    own = WorkerDemand.for_plan(plan.with_changes(env={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}), True, NODES)
+    assert own.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"  # set by the plan: the plan's
+    cpu = WorkerDemand.for_plan(plan, False)
+    assert cpu.per_worker == {"CPU": 1} and cpu.env == {"NCCL_ALGO": "Ring"}
+
+
 def test_deepspeed_optimizer_only_with_zero():
     from paratune.plan import PlanError
 
