@@ -234,7 +234,7 @@ def _trace_micro_batch(config, tokens: int, checkpointing: str, precision: str, 
 
     from paratune.materialize import attn_implementation
     from paratune.models import decoder_blocks
-    from paratune.parallel.runner import enable_full_recompute
+    from paratune.parallel.recompute import enable_full_recompute
 
     modes = (FakeTensorMode(), _grouped_mm_traceable(), _masks_as_in_a_real_run()) if fake else ()
     with contextlib.ExitStack() as stack:

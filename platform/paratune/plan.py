@@ -16,9 +16,10 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from paratune.levers import Checkpointing, Float8Recipe, LossForm, check_levers
+
 Strategy = Literal["ddp", "fsdp", "zero"]
 FsdpSharding = Literal["full", "grad_op", "hybrid", "no_shard"]
-Checkpointing = Literal["none", "full"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Precision = Literal["fp32", "bf16"]
 
@@ -183,7 +184,14 @@ class Plan(_Strict):
     fsdp: FSDPOptions | None = None
     zero: ZeroOptions | None = None
 
-    activation_checkpointing: Checkpointing = "none"
+    # The levers (paratune.levers says what each value does and where it cannot run).
+    activation_checkpointing: Checkpointing = "none"  # none | selective (per op) | layers | full
+    checkpoint_every: int = Field(2, ge=2, le=1024)  # 'layers': every N-th block recomputed
+    compile: bool = False  # torch.compile each decoder block (one graph, reused by every block)
+    float8: Float8Recipe = "none"  # torchao float8 linears (bf16 plans): tensorwise | rowwise
+    float8_all_gather: bool = False  # FSDP2 all-gathers float8 weights (tensorwise only)
+    loss: LossForm = "auto"  # auto | standard | vocab_parallel (tp) | chunked (tp 1)
+    async_tp: bool = False  # CUDA only: tp collectives fused into the compiled matmuls
     precision: Precision = "fp32"
     grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping (for every strategy alike)
     # AdamW's implementation: `deepspeed` lets ZeRO build it from its config (DeepSpeedCPUAdam under
@@ -261,6 +269,7 @@ class Plan(_Strict):
                 f"allowed: grad_accum >= pp (micro_batch <= {self.global_batch // (self.pp * dp)})")
         for key, value in self.env.items():
             check_env(key, value)
+        check_levers(self)
         if self.fsdp is not None:
             _check_fsdp(self.fsdp, dp)
         if self.optimizer == "deepspeed" and self.strategy != "zero":

@@ -84,7 +84,7 @@ def _profile_block_shapes(request: ProfileRequest, device, barrier: Callable[[],
     every requested shape: the real transformers modules, the trials' precision handling."""
     import torch
 
-    from paratune.parallel.runner import enable_full_recompute
+    from paratune.parallel.recompute import enable_full_recompute
     from paratune.parallel.pp import StageModule, causal_lm_loss
 
     out = []

@@ -34,7 +34,7 @@ from paratune.plan import (
 STRATEGY_OPTIONS: dict[str, type[BaseModel]] = {"ddp": DDPOptions, "fsdp": FSDPOptions, "zero": ZeroOptions}
 # Plan fields that may be swept at the top level (besides strategy and env).
 SWEEPABLE = ("micro_batch", "activation_checkpointing", "precision", "tp", "pp", "cp", "pp_schedule",
-             "sequence_parallel")
+             "sequence_parallel", "checkpoint_every", "compile", "float8", "float8_all_gather", "loss", "async_tp")
 # Fields the sweep owns: they may not be fixed, since the sweep sets them per trial. The
 # SWEEPABLE ones and env may be fixed when the space does not sweep them (env: other keys).
 SWEEP_OWNED = ("strategy", "ddp", "fsdp", "zero", "grad_accum")
@@ -123,6 +123,13 @@ class SpacePart(_Strict):
     cp: list[int] | Literal["auto"] | None = None  # context parallel (GPU clusters; long sequences)
     pp_schedule: list[str] | None = None
     sequence_parallel: list[bool] | None = None
+    # The levers (paratune.levers): checkpointing's every-N, per-block compile, float8, the loss's form.
+    checkpoint_every: list[int] | None = None
+    compile: list[bool] | None = None
+    float8: list[str] | None = None
+    float8_all_gather: list[bool] | None = None
+    loss: list[str] | None = None
+    async_tp: list[bool] | None = None
     env: dict[str, list[str]] = Field(default_factory=dict)
 
     @field_validator("strategy")

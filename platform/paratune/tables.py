@@ -41,10 +41,20 @@ def strategy_label(plan: dict) -> str:
     model_parallel = plan.get("tp", 1) * plan.get("pp", 1) * plan.get("cp", 1)
     if model_parallel > 1:  # the rest of the world is data parallel
         extras.append(f"dp{plan['num_workers'] // model_parallel}")
-    if plan.get("activation_checkpointing", "none") != "none":
-        extras.append("ckpt")
+    checkpointing = plan.get("activation_checkpointing", "none")
+    if checkpointing != "none":
+        extras.append({"full": "ckpt", "selective": "sac", "layers": f"ckpt/{plan.get('checkpoint_every', 2)}"}
+                      .get(checkpointing, f"ckpt:{checkpointing}"))
     if plan.get("precision") == "bf16":
         extras.append("bf16")
+    if plan.get("float8", "none") != "none":
+        extras.append(f"fp8:{plan['float8']}" + ("+ag" if plan.get("float8_all_gather") else ""))
+    if plan.get("compile"):
+        extras.append("compiled")
+    if plan.get("loss", "auto") not in ("auto", "standard"):
+        extras.append({"vocab_parallel": "vp-loss", "chunked": "chunked-loss"}.get(plan["loss"], plan["loss"]))
+    if plan.get("async_tp"):
+        extras.append("async-tp")
     return f"{label} {' '.join(extras)}"
 
 

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from paratune.parallel.runner import StepRunner, apply_activation_checkpointing, make_optimizer
+from paratune.parallel.runner import (StepRunner, apply_activation_checkpointing, compile_blocks, convert_linears,
+                                      make_optimizer)
 from paratune.materialize import ModelInit, materialize
 from paratune.plan import Plan
 
@@ -45,7 +46,9 @@ def keep_bucket_buffers(ddp: DistributedDataParallel) -> None:
 def parallelize_ddp(model: nn.Module, init: ModelInit, plan: Plan, device: torch.device) -> StepRunner:
     opts = plan.ddp
     assert opts is not None
+    convert_linears(model, plan)
     apply_activation_checkpointing(model, plan)
+    compile_blocks(model, plan)
     materialize(model, init, device)  # DDP replicates: every rank holds the whole model
     ddp = DistributedDataParallel(
         model,

@@ -14,7 +14,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from paratune.models import decoder_blocks
-from paratune.parallel.runner import StepRunner, apply_activation_checkpointing, make_optimizer
+from paratune.parallel.runner import (StepRunner, apply_activation_checkpointing, compile_blocks, convert_linears,
+                                      make_optimizer)
 from paratune.materialize import ModelInit, materialize, move_buffers
 from paratune.plan import Plan
 
@@ -39,7 +40,9 @@ def parallelize_fsdp(model: nn.Module, init: ModelInit, plan: Plan, device: torc
     opts = plan.fsdp
     assert opts is not None
     world = plan.num_workers
+    convert_linears(model, plan)
     apply_activation_checkpointing(model, plan)
+    compile_blocks(model, plan)
     mp, offload = fsdp_policies(plan, device)
 
     if opts.sharding == "no_shard":

@@ -19,7 +19,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paratune.materialize import ModelInit, materialize, move_buffers
 from paratune.models import decoder_blocks, decoder_parts
-from paratune.parallel.runner import StepRunner, apply_activation_checkpointing, make_optimizer
+from paratune.parallel.runner import (StepRunner, apply_activation_checkpointing, compile_blocks, convert_linears,
+                                      make_optimizer)
 from paratune.parallel.dims import ParallelDims
 from paratune.parallel.tp import apply_tp, clip_grad_norm
 from paratune.plan import Plan
@@ -117,9 +118,11 @@ def parallelize_model_parallel(model: nn.Module, init: ModelInit, plan: Plan, de
 
         check_cp_supported(model.config, plan, device)  # before anything is allocated
     layout = DataParallelLayout.for_plan(plan, dims)
+    convert_linears(model, plan)
     apply_activation_checkpointing(model, plan)
     if dims.tp > 1:
         apply_tp(model, dims.mesh["tp"], plan.sequence_parallel)  # on the meta device: shards, no memory
+    compile_blocks(model, plan)
     if dims.pp > 1:
         return _parallelize_pipeline(model, init, plan, device, dims, layout)
     _apply_dp_on_meta(model, decoder_blocks(model), plan, dims, layout)

@@ -24,17 +24,27 @@ def make_optimizer(params, plan: Plan) -> torch.optim.Optimizer:
 
 
 def apply_activation_checkpointing(model: nn.Module, plan: Plan) -> None:
-    """`full`: recompute every decoder block in backward (non-reentrant, works under DDP/FSDP2)."""
-    if plan.activation_checkpointing == "full":
-        enable_full_recompute(model)
+    """The plan's checkpointing mode on the decoder blocks (paratune.parallel.recompute)."""
+    from paratune.parallel.recompute import apply_checkpointing
+
+    apply_checkpointing(model, plan)
 
 
-def enable_full_recompute(model: nn.Module) -> None:
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+def convert_linears(model: nn.Module, plan: Plan) -> None:
+    """Before any layout: float8 linears where the plan asks (paratune.parallel.float8), and the
+    loss's form on the head (paratune.parallel.loss). On the meta device: nothing is allocated."""
+    from paratune.parallel.float8 import convert_to_float8
+    from paratune.parallel.loss import apply_loss_form
+
+    convert_to_float8(model, plan)
+    apply_loss_form(model, plan)
+
+
+def compile_blocks(model: nn.Module, plan: Plan) -> None:
+    """After tp and checkpointing, before DDP / FSDP2 wrap: each block compiled (paratune.parallel.compile)."""
+    from paratune.parallel.compile import compile_blocks as compile_each_block
+
+    compile_each_block(model, plan)
 
 
 def _no_sync_context(step: int, last_micro: bool) -> ContextManager:

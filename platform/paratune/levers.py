@@ -1,0 +1,111 @@
+"""The throughput levers of a plan and their static rules: checkpointing modes, compile, float8,
+the loss's form, async TP.
+
+Each lever is a plain plan field (paratune.plan), so a space sweeps it like a degree. The rules
+here see only the plan (and the model's config numbers): what no device can run is refused before
+any worker starts, with the reason. What depends on the cluster's devices (float8 on a GPU without
+FP8, async TP or anything CUDA-only on CPU workers) is checked against the device by
+`device_refusal`, where the cluster is known (the cost model, the launch).
+
+The runtime side lives in paratune.parallel: recompute (checkpointing), compile, float8, loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+# A paratune.plan.Plan; not imported, since the plan imports this module for its fields' types.
+Plan = Any
+
+# none: keep every activation. selective: per op, every block: save the outputs of the matmuls and
+# attention (SAVED_OPS in paratune.parallel.recompute), recompute the cheap ops (norms, activations,
+# rotary, residual adds). layers: recompute every `checkpoint_every`-th block whole (torchtitan's
+# selective_ac_option "2"). full: recompute every block whole.
+Checkpointing = Literal["none", "selective", "layers", "full"]
+# torchao's float8 training recipes: tensorwise (one scale per tensor, torchtitan's default) and
+# rowwise (one scale per row, more accurate, slower). none: matmuls in the plan's precision.
+Float8Recipe = Literal["none", "tensorwise", "rowwise"]
+# The loss's form. standard: the LM head's full logits, then cross-entropy (transformers' own).
+# vocab_parallel: under tp, logits stay sharded over the vocabulary and the loss is computed by
+# torch's loss_parallel. chunked: tp 1, head + cross-entropy over chunks of tokens, so the logits
+# of the whole sequence never exist at once. auto: vocab_parallel when tp > 1 and the layout
+# allows it, else standard.
+LossForm = Literal["auto", "standard", "vocab_parallel", "chunked"]
+
+FLOAT8_PRECISION_REASON = ("torchao's float8 recipes cast bf16 activations and weights to float8 per "
+                           "matmul; an fp32 plan has no bf16 compute to replace")
+FLOAT8_ALL_GATHER_ROWWISE_REASON = ("torchao 0.18: 'enable_fsdp_float8_all_gather only supports tensorwise "
+                                    "scaling granularity' (torchao/float8/config.py)")
+FLOAT8_ZERO_REASON = ("DeepSpeed ZeRO flattens and partitions the parameters itself; torchao's float8 "
+                      "linears are wired for DDP and FSDP2 (and FSDP2's float8 all-gather)")
+COMPILE_ZERO3_REASON = ("ZeRO-3 gathers each parameter in module hooks inside the blocks, which break "
+                        "every compiled block's graph; DeepSpeed's own compile is not wired")
+ASYNC_TP_CPU_REASON = ("async TP fuses the tp collectives into the matmuls with symmetric memory "
+                       "(torch._inductor micro-pipeline TP over NCCL); CPU workers have neither")
+VOCAB_PARALLEL_ZERO_REASON = ("ZeRO's tp is DeepSpeed's AutoTP, which keeps the LM head's output gathered; "
+                              "vocab-parallel loss needs the head as a DTensor sharded over the vocabulary")
+CHUNKED_TP_REASON = ("under tp the head's logits are already split over tp ranks: use 'vocab_parallel' "
+                     "(or 'auto')")
+DEVICES_WITHOUT_FP8_REASON = "float8 matmuls need FP8 tensor cores (Hopper, Ada, Blackwell: sm_89+)"
+
+
+def check_levers(plan: Plan) -> None:
+    """The rules of the levers that hold on every device; raises ValueError(field, value, allowed)."""
+    ac = plan.activation_checkpointing
+    if plan.checkpoint_every != 2 and ac != "layers":
+        raise ValueError(f"checkpoint_every: {plan.checkpoint_every} is used only with activation_checkpointing "
+                         f"'layers', got '{ac}'; allowed: leave it out, or activation_checkpointing 'layers'")
+    if plan.float8 != "none":
+        if plan.precision != "bf16":
+            raise ValueError(f"float8: '{plan.float8}' needs precision 'bf16', got '{plan.precision}' "
+                             f"({FLOAT8_PRECISION_REASON}); allowed: float8 'none' with fp32")
+        if plan.strategy == "zero":
+            raise ValueError(f"float8: '{plan.float8}' with strategy 'zero': {FLOAT8_ZERO_REASON}; "
+                             "allowed: strategy 'ddp' or 'fsdp' with float8")
+    if plan.float8_all_gather:
+        if plan.strategy != "fsdp":
+            raise ValueError(f"float8_all_gather: true needs strategy 'fsdp' (it is FSDP2's all-gather of "
+                             f"float8 weights), got '{plan.strategy}'; allowed: false")
+        if plan.float8 != "tensorwise":
+            reason = FLOAT8_ALL_GATHER_ROWWISE_REASON if plan.float8 == "rowwise" else "no float8 weights to gather"
+            raise ValueError(f"float8_all_gather: true with float8 '{plan.float8}': {reason}; "
+                             "allowed: float8 'tensorwise' with it")
+    if plan.compile and plan.strategy == "zero" and plan.zero is not None and plan.zero.stage == 3:
+        raise ValueError(f"compile: true with zero.stage 3: {COMPILE_ZERO3_REASON}; allowed: zero.stage 0-2 "
+                         "with compile, or strategy 'fsdp'")
+    if plan.loss == "vocab_parallel":
+        if plan.tp == 1:
+            raise ValueError("loss: 'vocab_parallel' needs tp > 1 (it keeps the head's logits sharded over the "
+                             "tp ranks), got tp 1; allowed: 'standard', 'chunked' or 'auto' with tp 1")
+        if plan.strategy == "zero":
+            raise ValueError(f"loss: 'vocab_parallel' with strategy 'zero': {VOCAB_PARALLEL_ZERO_REASON}; "
+                             "allowed: 'standard' or 'auto'")
+    if plan.loss == "chunked" and plan.tp > 1:
+        raise ValueError(f"loss: 'chunked' with tp {plan.tp}: {CHUNKED_TP_REASON}")
+    if plan.async_tp:
+        if plan.device == "cpu":
+            raise ValueError(f"async_tp: true with device 'cpu': {ASYNC_TP_CPU_REASON}; allowed: false on CPU")
+        needs = [what for what, ok in (("tp > 1", plan.tp > 1), ("compile: true", plan.compile),
+                                       ("sequence_parallel: true", plan.sequence_parallel),
+                                       ("strategy 'ddp' or 'fsdp'", plan.strategy != "zero")) if not ok]
+        if needs:
+            raise ValueError(f"async_tp: true needs {', '.join(needs)} (it fuses the sequence-parallel "
+                             "all-gather / reduce-scatter into the compiled blocks' matmuls); allowed: false")
+
+
+def loss_form(plan: Plan) -> str:
+    """What the plan's loss is, `auto` resolved: vocab_parallel under tp (DTensor layouts), else standard."""
+    if plan.loss != "auto":
+        return plan.loss
+    return "vocab_parallel" if plan.tp > 1 and plan.strategy != "zero" else "standard"
+
+
+def device_refusal(plan: Plan, gpu: str | None, has_fp8: bool) -> str | None:
+    """Why the plan cannot run on this device (None: it can). `gpu`: the GPU model the workers get,
+    None for CPU workers; `has_fp8`: the device table's word on FP8 tensor cores."""
+    if plan.async_tp and gpu is None:
+        return f"async_tp: true on CPU workers: {ASYNC_TP_CPU_REASON}; allowed: false on CPU"
+    if plan.float8 != "none" and gpu is not None and not has_fp8:
+        return (f"float8: '{plan.float8}' on {gpu}: {DEVICES_WITHOUT_FP8_REASON}; allowed: float8 'none' "
+                f"on {gpu}")
+    return None
