@@ -20,6 +20,7 @@ BASE = {"model": "tiny-llama", "num_workers": 2, "global_batch": 8, "micro_batch
     ({"float8_all_gather": True, "float8": "rowwise", "precision": "bf16", "strategy": "fsdp"},
      "float8_all_gather: true with float8 'rowwise'", "only supports tensorwise"),
     ({"compile": True, "strategy": "zero", "zero": {"stage": 3}}, "compile: true with zero.stage 3", "hooks"),
+    ({"compile": True, "warmup_steps": 0}, "compile: true needs warmup_steps >= 1", "never be a measured step"),
     ({"loss": "vocab_parallel"}, "loss: 'vocab_parallel' needs tp > 1", "'chunked'"),
     ({"loss": "vocab_parallel", "tp": 2, "strategy": "zero"}, "loss: 'vocab_parallel' with strategy 'zero'",
      "AutoTP"),

@@ -73,6 +73,9 @@ def check_levers(plan: Plan) -> None:
     if plan.compile and plan.strategy == "zero" and plan.zero is not None and plan.zero.stage == 3:
         raise ValueError(f"compile: true with zero.stage 3: {COMPILE_ZERO3_REASON}; allowed: zero.stage 0-2 "
                          "with compile, or strategy 'fsdp'")
+    if plan.compile and plan.warmup_steps < 1:
+        raise ValueError("compile: true needs warmup_steps >= 1 (the first step compiles the blocks; it must "
+                         "never be a measured step), got warmup_steps 0; allowed: warmup_steps 1 or more")
     if plan.loss == "vocab_parallel":
         if plan.tp == 1:
             raise ValueError("loss: 'vocab_parallel' needs tp > 1 (it keeps the head's logits sharded over the "
