@@ -406,8 +406,13 @@ def test_the_time_model_picks_the_profiled_entry_for_the_plans_levers():
     # The chunked head was measured: the plan's head is it.
     assert compose(plan(**bf16, loss="chunked"), profile)["compute"] == pytest.approx(
         compute(eager.block_s, 0.5 * eager.head_s))
-    # The compiled plan's first step: the profiled compile time; an eager plan has none.
+    # The compiled plan's first step: the profile's cold compile (a later shape paid only a
+    # dynamic-shape recompile); an eager plan has none.
     assert model.compile_seconds(plan(**bf16, compile=True)) == 20.0
+    recompiled = BlockTime(shape=BlockShape(micro_batch=4, seq_len=128, compile=True), block_s=1.0, embed_s=0.1,
+                           head_s=0.1, compile_s=0.5)
+    later = StepTimeModel([profile.model_copy(update={"blocks": profile.blocks + [recompiled]})])
+    assert later.compile_seconds(plan(precision="bf16", micro_batch=4, compile=True)) == 20.0
     assert model.compile_seconds(plan(**bf16)) is None
 
 

@@ -23,6 +23,7 @@ import math
 import os
 import statistics
 import time
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -127,7 +128,8 @@ def _profile_block_shapes(request: ProfileRequest, device, barrier: Callable[[],
     """Forward + backward of one decoder layer for every requested shape with its levers, and the
     embedding and the standard head once per (micro_batch, seq_len, tp) (no lever changes them):
     the real transformers modules, the trials' precision handling. A compiled block's first call
-    (the compile, or the dynamic-shape recompile of a second shape) is timed apart, as compile_s.
+    (the compile, or the dynamic-shape recompile of a second shape) is timed apart, as compile_s;
+    each compiled lever set starts from a reset Dynamo cache.
     A lever the runtime does not implement yet leaves its shapes out, with a note."""
     import torch
 
@@ -139,6 +141,8 @@ def _profile_block_shapes(request: ProfileRequest, device, barrier: Callable[[],
     for shape in request.blocks:
         key = (shape.tp, shape.levers)
         if key not in built:
+            if shape.compile:  # earlier lever sets' graphs must not count against Dynamo's recompile limit
+                torch._dynamo.reset()
             try:
                 config, full_vocab, model = _build_levered(request, shape.tp, 1, lever_plan(request, shape), device)
             except NotImplementedError as err:
@@ -177,9 +181,11 @@ def _profile_block_shapes(request: ProfileRequest, device, barrier: Callable[[],
 
         row: dict[str, Any] = {"shape": shape.model_dump()}
         barrier()  # every rank computes at once, sharing the host as in a trial
-        if shape.compile:  # warmed before timing: the first call compiles
-            row["compile_s"] = _first_call_s(run_block, device)
-        row["block_s"] = _median_time(run_block, device, request.warmup, request.reps, request.statistic)
+        # A compiled block past Dynamo's recompile limit would silently run eager: fail instead.
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True) if shape.compile else nullcontext():
+            if shape.compile:  # warmed before timing: the first call compiles
+                row["compile_s"] = _first_call_s(run_block, device)
+            row["block_s"] = _median_time(run_block, device, request.warmup, request.reps, request.statistic)
         if shape.compile:
             row["compile_s"] = max(0.0, row["compile_s"] - row["block_s"])
         at = (mb, seq, shape.tp)

@@ -193,15 +193,21 @@ def lever_notes(plan: Plan, profile: Profile) -> list[str]:
 
 
 def compile_seconds(plan: Plan, profile: Profile) -> float | None:
-    """What the first step of a compiled plan spends compiling, from the profile's compiled block
-    (one graph every block reuses; `layers` checkpointing: two, with and without recompute);
-    None when the plan does not compile or the profile has no compiled block at its levers."""
+    """What the first step of a compiled plan spends compiling on fresh workers: the profile's cold
+    compile of a block with the plan's tp and levers (the largest compile_s among them: the
+    profile's later shapes paid only a dynamic-shape recompile, or nothing); `layers`
+    checkpointing compiles two graphs, with and without recompute. A reused worker group with
+    warm caches pays less. None when the plan does not compile or no such block was profiled."""
     if not plan.compile:
         return None
-    times = {(b.shape.checkpointing, b.compile_s) for b in plan_blocks_times(plan, profile)}
-    if any(c is None for _, c in times):
-        return None
-    return sum(c for _, c in times)
+    total = 0.0
+    for bt in {b.shape.checkpointing: b for b in plan_blocks_times(plan, profile)}.values():
+        cold = [b.compile_s for b in profile.blocks if b.compile_s is not None and b.shape.tp == plan.tp
+                and b.shape.levers == bt.shape.levers]
+        if not cold:
+            return None
+        total += max(cold)
+    return total
 
 
 def compose(plan: Plan, profile: Profile) -> dict[str, float]:
