@@ -129,7 +129,7 @@ def test_a_real_profile_measures_selective_beside_none_and_full():
              for ac in ("none", "selective", "layers", "full")]
     [request] = profile_requests_for(plans, reps=2)
     assert [b.checkpointing for b in request.blocks] == ["full", "none", "selective"]
-    profile = run_profile(request.model_copy(update={"warmup": 1}), runner=_in_process_runner([]))
+    profile = run_profile(request, runner=_in_process_runner([]))
     missing = _selective_missing()
     if missing:  # the lever was reached and refused: its shape left out, the others measured
         assert {b.shape.checkpointing for b in profile.blocks} == {"none", "full"}

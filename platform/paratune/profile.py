@@ -379,12 +379,10 @@ class Profile(BaseModel):
         measured = {b.shape.levers for b in self.blocks}
         if want.levers in measured:
             return self._at_shape([b for b in self.blocks if b.shape.levers == want.levers], want)
-        nearest = min(measured, key=lambda lv: (sum(a != b for a, b in zip(lv, want.levers)), lv != ("none", False, "none"),
-                                                str(lv)))
+        nearest = min(measured, key=lambda lv: (sum(a != b for a, b in zip(lv, want.levers)),
+                                                lv != ("none", False, "none"), str(lv)))
         have = dict(zip(LEVER_FIELDS, nearest))
-        base = self._at_shape([b for b in self.blocks if b.shape.levers == nearest],
-                              want.model_copy(update={"checkpointing": have["checkpointing"], "compile": have["compile"],
-                                                      "float8": have["float8"]}))
+        base = self._at_shape([b for b in self.blocks if b.shape.levers == nearest], want.model_copy(update=have))
         factor, how = 1.0, []
         for field, had, wanted in zip(LEVER_FIELDS, nearest, want.levers):
             if had != wanted:
