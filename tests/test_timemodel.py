@@ -10,8 +10,10 @@ import math
 import pytest
 
 from paratune.plan import load_plan_dict
-from paratune.profile import (BlockShape, BlockTime, Curve, GroupSpec, LinearFit, Profile, ProfileRequest,
-                              ProfileStore, config_digest, fit_latency_bandwidth, profile_requests_for)
+from paratune.profile import (BlockShape, BlockTime, Curve, GroupSpec, HeadShape, HeadTime, LinearFit, Profile,
+                              ProfileRequest,
+                              ProfileStore, config_digest, profile_requests_for)
+from paratune.profiling import fit_latency_bandwidth
 from paratune.timemodel import (FEATURES, PRIOR, PRIOR_BAND, StepTimeModel, compose, families, fit_coefficients,
                                 module_sizes)
 
@@ -93,7 +95,14 @@ def test_tensor_parallel_all_reduces_per_layer_and_recompute_adds_two():
     ckpt = compose(plan(micro_batch=2, tp=2, activation_checkpointing="full"), profile)["tp_comm"]
     m, layers = 8, 4
     assert ckpt - base == pytest.approx(m * layers * 2 * latency)
-    assert base == pytest.approx(m * (layers * 4 + 3) * latency)  # + embedding, head input grad, logits gather
+    # + embedding, head input grad and 3 all-reduces of loss_parallel (auto under tp: vocab_parallel)
+    assert base == pytest.approx(m * (layers * 4 + 5) * latency)
+    standard = compose(plan(micro_batch=2, tp=2, loss="standard"), profile)["tp_comm"]
+    assert standard == pytest.approx(m * (layers * 4 + 3) * latency)  # the logits gathered instead
+    every_2nd = compose(plan(micro_batch=2, tp=2, activation_checkpointing="layers"), profile)["tp_comm"]
+    assert every_2nd - base == pytest.approx(m * (layers // 2) * 2 * latency)  # blocks 0 and 2 recompute
+    selective = compose(plan(micro_batch=2, tp=2, activation_checkpointing="selective"), profile)["tp_comm"]
+    assert selective == pytest.approx(base)  # the policy keeps the collectives' outputs
     assert compose(plan(micro_batch=2), profile)["tp_comm"] == 0.0
 
 
@@ -320,3 +329,114 @@ def test_on_gpus_data_parallel_communication_hides_under_compute_and_on_cpu_it_d
     slow_gpu = slow_cpu.model_copy(update={"device_type": "cuda"})
     ddp = plan(strategy="ddp", micro_batch=4)
     assert compose(ddp, slow_gpu)["dp_comm"] >= compose(ddp, slow_cpu)["dp_comm"] - compose(ddp, slow_cpu)["compute"]
+
+
+# --------------------------------------------------------------------------- the levers
+LEVER_SPACE = {"name": "levers", "fixed": {"model": "small-llama", "seq_len": 128, "global_batch": 16,
+                                           "num_workers": 2, "precision": "bf16"},
+               "space": {"strategy": {"ddp": {}, "fsdp": {}}, "micro_batch": [1, 2],
+                         "activation_checkpointing": ["none", "selective", "layers", "full"],
+                         "compile": [False, True], "float8": ["none", "tensorwise", "rowwise"]}}
+
+
+def test_a_space_sweeping_compile_float8_and_checkpointing_asks_for_each_combination_once():
+    """Every (micro-batch, checkpointing, compile, float8) the space has, once (two strategies and
+    `layers`, which is made of `none` and `full` blocks, add none); no head beyond the standard."""
+    from itertools import product
+
+    from paratune.space import space_from_dict
+
+    plans = [c.plan for c in space_from_dict(LEVER_SPACE).candidates]
+    assert {(p.activation_checkpointing, p.compile, p.float8) for p in plans} == set(
+        product(("none", "selective", "layers", "full"), (False, True), ("none", "tensorwise", "rowwise")))
+    [request] = profile_requests_for(plans)
+    keys = [(b.micro_batch, b.checkpointing, b.compile, b.float8) for b in request.blocks]
+    assert len(keys) == len(set(keys)) == 2 * 3 * 2 * 3
+    assert set(keys) == set(product((1, 2), ("none", "selective", "full"), (False, True),
+                                    ("none", "tensorwise", "rowwise")))
+    assert {(b.seq_len, b.tp) for b in request.blocks} == {(128, 1)} and request.heads == []
+    # The loss form is the head's key: vocab_parallel under tp (auto), chunked at tp 1.
+    [heads] = profile_requests_for([plan(micro_batch=2, tp=2), plan(micro_batch=2, tp=2, loss="standard"),
+                                    plan(micro_batch=2, loss="chunked"), plan(micro_batch=2)])
+    assert [(h.micro_batch, h.seq_len, h.tp, h.loss) for h in heads.heads] == [
+        (2, 128, 1, "chunked"), (2, 128, 2, "vocab_parallel")]
+    with pytest.raises(ValueError, match="checkpointing: 'layers' is no block shape"):
+        BlockShape(micro_batch=1, seq_len=128, checkpointing="layers")
+
+
+def lever_profile() -> Profile:
+    """make_profile's blocks (bf16) plus, at micro-batch 2 and tp 1, each lever measured on its own
+    with a distinct time, a compiled block's compile time, and a chunked head."""
+    base = make_profile(precision="bf16")
+    eager = base.block(2, 128, 1, "none")
+    extra = [BlockTime(shape=BlockShape(micro_batch=2, seq_len=128, checkpointing=ckpt, compile=comp, float8=f8),
+                       block_s=eager.block_s * factor, embed_s=eager.embed_s, head_s=eager.head_s, compile_s=cs)
+             for ckpt, comp, f8, factor, cs in (("selective", False, "none", 1.1, None),
+                                                ("none", True, "none", 0.7, 20.0),
+                                                ("none", False, "tensorwise", 0.6, None))]
+    heads = [HeadTime(shape=HeadShape(micro_batch=2, seq_len=128, loss="chunked"), head_s=0.5 * eager.head_s)]
+    return base.model_copy(update={"blocks": base.blocks + extra, "heads": heads})
+
+
+def test_the_time_model_picks_the_profiled_entry_for_the_plans_levers():
+    profile = lever_profile()
+    model = StepTimeModel([profile])
+    eager = profile.block(2, 128, 1, "none")
+    full = profile.block(2, 128, 1, "full")
+    bf16 = {"micro_batch": 2, "precision": "bf16"}
+    m = plan(**bf16).grad_accum
+
+    def compute(block_s: float, head_s: float = eager.head_s, ends: BlockTime = eager) -> float:
+        return m * (4 * block_s + ends.embed_s + head_s)  # 4 layers, the embedding, the head
+
+    for kw, expected in (({}, compute(eager.block_s)),
+                         ({"activation_checkpointing": "selective"}, compute(1.1 * eager.block_s)),
+                         ({"compile": True}, compute(0.7 * eager.block_s)),
+                         ({"float8": "tensorwise"}, compute(0.6 * eager.block_s)),
+                         ({"activation_checkpointing": "full"}, compute(full.block_s, full.head_s, full))):
+        p = plan(**bf16, **kw)
+        assert compose(p, profile)["compute"] == pytest.approx(expected), kw
+        assert model.predict(p).note is None, kw  # measured: nothing derived
+    # `layers`, every 2nd of 4 blocks: blocks 0 and 2 at the full block's time, 1 and 3 at none's.
+    layers = plan(**bf16, activation_checkpointing="layers")
+    assert compose(layers, profile)["compute"] == pytest.approx(m * (2 * full.block_s + 2 * eager.block_s
+                                                                      + eager.embed_s + eager.head_s))
+    every_3rd = plan(**bf16, activation_checkpointing="layers", checkpoint_every=3)  # blocks 0 and 3
+    assert compose(every_3rd, profile)["compute"] == pytest.approx(compose(layers, profile)["compute"])
+    # The chunked head was measured: the plan's head is it.
+    assert compose(plan(**bf16, loss="chunked"), profile)["compute"] == pytest.approx(
+        compute(eager.block_s, 0.5 * eager.head_s))
+    # The compiled plan's first step: the profile's cold compile (a later shape paid only a
+    # dynamic-shape recompile); an eager plan has none.
+    assert model.compile_seconds(plan(**bf16, compile=True)) == 20.0
+    recompiled = BlockTime(shape=BlockShape(micro_batch=4, seq_len=128, compile=True), block_s=1.0, embed_s=0.1,
+                           head_s=0.1, compile_s=0.5)
+    later = StepTimeModel([profile.model_copy(update={"blocks": profile.blocks + [recompiled]})])
+    assert later.compile_seconds(plan(precision="bf16", micro_batch=4, compile=True)) == 20.0
+    assert model.compile_seconds(plan(**bf16)) is None
+
+
+def test_levers_the_profile_did_not_measure_are_derived_and_said_so():
+    profile = lever_profile()
+    model = StepTimeModel([profile])
+    eager = profile.block(2, 128, 1, "none")
+    # compile + selective was never measured together: selective's block x compile's measured ratio.
+    both = profile.block(2, 128, 1, "selective", compile=True)
+    assert both.block_s == pytest.approx(1.1 * 0.7 * eager.block_s)
+    assert "not profiled" in both.derived and "(measured on 1 shape(s))" in both.derived
+    prediction = model.predict(plan(micro_batch=2, precision="bf16", activation_checkpointing="selective",
+                                    compile=True))
+    assert "not profiled" in prediction.note
+    # Another micro-batch with a measured lever: the lever's own entries fitted in tokens (one
+    # point: proportional), no note.
+    assert profile.block(4, 128, 1, "none", compile=True).block_s == pytest.approx(2 * 0.7 * eager.block_s)
+    # rowwise never measured, nor any pair for it: the prior (neutral), said so.
+    rowwise = profile.block(2, 128, 1, "none", float8="rowwise")
+    assert rowwise.block_s == pytest.approx(eager.block_s) and "prior" in rowwise.derived
+    # A vocab_parallel head never measured: the standard head's time, with a note.
+    assert profile.head(2, 128, 2, "vocab_parallel") == (profile.block(2, 128, 2).head_s, pytest.approx(
+        "head with loss 'vocab_parallel' at tp 2 not profiled: the standard head's time"))
+    assert "vocab_parallel" in model.predict(plan(micro_batch=2, tp=2, precision="bf16")).note
+    assert model.predict(plan(micro_batch=2, tp=2, precision="bf16", loss="standard")).note is None
+    with pytest.raises(ValueError, match="'layers' has no block of its own"):
+        profile.block(2, 128, 1, "layers")

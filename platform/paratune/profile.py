@@ -1,4 +1,4 @@
-"""The profile's records: what to profile for a sweep's plans, what was measured, its fits and its store.
+"""The profile's records: what to profile for a sweep's plans, what was measured, its lookups and its store.
 
 A roofline with a few global constants cannot tell ZeRO-2 from ZeRO-3 at the same micro-batch,
 and misses what the device really does at a given shape. Following the predictors that reach a
@@ -7,8 +7,15 @@ device, collective bandwidth measured on the real network), a profile (measured 
 own workers by paratune.profiling) holds:
 
 - one decoder layer of the real transformers model at the tensor-parallel-local shape, forward +
-  backward, for every (micro_batch, seq_len, tp, checkpointing) the plans use (`BlockTime`);
-- the embedding and the LM head (vocab/tp) with the loss, at the same shapes;
+  backward, for every (micro_batch, seq_len, tp, checkpointing, compile, float8 recipe) the plans
+  use (`BlockShape`, `BlockTime`), the levers applied by the trials' own functions
+  (paratune.parallel.recompute / compile / float8); a compiled block warmed first, its compile
+  time kept apart (`BlockTime.compile_s`). `layers` checkpointing is no shape of its own: each
+  block of it is either a `none` or a `full` block, so the time model composes it from those two;
+- the embedding and the LM head (vocab/tp) with the standard loss at the same (micro_batch,
+  seq_len, tp) (no lever changes them: checkpointing and compile act on the decoder blocks,
+  float8 leaves the LM head in bf16), and the head with each other loss form the plans use
+  (`HeadShape`: vocab_parallel under tp, chunked at tp 1);
 - collective curves on the real process group (all_reduce, all_gather_into_tensor,
   reduce_scatter_tensor, send/recv) for each group size and rank layout the plans use (the
   world, tp groups of consecutive ranks, dp groups of strided ranks), fitted to latency + bytes x
@@ -18,8 +25,8 @@ own workers by paratune.profiling) holds:
 
 `profile_requests_for` says what a sweep's plans need profiled; `ProfileStore` keeps profiles
 under PARATUNE_HOME/profiles keyed by what changes the numbers (model config, precision, device,
-cluster shape, worker env), so later sweeps reuse them. paratune.timemodel composes a plan's
-step time from a profile. Neither torch nor Ray is imported here.
+cluster shape, worker env), so later sweeps reuse them; paratune.profiling measures and fits
+them, paratune.timemodel composes a plan's step time from one. Neither torch nor Ray is imported here.
 """
 
 from __future__ import annotations
@@ -32,12 +39,24 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from paratune.levers import Float8Recipe, loss_form
 from paratune.plan import Checkpointing, Plan, Precision
 
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "send_recv"]
 COLLECTIVE_OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+# A loss form as the head runs it (paratune.levers.loss_form: `auto` resolved).
+HeadLoss = Literal["standard", "vocab_parallel", "chunked"]
+# What a lever costs a block against none of it when a profile never measured the pair (the time
+# model says so in its note): full recompute runs the forward twice (~4/3 of forward + backward),
+# selective only the cheap ops again (CPU probe: +7% step); compile and float8 assumed neutral.
+LEVER_PRIORS: dict[str, dict[Any, float]] = {
+    "checkpointing": {"none": 1.0, "selective": 1.07, "full": 4 / 3},
+    "compile": {False: 1.0, True: 1.0},
+    "float8": {"none": 1.0, "tensorwise": 1.0, "rowwise": 1.0},
+}
+LEVER_FIELDS: tuple[str, ...] = ("checkpointing", "compile", "float8")
 
 
 class ProfileError(ValueError):
@@ -55,10 +74,47 @@ class BlockShape(_Strict):
     seq_len: int = Field(ge=1)  # the rank's part of the sequence (seq_len / cp)
     tp: int = Field(1, ge=1)
     checkpointing: Checkpointing = "none"
+    compile: bool = False
+    float8: Float8Recipe = "none"
+
+    @field_validator("checkpointing")
+    @classmethod
+    def _one_mode_per_block(cls, value: str) -> str:
+        if value == "layers":
+            raise ValueError("checkpointing: 'layers' is no block shape (each of its blocks is a 'none' or a 'full' "
+                             "block: profile those); allowed: 'none', 'selective', 'full'")
+        return value
 
     @property
     def key(self) -> str:
-        return f"mb{self.micro_batch}:s{self.seq_len}:tp{self.tp}:{self.checkpointing}"
+        levers = (":compiled" if self.compile else "") + (f":f8-{self.float8}" if self.float8 != "none" else "")
+        return f"mb{self.micro_batch}:s{self.seq_len}:tp{self.tp}:{self.checkpointing}{levers}"
+
+    @property
+    def levers(self) -> tuple:
+        return tuple(getattr(self, f) for f in LEVER_FIELDS)
+
+    @property
+    def plain(self) -> "BlockShape":
+        """The same shape with no lever: where the ends (embedding, head) are measured."""
+        return BlockShape(micro_batch=self.micro_batch, seq_len=self.seq_len, tp=self.tp)
+
+
+class HeadShape(_Strict):
+    """The LM head with a loss form other than the standard one, as a rank runs it."""
+
+    micro_batch: int = Field(ge=1)
+    seq_len: int = Field(ge=1)
+    tp: int = Field(1, ge=1)
+    loss: HeadLoss = "standard"
+
+    @model_validator(mode="after")
+    def _form_fits_tp(self) -> "HeadShape":
+        if self.loss == "vocab_parallel" and self.tp == 1:
+            raise ValueError("loss: 'vocab_parallel' needs tp > 1, got tp 1; allowed: 'standard' or 'chunked'")
+        if self.loss == "chunked" and self.tp > 1:
+            raise ValueError(f"loss: 'chunked' needs tp 1, got tp {self.tp}; allowed: 'standard' or 'vocab_parallel'")
+        return self
 
 
 class GroupSpec(_Strict):
@@ -92,6 +148,7 @@ class ProfileRequest(_Strict):
     model_overrides: dict[str, Any] = Field(default_factory=dict)
     precision: Precision = "fp32"
     blocks: list[BlockShape]
+    heads: list[HeadShape] = Field(default_factory=list)  # loss forms other than standard
     groups: list[GroupSpec] = Field(default_factory=list)
     local_params: list[int] = Field(default_factory=list)  # optimizer step sizes (elements per rank)
     env: dict[str, str] = Field(default_factory=dict)
@@ -158,8 +215,32 @@ def plan_groups(plan: Plan) -> list[GroupSpec]:
 
 
 def plan_blocks(plan: Plan) -> list[BlockShape]:
-    return [BlockShape(micro_batch=plan.micro_batch, seq_len=plan.seq_len // plan.cp, tp=plan.tp,
-                       checkpointing=plan.activation_checkpointing)]
+    """The block shapes a plan's step runs: one, or a `none` and a `full` one for `layers`."""
+    modes = ("none", "full") if plan.activation_checkpointing == "layers" else (plan.activation_checkpointing,)
+    return [BlockShape(micro_batch=plan.micro_batch, seq_len=plan.seq_len // plan.cp, tp=plan.tp, checkpointing=mode,
+                       compile=plan.compile, float8=plan.float8) for mode in modes]
+
+
+def head_loss(plan: Plan) -> str:
+    """The loss form a plan's head runs: paratune.levers.loss_form, with `auto`'s fallbacks to the
+    standard form where paratune.parallel.loss keeps the logits gathered (pp, cp, a tied head)."""
+    form = loss_form(plan)
+    if form == "vocab_parallel" and plan.loss == "auto":
+        from paratune.models import build_config
+
+        if plan.pp > 1 or plan.cp > 1 or getattr(build_config(plan.model, plan.model_overrides),
+                                                  "tie_word_embeddings", False):
+            return "standard"
+    return form
+
+
+def plan_heads(plan: Plan) -> list[HeadShape]:
+    """The head a plan's last stage runs, when its loss form is not the standard one (that one is
+    measured with every block shape)."""
+    form = head_loss(plan)
+    if form == "standard":
+        return []
+    return [HeadShape(micro_batch=plan.micro_batch, seq_len=plan.seq_len // plan.cp, tp=plan.tp, loss=form)]
 
 
 def optimizer_params(plan: Plan) -> int:
@@ -183,8 +264,11 @@ def profile_requests_for(plans: list[Plan], reps: int | None = None) -> list[Pro
     requests = []
     for group in by_key.values():
         first = group[0]
+        # Each (shape, levers) once: a space sweeping compile x float8 x checkpointing asks for each
+        # combination it has, no more (a compiled shape costs a compile on the workers).
         blocks = sorted({b for p in group for b in plan_blocks(p)},
-                        key=lambda b: (b.tp, b.checkpointing, b.seq_len, b.micro_batch))
+                        key=lambda b: (b.tp, b.checkpointing, b.compile, b.float8, b.seq_len, b.micro_batch))
+        heads = sorted({h for p in group for h in plan_heads(p)}, key=lambda h: (h.tp, h.loss, h.seq_len, h.micro_batch))
         groups = sorted({g for p in group for g in plan_groups(p)}, key=lambda g: (g.size, g.stride))
         if first.num_workers > 1 and GroupSpec(size=first.num_workers) not in groups:
             groups.insert(0, GroupSpec(size=first.num_workers))
@@ -194,7 +278,7 @@ def profile_requests_for(plans: list[Plan], reps: int | None = None) -> list[Pro
         extra = {"reps": reps} if reps is not None else {}
         requests.append(ProfileRequest(
             model=first.model, model_overrides=first.model_overrides, precision=first.precision, blocks=blocks,
-            groups=groups, local_params=params, env=dict(first.env), world_size=first.num_workers,
+            heads=heads, groups=groups, local_params=params, env=dict(first.env), world_size=first.num_workers,
             gpus_per_node=first.gpus_per_node, cpus_per_worker=first.cpus_per_worker, device_type=first.device,
             **extra))
     return requests
@@ -206,6 +290,15 @@ class BlockTime(_Strict):
     block_s: float  # one decoder layer, forward + backward
     embed_s: float  # the embedding (vocab/tp), forward + backward
     head_s: float  # final norm + LM head (vocab/tp) + loss over the gathered logits, forward + backward
+    compile_s: float | None = None  # compiled blocks: the first call's time beyond a steady one
+    # How a looked-up block was derived when the profile has no entry with its levers (None:
+    # measured, or interpolated over measured shapes with the same levers); never stored.
+    derived: str | None = Field(None, exclude=True)
+
+
+class HeadTime(_Strict):
+    shape: HeadShape
+    head_s: float  # final norm + LM head + this loss form, forward + backward
 
 
 class Curve(_Strict):
@@ -244,7 +337,7 @@ class Profile(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    version: int = 1
+    version: int = 2  # 2: block shapes carry the levers; heads with other loss forms
     model: str
     model_overrides: dict[str, Any] = Field(default_factory=dict)
     config_digest: str
@@ -257,6 +350,7 @@ class Profile(BaseModel):
     cpus_per_worker: float | None = None
     env: dict[str, str] = Field(default_factory=dict)
     blocks: list[BlockTime]
+    heads: list[HeadTime] = Field(default_factory=list)
     collectives: list[Curve] = Field(default_factory=list)
     optimizer: LinearFit
     host_link_bytes_per_s: float | None = None
@@ -269,38 +363,84 @@ class Profile(BaseModel):
                           sort_keys=True)
 
     # ---- lookups the time model uses ------------------------------------------------------
-    def block(self, micro_batch: int, seq_len: int, tp: int, checkpointing: str) -> BlockTime:
-        """The measured block at this shape; else interpolated in tokens over the measured ones of
-        the same (tp, checkpointing) (a + b x tokens), else derived from the nearest tp /
-        checkpointing (x tp_measured/tp; full recompute ~ 4/3 of no recompute)."""
-        want = BlockShape(micro_batch=micro_batch, seq_len=seq_len, tp=tp, checkpointing=checkpointing)
-        for b in self.blocks:
+    def block(self, micro_batch: int, seq_len: int, tp: int, checkpointing: str = "none", compile: bool = False,
+              float8: str = "none") -> BlockTime:
+        """The measured block at this shape and these levers; else interpolated in tokens over the
+        measured ones with the same tp and levers (a + b x tokens), else from the nearest tp
+        (x tp_measured/tp). With no entry for these levers at all: the block of the nearest lever
+        set measured (fewest levers differing) at this shape, times each differing lever's ratio
+        measured on shapes profiled with and without it (else LEVER_PRIORS), and `derived` says so.
+        `layers` checkpointing is composed by the caller from `none` and `full` blocks."""
+        if checkpointing == "layers":
+            raise ProfileError("checkpointing: 'layers' has no block of its own; allowed: 'none', 'selective', "
+                               "'full' (paratune.timemodel composes 'layers' from 'none' and 'full' blocks)")
+        want = BlockShape(micro_batch=micro_batch, seq_len=seq_len, tp=tp, checkpointing=checkpointing,
+                          compile=compile, float8=float8)
+        measured = {b.shape.levers for b in self.blocks}
+        if want.levers in measured:
+            return self._at_shape([b for b in self.blocks if b.shape.levers == want.levers], want)
+        nearest = min(measured, key=lambda lv: (sum(a != b for a, b in zip(lv, want.levers)),
+                                                lv != ("none", False, "none"), str(lv)))
+        have = dict(zip(LEVER_FIELDS, nearest))
+        base = self._at_shape([b for b in self.blocks if b.shape.levers == nearest], want.model_copy(update=have))
+        factor, how = 1.0, []
+        for field, had, wanted in zip(LEVER_FIELDS, nearest, want.levers):
+            if had != wanted:
+                ratio, source = self._lever_ratio(field, had, wanted, tp)
+                factor *= ratio
+                how.append(f"{field} {wanted!r} x{ratio:.3g} of {had!r} ({source})")
+        note = f"block {want.key} not profiled: " + "; ".join(how)
+        return base.model_copy(update={"shape": want, "block_s": base.block_s * factor, "compile_s": None,
+                                       "derived": note})
+
+    def _at_shape(self, same_levers: list[BlockTime], want: BlockShape) -> BlockTime:
+        """`want` among blocks of its own levers: exact, else fitted in tokens at the nearest tp."""
+        for b in same_levers:
             if b.shape == want:
                 return b
-        same = [b for b in self.blocks if b.shape.tp == tp and b.shape.checkpointing == checkpointing]
+        same = [b for b in same_levers if b.shape.tp == want.tp]
         scale = 1.0
         if not same:
-            same = [b for b in self.blocks if b.shape.checkpointing == checkpointing] or list(self.blocks)
-            near_tp = min({b.shape.tp for b in same}, key=lambda t: (abs(math.log(t / tp)), t))
-            same = [b for b in same if b.shape.tp == near_tp]
-            scale = near_tp / tp
-            ckpt = {b.shape.checkpointing for b in same}
-            if checkpointing not in ckpt:
-                scale *= 4 / 3 if checkpointing == "full" else 3 / 4
-        tokens = micro_batch * seq_len
+            near_tp = min({b.shape.tp for b in same_levers}, key=lambda t: (abs(math.log(t / want.tp)), t))
+            same = [b for b in same_levers if b.shape.tp == near_tp]
+            scale = near_tp / want.tp
+        tokens = want.micro_batch * want.seq_len
+        xs = [b.shape.micro_batch * b.shape.seq_len for b in same]
+        compiled = [b.compile_s for b in same if b.compile_s is not None]
+        return BlockTime(shape=want, block_s=_fit_tokens(xs, [b.block_s for b in same], tokens) * scale,
+                         embed_s=_fit_tokens(xs, [b.embed_s for b in same], tokens) * scale,
+                         head_s=_fit_tokens(xs, [b.head_s for b in same], tokens) * scale,
+                         compile_s=max(compiled) if compiled else None)
 
-        def fit(field: str) -> float:
-            xs = [b.shape.micro_batch * b.shape.seq_len for b in same]
-            ys = [getattr(b, field) for b in same]
-            if len(set(xs)) < 2:
-                return ys[0] * tokens / xs[0]
-            slope, intercept = _line(xs, ys)
-            if intercept < 0:  # no fixed part: proportional to tokens
-                slope, intercept = sum(ys) / sum(xs), 0.0
-            return max(0.0, intercept + slope * tokens)
+    def _lever_ratio(self, field: str, had: Any, wanted: Any, tp: int) -> tuple[float, str]:
+        """block_s with `field` = wanted over block_s with `had`, all else equal, over the shapes
+        measured both ways (the geometric mean, this tp's pairs first); else LEVER_PRIORS."""
+        by_shape = {b.shape: b.block_s for b in self.blocks}
+        pairs = []
+        for shape, seconds in by_shape.items():
+            if getattr(shape, field) != wanted:
+                continue
+            other = by_shape.get(shape.model_copy(update={field: had}))
+            if other and seconds > 0:
+                pairs.append((shape.tp != tp, seconds / other))
+        if pairs:
+            best = [r for off_tp, r in pairs if off_tp == min(o for o, _ in pairs)]
+            return math.exp(sum(math.log(r) for r in best) / len(best)), f"measured on {len(best)} shape(s)"
+        prior = LEVER_PRIORS[field]
+        return prior[wanted] / prior[had], "not measured: prior"
 
-        return BlockTime(shape=want, block_s=fit("block_s") * scale, embed_s=fit("embed_s") * scale,
-                         head_s=fit("head_s") * scale)
+    def head(self, micro_batch: int, seq_len: int, tp: int, loss: str = "standard") -> tuple[float, str | None]:
+        """Seconds of norm + head + this loss form at this shape, and a note when not measured.
+        Standard: the blocks' head_s; another form: fitted in tokens over that form at this tp,
+        else the standard head's (said so)."""
+        standard = self.block(micro_batch, seq_len, tp).head_s
+        if loss == "standard":
+            return standard, None
+        same = [h for h in self.heads if h.shape.loss == loss and h.shape.tp == tp]
+        if same:
+            xs = [h.shape.micro_batch * h.shape.seq_len for h in same]
+            return _fit_tokens(xs, [h.head_s for h in same], micro_batch * seq_len), None
+        return standard, f"head with loss {loss!r} at tp {tp} not profiled: the standard head's time"
 
     def curve(self, op: str, size: int, stride: int = 1) -> Curve | None:
         """The measured curve for this op and group; else the same size in another layout; else
@@ -326,6 +466,16 @@ class Profile(BaseModel):
         return curve.seconds(nbytes) if curve is not None else 0.0
 
 
+def _fit_tokens(xs: list[float], ys: list[float], tokens: float) -> float:
+    """ys at `tokens`: a + b x tokens over the points (proportional with one point or no fixed part)."""
+    if len(set(xs)) < 2:
+        return ys[0] * tokens / xs[0]
+    slope, intercept = _line(xs, ys)
+    if intercept < 0:  # no fixed part: proportional to tokens
+        slope, intercept = sum(ys) / sum(xs), 0.0
+    return max(0.0, intercept + slope * tokens)
+
+
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least-squares slope and intercept."""
     n = len(xs)
@@ -333,75 +483,6 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     sxx = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
     return slope, my - slope * mx
-
-
-def fit_latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(latency, seconds per byte) >= 0 minimising the *relative* error over the points, so the
-    small messages (latency bound) count as much as the large ones (bandwidth bound)."""
-    import numpy as np
-
-    if not points:
-        raise ProfileError("collectives: no measured points to fit")
-    x = np.array([p[0] for p in points], dtype=float)
-    y = np.array([max(p[1], 1e-9) for p in points], dtype=float)
-    if len(points) == 1:
-        return 0.0, float(y[0] / x[0])
-    from scipy.optimize import nnls
-
-    A = np.stack([1 / y, x / y], axis=1)
-    sol, _ = nnls(A, np.ones_like(y))
-    latency, spb = float(sol[0]), float(sol[1])
-    if spb <= 0:  # noisy points (a busy host) can flatten the line: the largest message's own rate
-        big = int(np.argmax(x))
-        latency = min(latency, float(y.min()))
-        spb = max(float(y[big]) - latency, 0.5 * float(y[big])) / float(x[big])
-    return latency, spb
-
-
-def fit_linear(points: list[tuple[float, float]]) -> LinearFit:
-    """a + b x n with a, b >= 0 (relative least squares), for the optimizer step."""
-    import numpy as np
-    from scipy.optimize import nnls
-
-    if not points:
-        return LinearFit(a=0.0, b=0.0)
-    x = np.array([p[0] for p in points], dtype=float)
-    y = np.array([max(p[1], 1e-9) for p in points], dtype=float)
-    if len(points) == 1:
-        return LinearFit(a=0.0, b=float(y[0] / x[0]), points=[tuple(p) for p in points])
-    sol, _ = nnls(np.stack([1 / y, x / y], axis=1), np.ones_like(y))
-    a, b = float(sol[0]), float(sol[1])
-    if b <= 0:  # flattened by noise: the largest point's own rate for the growing part
-        big = int(np.argmax(x))
-        a = min(a, float(y.min()))
-        b = max(float(y[big]) - a, 0.5 * float(y[big])) / float(x[big])
-    return LinearFit(a=a, b=b, points=[tuple(p) for p in points])
-
-
-def profile_from_result(request: ProfileRequest, out: dict) -> Profile:
-    """The Profile (curves and the optimizer line fitted) from collect_profile's raw result."""
-    points: dict[tuple[str, int, int], list[tuple[int, float]]] = {}
-    for row in out.get("collectives", []):
-        points.setdefault((row["op"], row["size"], row["stride"]), []).append((int(row["bytes"]), float(row["seconds"])))
-    curves = []
-    for (op, size, stride), pts in sorted(points.items()):
-        latency, spb = fit_latency_bandwidth(pts)
-        curves.append(Curve(op=op, size=size, stride=stride, latency_s=latency, seconds_per_byte=spb, points=pts))
-    notes = []
-    for key, value in (out.get("env_seen") or {}).items():
-        if value != request.env.get(key):
-            notes.append(f"env {key}: the workers saw {value!r}, the plans set {request.env.get(key)!r}")
-    return Profile(
-        model=request.model, model_overrides=request.model_overrides, config_digest=request.config_digest,
-        precision=request.precision, device_type=out["device_type"], device_name=out["device_name"],
-        world_size=request.world_size, gpus_per_node=request.gpus_per_node,
-        local_world_size=int(out.get("local_world_size", 1)), cpus_per_worker=request.cpus_per_worker,
-        env=dict(request.env),
-        blocks=[BlockTime(shape=BlockShape(**b["shape"]), block_s=b["block_s"], embed_s=b["embed_s"],
-                          head_s=b["head_s"]) for b in out["blocks"]],
-        collectives=curves, optimizer=fit_linear([tuple(p) for p in out.get("optimizer", [])]),
-        host_link_bytes_per_s=out.get("host_link_bytes_per_s"), profile_s=float(out.get("profile_s", 0.0)),
-        created_at=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), notes=notes)
 
 
 # --------------------------------------------------------------------------- cache
@@ -464,10 +545,12 @@ class ProfileStore:
 
 
 def covers(profile: Profile, request: ProfileRequest) -> bool:
-    """Whether a profile measured everything a request needs (shapes and group layouts)."""
+    """Whether a profile measured everything a request needs (block shapes with their levers, heads
+    with their loss forms, group layouts)."""
     shapes = {b.shape for b in profile.blocks}
+    heads = {h.shape for h in profile.heads}
     layouts = {(c.size, c.stride) for c in profile.collectives}
-    return all(b in shapes for b in request.blocks) and \
+    return all(b in shapes for b in request.blocks) and all(h in heads for h in request.heads) and \
         all((g.size, g.stride) in layouts for g in request.groups if g.size <= profile.world_size)
 
 

@@ -8,9 +8,13 @@ group layout at a few message sizes, the optimizer step (torch AdamW with clippi
 as the trials step) and the host link; warm-up excluded, the device synchronised before each
 clock read, the minimum (or the median) of a few repetitions, the slowest rank's figure.
 
+The lever values a block shape carries (checkpointing, compile, float8) and the head's loss form
+are applied through the trials' own call sites (paratune.parallel.runner: convert_linears,
+apply_activation_checkpointing, compile_blocks) on a model built as a trial builds it.
+
 `run_profile` runs it as one Ray Train job (paratune.launch, like a trial), or through a
-`runner` that already holds a worker group (the sweep's pool), and fits the records
-(paratune.profile).
+`runner` that already holds a worker group (the sweep's pool), and fits the curves and the
+optimizer line (`profile_from_result`).
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ import math
 import os
 import statistics
 import time
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, Callable
 
 from paratune.plan import Plan
-from paratune.profile import COLLECTIVE_OPS, Profile, ProfileError, ProfileRequest, profile_from_result
+from paratune.profile import (COLLECTIVE_OPS, BlockShape, BlockTime, Curve, HeadShape, HeadTime, LinearFit, Profile,
+                              ProfileError, ProfileRequest)
 
 # A profile's collectives (world group and the sub-groups it measures) time out after this.
 PROFILE_COMM_TIMEOUT_S = 300.0
@@ -79,34 +85,78 @@ def _local_config(request: ProfileRequest, tp: int, layers: int):
     return build_config(request.model, overrides), full.vocab_size
 
 
-def _profile_block_shapes(request: ProfileRequest, device, barrier: Callable[[], None]) -> list[dict]:
-    """Forward + backward of one decoder layer, the embedding and the head with the loss, for
-    every requested shape: the real transformers modules, the trials' precision handling."""
+def lever_plan(request: ProfileRequest, shape: BlockShape | None = None, loss: str = "standard") -> Plan:
+    """A one-rank plan carrying a block shape's levers (and a loss form): what the lever functions
+    of paratune.parallel read, so the profile's block runs what a trial's does."""
+    levers = {} if shape is None else {"activation_checkpointing": shape.checkpointing, "compile": shape.compile,
+                                       "float8": shape.float8}
+    return Plan(model=request.model, model_overrides=request.model_overrides, num_workers=1, global_batch=1,
+                micro_batch=1, precision=request.precision, device=request.device_type, loss=loss, **levers)
+
+
+def _build_levered(request: ProfileRequest, tp: int, layers: int, plan: Plan, device):
+    """The rank's tp slice with `layers` decoder blocks, built as a trial builds its model: on the
+    meta device, the plan's levers applied at the trials' call sites (float8 and the loss form,
+    checkpointing, compile), then materialized. (config, full vocab size, model)."""
     import torch
 
-    from paratune.parallel.recompute import enable_full_recompute
+    from paratune.materialize import ModelInit, build_meta, materialize
+    from paratune.parallel.runner import apply_activation_checkpointing, compile_blocks, convert_linears
+
+    config, full_vocab = _local_config(request, tp, layers)
+    torch.manual_seed(0)
+    model = build_meta(config)
+    init = ModelInit(model, config, seed=0)
+    convert_linears(model, plan)
+    apply_activation_checkpointing(model, plan)
+    compile_blocks(model, plan)
+    materialize(model, init, device)
+    model.train()
+    return config, full_vocab, model
+
+
+def _first_call_s(fn: Callable[[], None], device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _profile_block_shapes(request: ProfileRequest, device, barrier: Callable[[], None],
+                          notes: list[str]) -> list[dict]:
+    """Forward + backward of one decoder layer for every requested shape with its levers, and the
+    embedding and the standard head once per (micro_batch, seq_len, tp) (no lever changes them):
+    the real transformers modules, the trials' precision handling. A compiled block's first call
+    (the compile, or the dynamic-shape recompile of a second shape) is timed apart, as compile_s;
+    each compiled lever set starts from a reset Dynamo cache.
+    A lever the runtime does not implement yet leaves its shapes out, with a note."""
+    import torch
+
     from paratune.parallel.pp import StageModule, causal_lm_loss
 
     out = []
-    built: dict[tuple[int, str], tuple] = {}
+    built: dict[tuple, tuple | None] = {}
+    ends: dict[tuple[int, int, int], tuple[float, float]] = {}
     for shape in request.blocks:
-        key = (shape.tp, shape.checkpointing)
+        key = (shape.tp, shape.levers)
         if key not in built:
-            config, full_vocab = _local_config(request, shape.tp, 1)
-            from transformers import AutoModelForCausalLM
-
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(config).to(device)
-            model.train()
-            if shape.checkpointing == "full":
-                enable_full_recompute(model)
-            bf16 = request.precision == "bf16"
-            block = StageModule(model, (0, 1), first=False, last=False)
-            embed = StageModule(model, (0, 0), first=True, last=False)
-            head = StageModule(model, (0, 0), first=False, last=True)
-            for stage in (block, embed, head):
-                stage.autocast = bf16
-            built[key] = (config, full_vocab, block, embed, head)
+            if shape.compile:  # earlier lever sets' graphs must not count against Dynamo's recompile limit
+                torch._dynamo.reset()
+            try:
+                config, full_vocab, model = _build_levered(request, shape.tp, 1, lever_plan(request, shape), device)
+            except NotImplementedError as err:
+                built[key] = None
+                notes.append(f"blocks with {dict(zip(('checkpointing', 'compile', 'float8'), shape.levers))} not "
+                             f"profiled: {err}")
+                continue
+            stages = [StageModule(model, (0, 1), first=False, last=False),
+                      StageModule(model, (0, 0), first=True, last=False), StageModule(model, (0, 0), first=False, last=True)]
+            for stage in stages:
+                stage.autocast = request.precision == "bf16"
+            built[key] = (config, full_vocab, *stages)
+        if built[key] is None:
+            continue
         config, full_vocab, block, embed, head = built[key]
         mb, seq, hidden = shape.micro_batch, shape.seq_len, config.hidden_size
         x = torch.randn(mb, seq, hidden, device=device, requires_grad=True)
@@ -129,11 +179,71 @@ def _profile_block_shapes(request: ProfileRequest, device, barrier: Callable[[],
             causal_lm_loss(logits, labels).backward()
             head.zero_grad(set_to_none=True)
 
-        times = {}
-        for name, fn in (("block_s", run_block), ("embed_s", run_embed), ("head_s", run_head)):
-            barrier()  # every rank computes at once, sharing the host as in a trial
-            times[name] = _median_time(fn, device, request.warmup, request.reps, request.statistic)
-        out.append({"shape": shape.model_dump(), **times})
+        row: dict[str, Any] = {"shape": shape.model_dump()}
+        barrier()  # every rank computes at once, sharing the host as in a trial
+        # A compiled block past Dynamo's recompile limit would silently run eager: fail instead.
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True) if shape.compile else nullcontext():
+            if shape.compile:  # warmed before timing: the first call compiles
+                row["compile_s"] = _first_call_s(run_block, device)
+            row["block_s"] = _median_time(run_block, device, request.warmup, request.reps, request.statistic)
+        if shape.compile:
+            row["compile_s"] = max(0.0, row["compile_s"] - row["block_s"])
+        at = (mb, seq, shape.tp)
+        if at not in ends:
+            barrier()
+            embed_s = _median_time(run_embed, device, request.warmup, request.reps, request.statistic)
+            barrier()
+            ends[at] = (embed_s, _median_time(run_head, device, request.warmup, request.reps, request.statistic))
+        row["embed_s"], row["head_s"] = ends[at]
+        out.append(row)
+    return out
+
+
+def _profile_heads(request: ProfileRequest, device, barrier: Callable[[], None], notes: list[str]) -> list[dict]:
+    """The head with each non-standard loss form requested. chunked (tp 1): the trials' own model
+    path (model(inputs_embeds=..., labels=...).loss, its decoder blocks removed after building)
+    with the form applied by paratune.parallel.loss. vocab_parallel (tp > 1): its local work, the head at vocab/tp and the
+    loss over the rank's vocabulary slice (no logits gathered); its all-reduces of per-token
+    statistics are the time model's, on the measured tp curve (a rank alone has no tp mesh)."""
+    import torch
+
+    from paratune.parallel.pp import StageModule, causal_lm_loss
+
+    out = []
+    autocast = request.precision == "bf16"
+    for shape in request.heads:
+        plan = lever_plan(request, loss=shape.loss if shape.loss == "chunked" else "standard")
+        try:
+            config, _, model = _build_levered(request, shape.tp, 1, plan, device)
+        except NotImplementedError as err:
+            notes.append(f"head with loss {shape.loss!r} not profiled: {err}")
+            continue
+        mb, seq = shape.micro_batch, shape.seq_len
+        x = torch.randn(mb, seq, config.hidden_size, device=device, requires_grad=True)
+        labels = torch.randint(0, config.vocab_size, (mb, seq), device=device)
+        head = None if shape.loss == "chunked" else StageModule(model, (0, 0), first=False, last=True)
+        if head is not None:
+            head.autocast = autocast
+        if shape.loss == "chunked":  # the model's own forward without its block: norm, head, loss
+            from paratune.models import block_stacks
+
+            for _, stack in block_stacks(model):
+                del stack[:]
+
+        def run_chunked() -> None:
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = model(inputs_embeds=x, labels=labels).loss
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        def run_vocab_parallel() -> None:
+            causal_lm_loss(head(x), labels).backward()
+            head.zero_grad(set_to_none=True)
+
+        barrier()
+        fn = run_chunked if shape.loss == "chunked" else run_vocab_parallel
+        out.append({"shape": shape.model_dump(),
+                    "head_s": _median_time(fn, device, request.warmup, request.reps, request.statistic)})
     return out
 
 
@@ -257,20 +367,28 @@ def collect_profile(payload: dict, rank: int, world: int, local_world: int, devi
             dist.barrier()
 
     torch.manual_seed(1234 + rank)
-    blocks = _profile_block_shapes(request, device, barrier)
+    notes: list[str] = []
+    blocks = _profile_block_shapes(request, device, barrier, notes)
+    heads = _profile_heads(request, device, barrier, notes)
     sizes = list(request.sizes or (GPU_SIZES if device.type == "cuda" else CPU_SIZES))
     collectives = _profile_collectives(request, rank, world, device, sizes) if distributed else []
     optimizer = _profile_optimizer(request, device, barrier)
     host = _host_link(device)
     if distributed:  # the slowest rank's times: a step waits for its last rank
-        flat = [v for b in blocks for v in (b["block_s"], b["embed_s"], b["head_s"])] + [s for _, s in optimizer]
+        fields = ("block_s", "embed_s", "head_s", "compile_s")
+        flat = [b.get(f, 0.0) for b in blocks for f in fields] + [h["head_s"] for h in heads] + [s for _, s in optimizer]
         t = torch.tensor(flat, dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         values = iter(t.tolist())
         for b in blocks:
-            b["block_s"], b["embed_s"], b["head_s"] = next(values), next(values), next(values)
+            for f in fields:
+                value = next(values)
+                if f in b:
+                    b[f] = value
+        for h in heads:
+            h["head_s"] = next(values)
         optimizer = [(n, next(values)) for n, _ in optimizer]
-    return {"blocks": blocks, "collectives": collectives, "optimizer": optimizer, "host_link_bytes_per_s": host,
+    return {"blocks": blocks, "heads": heads, "notes": notes, "collectives": collectives, "optimizer": optimizer, "host_link_bytes_per_s": host,
             "device_type": device.type,
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "local_world_size": local_world, "profile_s": time.perf_counter() - t0,
@@ -278,6 +396,76 @@ def collect_profile(payload: dict, rank: int, world: int, local_world: int, devi
 
 
 # --------------------------------------------------------------------------- driver side
+def fit_latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(latency, seconds per byte) >= 0 minimising the *relative* error over the points, so the
+    small messages (latency bound) count as much as the large ones (bandwidth bound)."""
+    import numpy as np
+
+    if not points:
+        raise ProfileError("collectives: no measured points to fit")
+    x = np.array([p[0] for p in points], dtype=float)
+    y = np.array([max(p[1], 1e-9) for p in points], dtype=float)
+    if len(points) == 1:
+        return 0.0, float(y[0] / x[0])
+    from scipy.optimize import nnls
+
+    A = np.stack([1 / y, x / y], axis=1)
+    sol, _ = nnls(A, np.ones_like(y))
+    latency, spb = float(sol[0]), float(sol[1])
+    if spb <= 0:  # noisy points (a busy host) can flatten the line: the largest message's own rate
+        big = int(np.argmax(x))
+        latency = min(latency, float(y.min()))
+        spb = max(float(y[big]) - latency, 0.5 * float(y[big])) / float(x[big])
+    return latency, spb
+
+
+def fit_linear(points: list[tuple[float, float]]) -> LinearFit:
+    """a + b x n with a, b >= 0 (relative least squares), for the optimizer step."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    if not points:
+        return LinearFit(a=0.0, b=0.0)
+    x = np.array([p[0] for p in points], dtype=float)
+    y = np.array([max(p[1], 1e-9) for p in points], dtype=float)
+    if len(points) == 1:
+        return LinearFit(a=0.0, b=float(y[0] / x[0]), points=[tuple(p) for p in points])
+    sol, _ = nnls(np.stack([1 / y, x / y], axis=1), np.ones_like(y))
+    a, b = float(sol[0]), float(sol[1])
+    if b <= 0:  # flattened by noise: the largest point's own rate for the growing part
+        big = int(np.argmax(x))
+        a = min(a, float(y.min()))
+        b = max(float(y[big]) - a, 0.5 * float(y[big])) / float(x[big])
+    return LinearFit(a=a, b=b, points=[tuple(p) for p in points])
+
+
+def profile_from_result(request: ProfileRequest, out: dict) -> Profile:
+    """The Profile (curves and the optimizer line fitted) from collect_profile's raw result."""
+    points: dict[tuple[str, int, int], list[tuple[int, float]]] = {}
+    for row in out.get("collectives", []):
+        points.setdefault((row["op"], row["size"], row["stride"]), []).append((int(row["bytes"]), float(row["seconds"])))
+    curves = []
+    for (op, size, stride), pts in sorted(points.items()):
+        latency, spb = fit_latency_bandwidth(pts)
+        curves.append(Curve(op=op, size=size, stride=stride, latency_s=latency, seconds_per_byte=spb, points=pts))
+    notes = list(out.get("notes", []))  # e.g. a lever the runtime does not implement yet
+    for key, value in (out.get("env_seen") or {}).items():
+        if value != request.env.get(key):
+            notes.append(f"env {key}: the workers saw {value!r}, the plans set {request.env.get(key)!r}")
+    return Profile(
+        model=request.model, model_overrides=request.model_overrides, config_digest=request.config_digest,
+        precision=request.precision, device_type=out["device_type"], device_name=out["device_name"],
+        world_size=request.world_size, gpus_per_node=request.gpus_per_node,
+        local_world_size=int(out.get("local_world_size", 1)), cpus_per_worker=request.cpus_per_worker,
+        env=dict(request.env),
+        blocks=[BlockTime(shape=BlockShape(**b["shape"]), block_s=b["block_s"], embed_s=b["embed_s"],
+                          head_s=b["head_s"], compile_s=b.get("compile_s")) for b in out["blocks"]],
+        heads=[HeadTime(shape=HeadShape(**h["shape"]), head_s=h["head_s"]) for h in out.get("heads", [])],
+        collectives=curves, optimizer=fit_linear([tuple(p) for p in out.get("optimizer", [])]),
+        host_link_bytes_per_s=out.get("host_link_bytes_per_s"), profile_s=float(out.get("profile_s", 0.0)),
+        created_at=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), notes=notes)
+
+
 def _profile_worker_loop(config: dict[str, Any]) -> dict[str, Any]:
     """Ray Train's train_loop_per_worker for a profile: rank 0's return value reaches the driver."""
     import ray.train

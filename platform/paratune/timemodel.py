@@ -6,17 +6,22 @@ really does at a given shape. Here each term comes from a measurement of the rea
 real workers (paratune.profile), composed the way each framework schedules its work:
 
 - compute: (layers on the rank's stage) x the measured block forward+backward at
-  (micro_batch, seq_len/cp, tp, checkpointing), + the embedding on the first stage and the LM
-  head + loss on the last, per micro-batch; x the micro-batches, plus the pipeline's fill and
-  drain ((pp-1) stage-times; /2 interleaved: a bubble of (pp-1)/(m+pp-1));
+  (micro_batch, seq_len/cp, tp, checkpointing, compile, float8 recipe) (`layers` checkpointing:
+  its recomputed blocks at the `full` block's time, the others at `none`'s), + the embedding on
+  the first stage and the LM head with the plan's loss form on the last, per micro-batch; x the
+  micro-batches, plus the pipeline's fill and drain ((pp-1) stage-times; /2 interleaved: a
+  bubble of (pp-1)/(m+pp-1)); a lever the profile did not measure is derived (Profile.block) and
+  the prediction's note says so;
 - tp: the per-layer all-reduces of micro_batch x seq x hidden activations (2 forward, 2 backward,
-  2 more when checkpointing recomputes the forward; all-gather + reduce-scatter under sequence
-  parallelism), the embedding's and the LM head's (logits gathered; DeepSpeed AutoTP all-reduces
-  them), on the measured tp-group curve, exposed (the next op waits on them);
+  2 more in each block whose forward is recomputed whole; selective recompute saves the
+  collectives' outputs; all-gather + reduce-scatter under sequence parallelism), the embedding's
+  and the LM head's (standard: logits gathered; vocab_parallel: 3 all-reduces of per-token fp32
+  statistics instead; DeepSpeed AutoTP all-reduces the logits), on the measured tp-group curve,
+  exposed (the next op waits on them);
 - pp: activations forward and their gradients back at each stage boundary (send/recv curve);
 - dp: DDP all-reduces its gradient buckets (the first 1 MiB, then bucket_cap_mb) once per step;
   FSDP2 all-gathers every unit each micro-batch (twice for blocks that reshard after forward; the
-  root never does) and reduce-scatters its gradients each micro-batch; DeepSpeed ZeRO-1/2
+  root never does; a block's weights in 1 byte with the float8 all-gather) and reduce-scatters its gradients each micro-batch; DeepSpeed ZeRO-1/2
   reduce(-scatter) gradients in reduce buckets (ZeRO-1 at the boundary, ZeRO-2 every micro-batch)
   and all-gather the updated partition in allgather buckets; ZeRO-3 gathers every module above
   its persistence threshold once per micro-batch (its default reuse distance keeps them for
@@ -43,7 +48,7 @@ from functools import lru_cache
 
 from paratune.plan import Plan
 from paratune.predict import StepPrediction
-from paratune.profile import Profile
+from paratune.profile import BlockTime, Profile, head_loss
 
 MULTIPLIERS = ("compute", "tp_comm", "pp_comm", "dp_comm", "optimizer", "offload")
 FAMILIES = ("ddp", "fsdp", "deepspeed", "zero3", "dtensor_tp", "autotp", "pipeline")
@@ -154,6 +159,57 @@ def _stage_layers(plan: Plan, layers: int) -> list[tuple[int, bool, bool]]:
     return out
 
 
+def _recomputed_layers(plan: Plan, layers: int) -> list[int]:
+    """Per pipeline rank: how many of its blocks recompute their forward whole. `layers`: every
+    checkpoint_every-th block of the model, counted from the first (transformers' every_n_layers:
+    block i when i % N == 0)."""
+    from paratune.parallel.pp import stage_layer_ranges
+
+    ac = plan.activation_checkpointing
+    every = 1 if ac == "full" else plan.checkpoint_every if ac == "layers" else 0
+    v = 2 if plan.pp_schedule == "interleaved_1f1b" and plan.pp > 1 else 1
+    stages = stage_layer_ranges(layers, plan.pp * v)
+    if not every:
+        return [0] * plan.pp
+    return [sum(sum(1 for i in range(*stages[rank + k * plan.pp]) if i % every == 0) for k in range(v))
+            for rank in range(plan.pp)]
+
+
+def plan_blocks_times(plan: Plan, profile: Profile) -> tuple[BlockTime, BlockTime]:
+    """(the block a plan's step runs, the one it runs where the forward is recomputed whole):
+    the same one unless checkpointing is `layers` (then `none`'s and `full`'s)."""
+    mb, seq, ac = plan.micro_batch, plan.seq_len // plan.cp, plan.activation_checkpointing
+    plain = profile.block(mb, seq, plan.tp, "none" if ac == "layers" else ac, plan.compile, plan.float8)
+    if ac != "layers":
+        return plain, plain
+    return plain, profile.block(mb, seq, plan.tp, "full", plan.compile, plan.float8)
+
+
+def lever_notes(plan: Plan, profile: Profile) -> list[str]:
+    """What the profile did not measure for this plan's levers and loss form, and what stood in."""
+    notes = [b.derived for b in plan_blocks_times(plan, profile) if b.derived]
+    _, head_note = profile.head(plan.micro_batch, plan.seq_len // plan.cp, plan.tp, head_loss(plan))
+    return list(dict.fromkeys(notes + ([head_note] if head_note else [])))
+
+
+def compile_seconds(plan: Plan, profile: Profile) -> float | None:
+    """What the first step of a compiled plan spends compiling on fresh workers: the profile's cold
+    compile of a block with the plan's tp and levers (the largest compile_s among them: the
+    profile's later shapes paid only a dynamic-shape recompile, or nothing); `layers`
+    checkpointing compiles two graphs, with and without recompute. A reused worker group with
+    warm caches pays less. None when the plan does not compile or no such block was profiled."""
+    if not plan.compile:
+        return None
+    total = 0.0
+    for bt in {b.shape.checkpointing: b for b in plan_blocks_times(plan, profile)}.values():
+        cold = [b.compile_s for b in profile.blocks if b.compile_s is not None and b.shape.tp == plan.tp
+                and b.shape.levers == bt.shape.levers]
+        if not cold:
+            return None
+        total += max(cold)
+    return total
+
+
 def compose(plan: Plan, profile: Profile) -> dict[str, float]:
     """The plan's terms in seconds (MULTIPLIERS, each at multiplier 1) and its overhead features
     (micro-batches, steps, per-framework micro-batches; in OVERHEAD_UNIT_S units)."""
@@ -165,11 +221,15 @@ def compose(plan: Plan, profile: Profile) -> dict[str, float]:
     mb, seq = plan.micro_batch, plan.seq_len // plan.cp
     act = 2 if plan.precision == "bf16" else 4  # bytes of an activation element (autocast: bf16)
     gpu = profile.device_type == "cuda"
-    bt = profile.block(mb, seq, t, plan.activation_checkpointing)
+    bt, recomputed_bt = plan_blocks_times(plan, profile)
+    form = head_loss(plan)
+    head_s = bt.head_s if form == "standard" else profile.head(mb, seq, t, form)[0]
+    stages = _stage_layers(plan, shape.layers)
+    recomputed = _recomputed_layers(plan, shape.layers)
 
     # ---- compute: the slowest pipeline rank's micro-batch, times the schedule's length
-    per_rank = [n * bt.block_s + (bt.embed_s if emb else 0.0) + (bt.head_s if head else 0.0)
-                for n, emb, head in _stage_layers(plan, shape.layers)]
+    per_rank = [(n - k) * bt.block_s + k * recomputed_bt.block_s + (bt.embed_s if emb else 0.0)
+                + (head_s if head else 0.0) for (n, emb, head), k in zip(stages, recomputed)]
     t_mb = max(per_rank)
     v = 2 if plan.pp_schedule == "interleaved_1f1b" else 1
     slots = m + (p - 1) / v  # (m + p - 1) stage slots; interleaving halves the fill and drain
@@ -183,14 +243,16 @@ def compose(plan: Plan, profile: Profile) -> dict[str, float]:
             ar = lambda nbytes: (profile.comm_seconds("all_gather", t, nbytes, 1)  # noqa: E731
                                  + profile.comm_seconds("reduce_scatter", t, nbytes, 1))
         act_bytes = mb * seq * shape.hidden * act
-        per_layer = (4 + (2 if plan.activation_checkpointing == "full" else 0)) * ar(act_bytes)
-        layers_here = max(n for n, _, _ in _stage_layers(plan, shape.layers))
+        # 4 per block, 2 more in each block whose forward is recomputed whole (selective keeps them)
+        layer_collectives = max(4 * n + 2 * k for (n, _, _), k in zip(stages, recomputed))
         logits = mb * seq * shape.vocab * act
         if plan.strategy == "zero":  # AutoTP: the head is LinearAllreduce (logits all-reduced), embedding whole
             ends = profile.comm_seconds("all_reduce", t, logits, 1)
+        elif form == "vocab_parallel":  # loss_parallel: max, sum of exp and the target's logit all-reduced
+            ends = 2 * ar(act_bytes) + 3 * profile.comm_seconds("all_reduce", t, mb * seq * 4, 1)
         else:  # vocab-parallel embedding (all-reduced), colwise head (logits gathered, input grad reduced)
             ends = 2 * ar(act_bytes) + profile.comm_seconds("all_gather", t, logits, 1)
-        tp_comm = (layers_here * per_layer + ends) * slots
+        tp_comm = (layer_collectives * ar(act_bytes) + ends) * slots
 
     # ---- pipeline: activations forward, gradients back, at each boundary, per micro-batch
     pp_comm = 0.0
@@ -223,7 +285,8 @@ def compose(plan: Plan, profile: Profile) -> dict[str, float]:
             pb = d.param_bytes  # FSDP2 gathers in its param dtype (bf16 under mixed precision)
             blocks_here = max(n for n, _, _ in _stage_layers(plan, shape.layers))
             root = max(0.0, local - blocks_here * layer)
-            ag_block, ag_root = AG(pb * layer, shard), AG(pb * root, shard)
+            block_pb = 1 if plan.float8_all_gather else pb  # float8 weights gathered as bytes
+            ag_block, ag_root = AG(block_pb * layer, shard), AG(pb * root, shard)
             rs = blocks_here * RS(d.grad_bytes * layer, shard) + RS(d.grad_bytes * root, shard)
             per_mb = d.gathers_per_micro_batch * blocks_here * ag_block + ag_root + rs
             if shard < dp:  # hybrid: the shards' gradients all-reduced across replicas once per step
@@ -387,10 +450,15 @@ class StepTimeModel:
     # ---- the public API
     def predict(self, plan: Plan) -> StepPrediction:
         row, _, profile, note = self._features(plan)
+        note = "; ".join(([note] if note else []) + lever_notes(plan, profile)) or None
         parts = {k: c * x for k, c, x in zip(self.features, self.coef, row) if c * x != 0.0}
         step = max(1e-9, sum(parts.values()))
         return StepPrediction(step_s=step, tokens_per_s_per_gpu=plan.tokens_per_step / step / plan.num_workers,
                               parts=parts, profile_env=dict(profile.env), note=note)
+
+    def compile_seconds(self, plan: Plan) -> float | None:
+        """The plan's first-step compile time from its profile (paratune.timemodel.compile_seconds)."""
+        return compile_seconds(plan, self.profile_for(plan)[0])
 
     def observe(self, plan: Plan, measured_step_s: float) -> dict[str, float]:
         """The prediction made before this trial (and its relative error), then refit on it."""
