@@ -190,3 +190,24 @@ def test_float8_plans_train_close_to_the_bf16_reference_with_every_converted_lin
     assert precision_problem(plan.precision, plan.float8, counts) is None, counts
     # Each forward runs every linear once: 14 float8 ones per bf16 head, none fell back.
     assert set(counts) == {FLOAT8_FORWARD, "bfloat16"} and counts[FLOAT8_FORWARD] == TINY_CONVERTED * counts["bfloat16"]
+
+
+def test_torchao_import_noise_is_filtered_and_nothing_else():
+    import logging
+
+    from paratune.parallel.float8 import quiet_torchao_import
+
+    quiet_torchao_import()
+    quiet_torchao_import()  # idempotent: one filter per logger
+
+    def kept(logger: str, message: str) -> bool:
+        record = logging.LogRecord(logger, logging.WARNING, __file__, 1, message, None, None)
+        filters = logging.getLogger(logger).filters
+        assert len(filters) == 1
+        return all(f.filter(record) for f in filters)
+
+    assert not kept("torchao", "Failed to load /site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: x")
+    assert not kept("torch.utils._pytree", "<enum 'KernelPreference'> is an Enum subclass and is now natively "
+                                           "supported by torch.compile as an opaque value type.")
+    assert kept("torchao", "Failed to load the checkpoint")  # torchao's other warnings stay
+    assert kept("torch.utils._pytree", "something else")
