@@ -1,8 +1,10 @@
 """The GPU acceptance script smoke-runs on CPU (tiny model, gloo) as the lent GPU machine's image
 would run it: Ray, MLflow and Optuna cannot be imported (tests/image_shaped), and transformers,
 its hub and tokenizers are the image's versions (bench/gpu_image.txt, installed by `make install`
-into .venv/gpu-image-site). Every family trains in bf16 with predictions beside the measurements,
-the oversized plan comes back `oom`, and the script says which versions it ran under. On a GPU
+into .venv/gpu-image-site). Every family trains in bf16 with predictions beside the measurements
+(the float8 one with torchao, as the carried wheel gives the image; the compiled one is not run on
+CPU and says so), the oversized plan comes back `oom`, and the script says which versions it ran
+under. Without torchao the float8 family says "torchao not importable" and the run goes on. On a GPU
 the same script is the acceptance run (bench/results/gpu_acceptance.md)."""
 
 import json
@@ -40,7 +42,14 @@ def test_acceptance_script_smoke_runs_as_on_the_gpu_image(tmp_path):
     assert {machine[p] for p in ("ray", "mlflow", "optuna")} == {"not importable"}
     assert machine["deepspeed"] != "not importable" and machine["pydantic"] != "not importable"
     families = {r["family"]: r for r in report["families"]}
-    assert set(families) == {"ddp", "fsdp-full", "zero-2", "zero-3", "zero-3-offload-cpu-adam"}
+    assert set(families) == {"ddp", "fsdp-full", "zero-2", "zero-3", "zero-3-offload-cpu-adam", "fsdp-full-compiled",
+                             "fsdp-full-float8-tensorwise"}
+    compiled = families.pop("fsdp-full-compiled")  # a cold Inductor compile: not in the CPU smoke
+    assert compiled["status"] == "skipped" and "not compiled in the CPU smoke run" in compiled["message"]
+    assert report["not_checked"] == [f"family fsdp-full-compiled: {compiled['message']}"]
+    float8 = families["fsdp-full-float8-tensorwise"]
+    assert float8["status"] == "ok", (float8.get("message"), float8.get("traceback"))
+    assert set(float8["linear_matmul_dtypes"]) == {"float8_e4m3fn", "bfloat16"}, float8["linear_matmul_dtypes"]
     for name, row in families.items():
         assert row["status"] == "ok", (name, row.get("message"), row.get("traceback"))
         assert row["compute_dtype_ok"], (name, row["linear_matmul_dtypes"])
@@ -58,8 +67,21 @@ def test_acceptance_script_smoke_runs_as_on_the_gpu_image(tmp_path):
     assert report["failed"] == []
     text = (tmp_path / "gpu_acceptance.md").read_text()
     assert "| zero-3-offload-cpu-adam |" in text and "not measurable on one rank" in text
+    assert "| fsdp-full-compiled | | not checked: not compiled in the CPU smoke run" in text
     assert f"transformers {_image_versions()['transformers']}" in text and "ray not importable" in text
     assert "versions: python" in proc.stdout  # printed first, before any family runs
+
+
+def test_the_float8_family_says_torchao_is_not_importable_and_is_not_run(monkeypatch):
+    """As on the GPU image without the carried wheel: reported, skipped, not a failed check."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_acceptance
+
+    for name in ("torchao", "torchao.float8"):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ModuleNotFoundError
+    row = gpu_acceptance.run_family("fsdp-full-float8-tensorwise", gpu_acceptance.FAMILIES["fsdp-full-float8-tensorwise"])
+    assert row["status"] == "skipped" and row["message"].startswith("torchao not importable"), row
+    assert gpu_acceptance.checks_failed([row], {"status": "ok"}, {"reason": "oom"}, None) == []
 
 
 # What a worker imports (the acceptance run and the GPU bench import these without Ray): every
@@ -70,7 +92,8 @@ WORKER_PATH = ["paratune.trial", "paratune.placement", "paratune.measure", "para
                "paratune.activations", "paratune.memory", "paratune.results", "paratune.launch",
                "paratune.parallel", "paratune.parallel.runner",
                "paratune.parallel.ddp", "paratune.parallel.fsdp", "paratune.parallel.zero", "paratune.parallel.tp",
-               "paratune.parallel.pp", "paratune.parallel.cp", "paratune.parallel.nd", "paratune.parallel.dims"]
+               "paratune.parallel.pp", "paratune.parallel.cp", "paratune.parallel.nd", "paratune.parallel.dims",
+               "paratune.parallel.float8"]
 
 
 def test_the_worker_path_imports_without_ray_mlflow_or_optuna():

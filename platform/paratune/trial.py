@@ -204,6 +204,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     from paratune.models import build_config
     from paratune.parallel import build_runner
     from paratune.parallel.dims import ParallelDims
+    from paratune.parallel.float8 import quiet_torchao_import
     from paratune.precision import LinearMatmulDtypes
 
     from paratune.placement import place_and_check
@@ -211,6 +212,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     # Before anything is built: every rank's place, checked against the plan's node-local groups
     # (PlacementError: invalid_placement), and one local world size for all ranks.
     layout, local_world = place_and_check(plan, rank, world, local_world)
+    quiet_torchao_import()  # before transformers imports torchao (building the model)
     dims = ParallelDims.from_plan(plan, device.type)
     dp_rank = dims.dp_rank(rank)
     env_seen = {key: os.environ.get(key) for key in plan.env}

@@ -85,4 +85,9 @@ def parallelize_fsdp(model: nn.Module, init: ModelInit, plan: Plan, device: torc
         model.set_requires_gradient_sync(last_micro or sharded)
         return contextlib.nullcontext()
 
-    return StepRunner(model, make_optimizer(model.parameters(), plan), plan, device, sync_context)
+    optimizer = make_optimizer(model.parameters(), plan)
+    if plan.float8_all_gather:  # every float8 weight's scale after each step, in one all-reduce
+        from paratune.parallel.float8 import precompute_scales_after_step
+
+        precompute_scales_after_step(model, optimizer, plan)
+    return StepRunner(model, optimizer, plan, device, sync_context)
