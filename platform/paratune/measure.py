@@ -128,6 +128,15 @@ def step_stats(step_times: list[float]) -> StepStats:
     )
 
 
+def compile_seconds(first_step_s: float, measured_step_times: list[float]) -> float | None:
+    """What the first warm-up step of a compiled plan paid beyond a measured step: its time minus
+    the median measured step (slowest rank both), floored at 0 (a cache-served compile can leave
+    the first step as fast as the others). None without a measured step (stopped before any)."""
+    if not measured_step_times:
+        return None
+    return max(0.0, first_step_s - statistics.median(measured_step_times))
+
+
 def tokens_per_second_per_gpu(tokens_per_step: int, step_times: list[float], world_size: int) -> float:
     """Global tokens in the measured window / (window seconds x every GPU the trial used)."""
     window = sum(step_times)

@@ -46,6 +46,11 @@ class TrialResult(BaseModel):
     losses: list[float] = Field(default_factory=list)  # every step, warm-up included
     step_times_s: list[float] = Field(default_factory=list)  # measured steps (slowest rank)
     launch_s: float | None = None  # trial start to first step
+    # Compiled plans only: the first warm-up step's time minus the median measured step (slowest
+    # rank both): what compiling the blocks cost (~0 when a reused group's caches served them),
+    # never part of the measured steps. compile_graphs: Dynamo graphs the warm-up compiled.
+    compile_s: float | None = None
+    compile_graphs: int | None = None
     wall_s: float | None = None
     started_at: float | None = None  # epoch seconds the trial's launch began (ends at + wall_s)
     env_seen: dict[str, str | None] = Field(default_factory=dict)  # plan env as workers saw it

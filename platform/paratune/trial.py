@@ -13,6 +13,7 @@ then one profiled step (communication share) and one memory-tracked step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -203,6 +204,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     from paratune.materialize import ConstructionMeter
     from paratune.models import build_config
     from paratune.parallel import build_runner
+    from paratune.parallel.compile import eager_blocks, on_every_rank, watch_compiled
     from paratune.parallel.dims import ParallelDims
     from paratune.parallel.float8 import quiet_torchao_import
     from paratune.precision import LinearMatmulDtypes
@@ -233,6 +235,8 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     stopped = False
     first_step_at = None
     dtypes = LinearMatmulDtypes()
+    watch = watch_compiled(runner.model, plan)  # compiled plans: one graph per block class, none measured
+    compile_graphs = None
     for step in range(plan.total_steps):
         maybe_inject_fault(rank, step, plan.seed)
         micro = batches(step)
@@ -241,7 +245,9 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         sync_device(device)
         t0 = time.perf_counter()
         first_step_at = first_step_at or time.time()
-        if step == 0 and plan.warmup_steps > 0:  # a warm-up step (never timed) records compute dtypes
+        # A warm-up step (never timed) records compute dtypes; a compiled plan's first step must compile
+        # (a dispatch mode around it would make Dynamo skip the blocks): it records in an extra eager step.
+        if step == 0 and plan.warmup_steps > 0 and watch is None:
             with dtypes:
                 loss = runner.train_step(micro)
         else:
@@ -249,6 +255,8 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         sync_device(device)
         times.append(time.perf_counter() - t0)
         losses.append(loss)
+        if watch is not None and step + 1 == plan.warmup_steps:
+            compile_graphs = on_every_rank(watch.warmed_up, device)
         if stop_rule is not None and step >= plan.warmup_steps:
             agreed = torch.tensor([times[-1]], dtype=torch.float64, device=device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
@@ -257,6 +265,8 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
                 stopped = True
                 break
 
+    if watch is not None:
+        on_every_rank(watch.measured, device)
     all_losses, all_times = reduce_losses_and_times(losses, times, device)
     step_times = all_times[plan.warmup_steps :]
 
@@ -269,8 +279,14 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         "stopped_early": stopped,
         "planned_measure_steps": plan.measure_steps,
         "placement": [dataclasses.asdict(p) for p in layout],
+        "compile_s": measure.compile_seconds(all_times[0], step_times) if watch is not None else None,
+        "compile_graphs": compile_graphs,
     }
     extra_step = plan.total_steps
+    if watch is not None and not stopped:  # the compute dtypes of a compiled plan: one eager step
+        with eager_blocks(), dtypes:
+            runner.train_step(batches(extra_step))
+        extra_step += 1
     if plan.profile_comm and world > 1 and not stopped:
         from torch.profiler import ProfilerActivity, profile
 
@@ -301,7 +317,8 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         method = "process max RSS (pipeline plans: MemTracker cannot follow the schedule)"
     elif plan.track_memory:
         try:
-            peak, method = _tracked_peak_bytes(runner, batches(extra_step))
+            with eager_blocks() if watch is not None else contextlib.nullcontext():  # a dispatch mode too
+                peak, method = _tracked_peak_bytes(runner, batches(extra_step))
         except Exception as err:  # the tracker cannot follow every framework's tensors
             import resource
 
@@ -530,5 +547,6 @@ def summarize(plan: Plan, out: dict[str, Any], flops_tok: float, wall_s: float |
         construction_method=out.get("construction_method"), construction_s=out.get("construction_s"),
         linear_matmul_dtypes=out.get("linear_matmul_dtypes", {}), optimizer_class=out.get("optimizer_class"),
         losses=out["losses"], step_times_s=step_times, launch_s=out.get("launch_s"), wall_s=wall_s,
+        compile_s=out.get("compile_s"), compile_graphs=out.get("compile_graphs"),
         env_seen=out.get("env_seen", {}), placement=out.get("placement", []),
     )

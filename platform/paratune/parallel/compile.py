@@ -1,13 +1,211 @@
-"""torch.compile of each decoder block (paratune.levers): WIP, being built (issue 28)."""
+"""torch.compile of each decoder block (paratune.levers), and the check that a trial really ran compiled.
+
+Each block's `__call__` is compiled in place (`nn.Module.compile`: the module keeps its place, its
+parameters and its class, so tp's DTensor parameters, FSDP2's `fully_shard` and DDP applied
+afterwards see the module they expect; torchtitan's order: tp, checkpointing, compile, then the
+data-parallel wrap). All blocks of one class run the same code object, so with `use_cache=False`
+(paratune.models sets it; with a cache each layer's `layer_idx` becomes a guard and every block
+its own graph) one Dynamo graph serves them all, compiled on the first step and reused by every
+later step, block and, in a reused worker group, plan of the same shapes and layout.
+
+A compiled trial must never be measured half eager: `CompileWatch` counts Dynamo's graphs and
+graph breaks around the warm-up and the measured steps, and Dynamo's silent fallback to eager at
+its recompile limit is turned into an error (`fail_on_recompile_limit_hit`).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from types import CodeType
+from typing import Callable, TypeVar
+
+import torch
 from torch import nn
 
 from paratune.plan import Plan
 
+T = TypeVar("T")
+
+
+# Measured on 2 gloo processes (tiny Llama, tp 2, no sequence parallelism, loss standard): the
+# forward compiles, the first backward fails in torch/distributed/tensor/_redistribute.py:1994
+# (Redistribute.backward -> forward: "'Tensor' object has no attribute '_local_tensor'"): an eager
+# DTensor redistribution gets a plain-tensor gradient out of a compiled block. Until that is fixed,
+# refused here (and best also in paratune.levers, before any worker starts).
+COMPILE_TP_REASON = ("per-block compile under DTensor tp fails in the first backward on torch 2.13 (a compiled "
+                     "block hands DTensor's eager Redistribute.backward a plain-tensor gradient: AttributeError "
+                     "'_local_tensor', torch/distributed/tensor/_redistribute.py:1994)")
+
+
+class CompileFallback(RuntimeError):
+    """A compiled plan whose blocks did not run as one compiled graph each (a trial failure)."""
+
+
+def block_codes(blocks: list[nn.Module]) -> list[CodeType]:
+    """The code objects Dynamo compiles for these blocks: each class's `forward` (the compiled
+    `__call__` enters Module._call_impl, which Dynamo skips as torch.nn code, and starts its frame
+    at the forward it calls: transformers' checkpointing wrapper, one code object for every block
+    class and for FSDP2's subclass of it)."""
+    return list({type(block).forward.__code__: None for block in blocks})
+
+
+def cache_entries(codes: list[CodeType]) -> int:
+    """Dynamo's cache entries (one per graph and guard set) on these code objects."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return sum(len(_debug_get_cache_entry_list(code)) for code in codes)
+
+
+def _skipped(codes: list[CodeType]) -> bool:
+    """Whether Dynamo saw one of these codes and left it without a graph: it then marks the code
+    SKIP for every later call in the process (torch/_dynamo/types.py ConvertFrameReturn's default),
+    e.g. after a compiled block was first called under a TorchDispatchMode (convert_frame: "non-infra
+    torch dispatch mode present"): no block of any later plan would compile."""
+    from torch._dynamo import convert_frame
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return any(code in convert_frame.input_codes and not _debug_get_cache_entry_list(code) for code in codes)
+
+
+def eager_blocks():
+    """A context in which compiled blocks run eager, and Dynamo never sees them: for the steps a
+    TorchDispatchMode observes (the matmul-dtype recorder, MemTracker), since a dispatch mode
+    around a block's compiled call makes Dynamo skip it, and mark its code SKIP for good."""
+    return torch.compiler.set_stance("force_eager")
+
+
+def make_room_for_graphs(blocks: list[nn.Module]) -> None:
+    """Reset Dynamo when the next plan's graphs could reach its recompile limit.
+
+    Every compiled block of every plan a process runs adds its guards to the same code object
+    (`block_codes`); at `recompile_limit` (8) entries Dynamo stops compiling it. A reused
+    worker group running many compiled layouts would get there: the caches are dropped first
+    (Inductor's on-disk cache stays, so the next compile is a warm one, ~1.4 s in the probe).
+    A code Dynamo marked SKIP is reset too (the mark would outlive the plan that caused it)."""
+    import torch._dynamo
+
+    codes = block_codes(blocks)
+    new_graphs = len({type(block) for block in blocks})
+    if _skipped(codes) or cache_entries(codes) + new_graphs >= torch._dynamo.config.recompile_limit:
+        torch._dynamo.reset()
+
 
 def compile_blocks(model: nn.Module, plan: Plan) -> None:
     """Compile every decoder block (after tp and checkpointing, before DDP / FSDP2 wrap them)."""
-    if plan.compile:
-        raise NotImplementedError("compile: true is not wired yet")
+    if not plan.compile:
+        return
+    import torch._dynamo
+
+    from paratune.models import decoder_blocks
+
+    if plan.tp > 1:
+        raise ValueError(f"compile: true with tp {plan.tp}: {COMPILE_TP_REASON}; allowed: compile false with tp, "
+                         "or tp 1 (ddp, fsdp, pp, zero stage 0-2 compose with compile)")
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "use_cache", False):
+        raise ValueError("compile: true needs the model's config.use_cache False (with a KV cache every block's "
+                         "layer_idx is a guard: one graph per block, and Dynamo's recompile limit is hit); "
+                         "paratune.models.build_config sets it")
+    blocks = decoder_blocks(model)
+    # Never a silent eager fallback: at the recompile limit Dynamo raises instead (a trial failure).
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    make_room_for_graphs(blocks)
+    for block in blocks:
+        block.compile()
+
+
+@dataclass
+class DynamoCounts:
+    """Dynamo's process-wide counters at one moment (they only grow), and its cache entries on
+    the compiled blocks' code (`block_codes`: one per graph it holds for them)."""
+
+    graphs: int
+    graph_breaks: int
+    cache_entries: int
+
+    @classmethod
+    def now(cls, codes: list[CodeType]) -> "DynamoCounts":
+        from torch._dynamo.utils import counters
+
+        return cls(int(counters["stats"].get("unique_graphs", 0)), int(sum(counters["graph_break"].values())),
+                   cache_entries(codes))
+
+
+class CompileWatch:
+    """What Dynamo compiled during a compiled plan's warm-up and measured steps.
+
+    started before the first step; `warmed_up()` after the last warm-up step: at most one new
+    graph per block class (0: the process's cache served them, a reused worker group) and no
+    graph break, and Dynamo holding a graph for the blocks' code (a skipped block leaves none:
+    0 new graphs alone cannot tell a cache hit from a block that never compiled); `measured()` after the measured steps: nothing compiled in them (a recompile
+    there would put compile time into the measurement). Any other outcome raises CompileFallback."""
+
+    def __init__(self, block_classes: int, codes: list[CodeType]):
+        self.block_classes, self.codes = block_classes, codes
+        self.start = DynamoCounts.now(codes)
+        self.warm: DynamoCounts | None = None
+
+    def warmed_up(self) -> int:
+        """Graphs compiled by the warm-up (raises CompileFallback where it was not one per block class)."""
+        self.warm = DynamoCounts.now(self.codes)
+        graphs = self.warm.graphs - self.start.graphs
+        breaks = self.warm.graph_breaks - self.start.graph_breaks
+        if breaks:
+            raise CompileFallback(f"compile: true: {breaks} graph break(s) in the warm-up: the blocks ran partly "
+                                  "eager; fix the break (TORCH_LOGS=graph_breaks) or set compile false")
+        if self.warm.cache_entries == 0:
+            raise CompileFallback("compile: true: Dynamo holds no graph for the blocks after the warm-up: they ran "
+                                  "eager (skipped: e.g. a TorchDispatchMode around their first call)")
+        if graphs > self.block_classes:
+            raise CompileFallback(f"compile: true: the warm-up compiled {graphs} graphs for {self.block_classes} "
+                                  "block class(es) (one each expected): the blocks do not share their graph "
+                                  "(TORCH_LOGS=recompiles says why)")
+        return graphs
+
+    def measured(self) -> None:
+        """Raises CompileFallback where the measured steps compiled anything."""
+        assert self.warm is not None, "warmed_up() first"
+        now = DynamoCounts.now(self.codes)
+        if now.graphs != self.warm.graphs or now.graph_breaks != self.warm.graph_breaks:
+            raise CompileFallback(f"compile: true: the measured steps compiled {now.graphs - self.warm.graphs} "
+                                  f"graph(s) ({now.graph_breaks - self.warm.graph_breaks} graph breaks): a recompile "
+                                  "inside the measurement (shapes or guards changed after the warm-up)")
+
+
+def compiled_blocks(root: nn.Module) -> list[nn.Module]:
+    """The compiled blocks under `root`, whatever wraps them: DDP, a DeepSpeed engine, pipeline stages."""
+    return [module for module in root.modules() if getattr(module, "_compiled_call_impl", None) is not None]
+
+
+def block_class_count(blocks: list[nn.Module]) -> int:
+    """Distinct block classes (one Dynamo graph each); FSDP2's per-class subclass (FSDP<Block>, made
+    in torch.distributed) counts as the block's own class."""
+    return len({next(c for c in type(b).__mro__ if not c.__module__.startswith("torch.")) for b in blocks})
+
+
+def watch_compiled(root: nn.Module, plan: Plan) -> CompileWatch | None:
+    """A CompileWatch for a compiled plan's trial (None for an eager plan); start it before step 0."""
+    if not plan.compile:
+        return None
+    blocks = compiled_blocks(root)
+    if not blocks:
+        raise CompileFallback("compile: true, but no compiled decoder block was found in the model the trial runs")
+    return CompileWatch(block_class_count(blocks), block_codes(blocks))
+
+
+def on_every_rank(check: Callable[[], T], device: torch.device) -> T:
+    """Run a CompileWatch check on every rank and fail on all of them if it failed on one (a rank
+    that raised alone would leave the others waiting in the next collective)."""
+    import torch.distributed as dist
+
+    result: T | None = None
+    problem = ""
+    try:
+        result = check()
+    except CompileFallback as err:
+        problem = str(err)
+    flag = torch.tensor([1.0 if problem else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        raise CompileFallback(problem or "compile: true: another rank's blocks did not run compiled (its log says why)")
+    return result  # type: ignore[return-value]

@@ -1,0 +1,199 @@
+"""Selective / every-N-th-layer activation checkpointing and per-block torch.compile (issue 28).
+
+The modes' mapping onto transformers' hook, the bytes selective checkpointing keeps (between none
+and full, on one process), Dynamo's own behaviour the compile check relies on (a graph break, a
+block skipped under a dispatch mode), and loss parity on 2 real gloo processes: every plan of
+this module in ONE set of processes (the compiled ones last, one model shape for all, so the
+first compiled plan of each layout compiles and the rest reuse Dynamo's and Inductor's caches).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from gloo_harness import batch_result, one_torch_thread, reference_for, run_named_batch  # noqa: F401 (fixture)
+from conftest import BASE_PLAN
+from torch import nn
+
+from paratune.materialize import build_meta
+from paratune.models import build_config, build_model
+from paratune.parallel import compile as block_compile
+from paratune.parallel import recompute
+from paratune.parity import max_loss_difference
+from paratune.plan import load_plan_dict
+
+MODEL = {"model": "tiny-llama", "model_overrides": {"hidden_size": 64, "num_hidden_layers": 2}}
+
+
+def _plan(**fields):
+    return load_plan_dict({**BASE_PLAN, **MODEL, "seed": 7, **fields})
+
+
+@pytest.mark.parametrize("mode, every, expected", [
+    ("none", 2, [False] * 4), ("full", 2, [True] * 4), ("selective", 2, [True] * 4),
+    ("layers", 2, [True, False, True, False]), ("layers", 3, [True, False, False, True]),
+])
+def test_modes_set_the_blocks_transformers_checkpoints(mode, every, expected):
+    """layers + checkpoint_every N: blocks 0, N, 2N, ... recomputed whole (transformers'
+    every_n_layers counts decoder blocks from 0); selective: every block, with a policy."""
+    plan = _plan(activation_checkpointing=mode, **({"checkpoint_every": every} if mode == "layers" else {}),
+                 model_overrides={"hidden_size": 64, "num_hidden_layers": 4})
+    model = build_meta(build_config(plan.model, plan.model_overrides))
+    recompute.apply_checkpointing(model, plan)
+    assert recompute.checkpointed_blocks(model) == expected
+    settings = recompute.checkpoint_settings(plan)
+    if mode == "selective":
+        assert "context_fn" in settings[0] and settings[0]["use_reentrant"] is False
+
+
+def test_selective_policy_saves_matmuls_attention_and_under_tp_the_collectives():
+    must, again = torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE, torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    for tp in (False, True):
+        policy = recompute.selective_policy(tp)
+        assert policy(None, aten.mm.default) is must
+        assert policy(None, aten._scaled_dot_product_flash_attention_for_cpu.default) is must
+        assert policy(None, aten.silu.default) is again and policy(None, aten.mul.Tensor) is again
+        assert policy(None, c10d.wait_tensor.default) is again  # no communication: free to recompute
+        for collective in (c10d.all_reduce.default, c10d.reduce_scatter_tensor.default,
+                           c10d.all_gather_into_tensor.default):
+            assert policy(None, collective) is (must if tp else again)
+
+
+def _live_bytes_after_forward(mode: str) -> int:
+    """Tensor bytes alive after one forward (what autograd and the checkpoints keep for the
+    backward, plus the loss and logits), by MemTracker, above what existed before."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    plan = _plan(activation_checkpointing=mode)
+    model = build_model(build_config(plan.model, plan.model_overrides), seed=0)
+    model.train()
+    recompute.apply_checkpointing(model, plan)
+    ids = torch.randint(0, model.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        before = sum(v.get("Total", 0) for v in tracker.get_tracker_snapshot("current").values())
+        loss = model(input_ids=ids, labels=ids).loss
+        after = sum(v.get("Total", 0) for v in tracker.get_tracker_snapshot("current").values())
+        loss.backward()
+    return after - before
+
+
+def test_selective_keeps_fewer_bytes_than_none_and_more_than_full():
+    """So the policy can be caught saving everything (= none) or nothing (= full)."""
+    kept = {mode: _live_bytes_after_forward(mode) for mode in ("none", "selective", "full")}
+    assert kept["none"] > kept["selective"] > kept["full"] > 0, kept
+
+
+class _Block(nn.Module):
+    def __init__(self, graph_break: bool = False):
+        super().__init__()
+        self.linear, self.graph_break = nn.Linear(8, 8), graph_break
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.linear(x).relu()
+        if self.graph_break:
+            torch._dynamo.graph_break()
+        return x * 2
+
+
+def _watched(block: nn.Module) -> block_compile.CompileWatch:
+    torch._dynamo.reset()
+    block.compile(backend="eager")  # Dynamo's capture is what is checked; no Inductor needed
+    return block_compile.CompileWatch(1, block_compile.block_codes([block]))
+
+
+def test_compile_watch_accepts_one_graph_and_refuses_a_graph_break():
+    block = _Block()
+    watch = _watched(block)
+    block(torch.randn(2, 8))
+    assert watch.warmed_up() == 1
+    block(torch.randn(2, 8))
+    watch.measured()  # same shapes: nothing compiled
+    block(torch.randn(3, 4, 8))  # a new rank of input: a recompile inside the "measured" steps
+    with pytest.raises(block_compile.CompileFallback, match="measured steps compiled"):
+        watch.measured()
+    broken = _Block(graph_break=True)
+    watch = _watched(broken)
+    broken(torch.randn(2, 8))
+    with pytest.raises(block_compile.CompileFallback, match="graph break"):
+        watch.warmed_up()
+
+
+def test_compile_under_tp_is_refused_with_the_reason():
+    plan = _plan(compile=True, tp=2)
+    model = build_meta(build_config(plan.model, plan.model_overrides))
+    with pytest.raises(ValueError, match="compile: true with tp 2.*_redistribute.py"):
+        block_compile.compile_blocks(model, plan)
+
+
+def test_a_block_first_called_under_a_dispatch_mode_is_caught_and_reset():
+    """Dynamo skips a frame under a TorchDispatchMode and marks its code SKIP for the process:
+    the watch sees no graph, and the next compile_blocks clears the mark."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    block = _Block()
+    watch = _watched(block)
+    with Passthrough():
+        block(torch.randn(2, 8))
+    block(torch.randn(2, 8))  # SKIP-marked: eager again, silently
+    with pytest.raises(block_compile.CompileFallback, match="no graph"):
+        watch.warmed_up()
+    assert block_compile._skipped(block_compile.block_codes([block]))
+    block_compile.make_room_for_graphs([block])
+    assert not block_compile._skipped(block_compile.block_codes([block]))
+    torch._dynamo.reset()
+
+
+# 2 gloo processes, fp32: every mode against the single-process reference WITHOUT checkpointing
+# or compile (the probe saw bitwise-equal losses for checkpointing, ~1e-6 for compile).
+LAYOUTS = {"ddp": {"strategy": "ddp"}, "fsdp": {"strategy": "fsdp", "fsdp": {"sharding": "full"}},
+           "tp2": {"tp": 2}, "tp2-sp": {"tp": 2, "sequence_parallel": True}, "pp2": {"pp": 2},
+           "zero2": {"strategy": "zero", "zero": {"stage": 2}}}
+CHECKPOINTED = {f"{layout}-{mode}": {**LAYOUTS[layout], "activation_checkpointing": mode}
+                for layout in ("ddp", "fsdp", "tp2", "pp2", "zero2") for mode in ("selective", "layers")}
+CHECKPOINTED["tp2-sp-selective"] = {**LAYOUTS["tp2-sp"], "activation_checkpointing": "selective"}  # SP's collectives
+# Compiled last: the first of each layout compiles its block graph, "ddp-compiled-again" (a second
+# plan of the same shapes in the same processes) must find it in the cache.
+# tp is refused with compile (parallel.compile.COMPILE_TP_REASON).
+COMPILED = {f"{layout}-compiled": {**LAYOUTS[layout], "compile": True} for layout in ("ddp", "fsdp", "pp2", "zero2")}
+COMPILED["ddp-compiled-again"] = COMPILED["ddp-compiled"]
+CHECKPOINT_TOLERANCE, COMPILE_TOLERANCE = 1e-5, 1e-4
+
+
+@functools.lru_cache(maxsize=None)
+def _runs() -> dict:
+    return run_named_batch({name: _plan(**fields) for name, fields in {**CHECKPOINTED, **COMPILED}.items()})
+
+
+def _eager_reference(plan) -> list[float]:
+    return reference_for(load_plan_dict({**plan.to_dict(), "activation_checkpointing": "none", "compile": False}))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", list(CHECKPOINTED))
+def test_checkpointing_trains_like_no_checkpointing(name):
+    plan, out = batch_result(_runs()[name])
+    assert max_loss_difference(out["losses"], _eager_reference(plan)) < CHECKPOINT_TOLERANCE
+    assert out["compile_s"] is None and out["compile_graphs"] is None
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", list(COMPILED))
+def test_compiled_blocks_train_like_eager_with_compile_time_apart(name):
+    plan, out = batch_result(_runs()[name])
+    assert max_loss_difference(out["losses"], _eager_reference(plan)) < COMPILE_TOLERANCE
+    # The warm-up compiled one graph for the one block class, or found it in the cache (0): the
+    # first compiled plan of these processes compiles, the same plan again must not.
+    expected = {"ddp-compiled": {1}, "ddp-compiled-again": {0}}.get(name, {0, 1})
+    assert out["compile_graphs"] in expected, out["compile_graphs"]
+    assert out["compile_s"] is not None and out["compile_s"] >= 0
+    assert len(out["step_times_s"]) == plan.measure_steps  # the compiling step is not among them
+    assert set(out["linear_matmul_dtypes"]) == {"float32"}  # recorded in the extra eager step
