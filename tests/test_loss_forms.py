@@ -9,11 +9,10 @@ trial reports which form ran.
 from __future__ import annotations
 
 import copy
-import functools
 
 import pytest
 import torch
-from gloo_harness import batch_result, one_torch_thread, reference_for, run_named_batch  # noqa: F401 (fixture)
+from gloo_harness import batch_result, one_torch_thread, reference_for  # noqa: F401 (fixture)
 from conftest import BASE_PLAN
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -173,10 +172,10 @@ def test_head_layout_follows_the_recorded_form():
         assert (style.output_layouts[0], style.use_local_output, style.input_layouts[0]) == (placement, local, Shard(1))
 
 
-# Real gloo processes: each form against the single-process reference (fp32: 1e-5, seen ~1e-7).
-GLOO_CASES = {
-    "tp2-auto": ({"tp": 2}, "vocab_parallel"),
-    "tp2-sequence-parallel": ({"tp": 2, "sequence_parallel": True, "loss": "vocab_parallel"}, "vocab_parallel"),
+# Real gloo processes, in test_parity_gloo's set of 2 processes (its `_runs(2)` batch runs these
+# cases too): each form against the single-process reference (fp32: 1e-5, seen ~1e-7).
+# Two steps (one warm-up, one measured): parity of the loss and of the update it makes.
+LOSS_FORM_CASES = {
     "tp2-tied-auto-falls-back": ({"tp": 2, "model_overrides": {"tie_word_embeddings": True}}, "standard"),
     "chunked-ddp": ({"strategy": "ddp", "loss": "chunked"}, "chunked"),
     "chunked-fsdp": ({"strategy": "fsdp", "fsdp": {"sharding": "full"}, "loss": "chunked"}, "chunked"),
@@ -185,22 +184,48 @@ GLOO_CASES = {
 }
 
 
-@functools.lru_cache(maxsize=None)
-def _gloo_runs() -> dict:
-    return run_named_batch({name: _plan(**fields) for name, (fields, _) in GLOO_CASES.items()})
+def loss_form_plans() -> dict:
+    """The cases above as plans (what test_parity_gloo adds to its batch of 2 processes)."""
+    return {name: _plan(**fields, measure_steps=1) for name, (fields, _) in LOSS_FORM_CASES.items()}
 
 
-pytestmark_gloo = pytest.mark.integration
+def _world2_runs() -> dict:
+    from test_parity_gloo import _runs
+
+    return _runs(2)
 
 
-@pytestmark_gloo
-@pytest.mark.parametrize("name", list(GLOO_CASES))
+def _head_matmuls_per_micro_batch(plan, out) -> float:
+    """Rank-summed matmuls inside nn.Linear forwards on the warm-up step, per micro-batch, less the
+    decoder blocks' (7 linears a Llama block): what the head ran (1 for the whole logits, else chunks)."""
+    config = build_config(plan.model, plan.model_overrides)
+    per_micro = sum(out["linear_matmul_dtypes"].values()) / (plan.grad_accum * (plan.num_workers // plan.pp))
+    return per_micro - 7 * config.num_hidden_layers
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", list(LOSS_FORM_CASES))
 def test_loss_form_trains_like_the_reference(name):
-    plan, out = batch_result(_gloo_runs()[name])
-    assert out["loss_form"] == GLOO_CASES[name][1]
+    plan, out = batch_result(_world2_runs()[("loss-form", name)])
+    form = LOSS_FORM_CASES[name][1]
+    assert out["loss_form"] == form
     if name.endswith("falls-back"):
         assert "tie_word_embeddings" in out["loss_form_fallback"]
     else:
         assert out["loss_form_fallback"] is None
+    if form == "chunked" and plan.pp == 1:  # the head ran once per chunk of the micro-batch's tokens, not once
+        config = build_config(plan.model, plan.model_overrides)
+        tokens = plan.micro_batch * plan.seq_len
+        chunks = tokens // loss_forms.chunk_tokens(tokens, config.vocab_size, config.hidden_size)
+        assert _head_matmuls_per_micro_batch(plan, out) == chunks, out["linear_matmul_dtypes"]
     assert max_loss_difference(out["losses"], reference_for(plan)) < 1e-5, (out["losses"], reference_for(plan))
     assert out["losses"][-1] < out["losses"][0]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", ["tp2", "tp2-sequence-parallel"])
+def test_auto_is_vocab_parallel_under_tp(name):
+    """test_parity_gloo's tp cases (loss auto) run the vocab-parallel loss (their parity is tested there)."""
+    plan, out = batch_result(_world2_runs()[("model-parallel", name)])
+    assert plan.loss == "auto" and (out["loss_form"], out["loss_form_fallback"]) == ("vocab_parallel", None)
+    assert _head_matmuls_per_micro_batch(plan, out) == 1  # the head's logits in one matmul, not chunked
