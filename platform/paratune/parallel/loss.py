@@ -41,7 +41,7 @@ FALLBACK_ATTR = "paratune_loss_fallback"  # why `auto` did not get vocab_paralle
 
 # Config fields with which a family's *ForCausalLM changes the logits between the head and the loss
 # (Gemma-2/3's final-logit soft-capping, Cohere's logit_scale, Granite's logits_scaling): the
-# chunked head would skip that step, and paratune has no parity test of it on sharded logits.
+# chunked head would skip that step (refused). All are pointwise, so vocab-sharded logits take them.
 LOGIT_TRANSFORM_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 TIED_REASON = ("the LM head is tied to the input embedding (tie_word_embeddings true): paratune keeps a tied "
                "head's logits gathered")
@@ -67,10 +67,8 @@ def _vocab_parallel_obstacle(plan: Plan, config) -> str | None:
         return f"cp {plan.cp}: {CP_REASON}"
     if getattr(config, "tie_word_embeddings", False):
         return TIED_REASON
-    transform = logit_transform(config)
-    if transform is not None:
-        return (f"{type(config).__name__} transforms the logits after the head ({transform}) before the loss; "
-                "paratune keeps such logits gathered")
+    # A family's logit transform (LOGIT_TRANSFORM_FIELDS) is pointwise: it keeps the vocab sharding
+    # (Gemma-2's tanh soft-cap on a Shard(-1) DTensor under loss_parallel: exact, measured).
     return None
 
 
