@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Literal
 
 from paratune.plan import Plan
-from paratune.shapes import BYTES, ModelShape, compute_precision, model_shape
+from paratune.shapes import BYTES, ModelShape, compute_precision, mlp_width, model_shape
 
 ActivationModel = Literal["trace", "formula"]
 
@@ -245,6 +246,8 @@ def _trace_micro_batch(config, tokens: int, checkpointing: str, precision: str, 
         model.train()
         if checkpointing == "full":
             enable_full_recompute(model)
+        elif checkpointing == "selective":
+            _enable_selective_recompute(model)
         ids = torch.randint(0, config.vocab_size, (sequences, tokens // sequences))
         known = [t.untyped_storage() for t in (*model.parameters(), *model.buffers())]
         tracker = _LiveBytes(known)
@@ -319,6 +322,35 @@ def _trace_micro_batch(config, tokens: int, checkpointing: str, precision: str, 
     return saved, dict(tracker.peak), dict(tracker.held_peak)
 
 
+def _selective_policy():
+    """The per-op policy of selective checkpointing: save the outputs of
+    paratune.parallel.recompute.SAVED_OPS (matmuls, attention), recompute every other op."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from paratune.parallel.recompute import SAVED_OPS
+
+    def policy(ctx, func, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - torch's signature
+        return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _enable_selective_recompute(model) -> None:  # noqa: ANN001 - a transformers PreTrainedModel
+    """Every decoder block under torch's selective checkpointing with `_selective_policy`, through
+    transformers' own hook (as bench/probes/levers/sac_check.py ran it): the trace then holds
+    exactly what the policy saves (`create_selective_checkpoint_contexts` under fake tensors),
+    not an estimate from per-op bytes."""
+    from functools import partial
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    kwargs = {"use_reentrant": False, "context_fn": partial(create_selective_checkpoint_contexts, _selective_policy())}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 @lru_cache(maxsize=256)
 def _traced_coefficients(config_json: str, checkpointing: str, precision: str, micro_batch: int = 1,
                          seq_len: int = 128) -> ActivationCoefficients:
@@ -357,6 +389,9 @@ def _formula_coefficients(shape: ModelShape, checkpointing: str, precision: str,
     scale = BYTES[precision] / 2
     h, a = shape.hidden, shape.heads
     per_layer = (2 * h if checkpointing == "full" else h * (34 + 5 * a * seq_len / h)) * scale
+    if checkpointing == "selective":  # SAVED_OPS' outputs: q, k, v, attention, o, gate, up, down; the input
+        kv = (shape.kv_heads or a) * shape.head_dim
+        per_layer = 2 * (4 * h + 2 * kv + 2 * mlp_width(shape)) * scale + 4 * a
     rest = 4.0 * shape.vocab + 2 * h * scale
     head_grad = 4.0 * (shape.head or shape.embedding)
     phases = {"forward": PhaseBytes(0.0, per_layer, 0.0, per_layer),
@@ -391,8 +426,14 @@ def _trace_store_path(config_json: str, checkpointing: str, precision: str, micr
 
     from paratune.launch import paratune_home
 
+    saved_ops = ""
+    if checkpointing == "selective":  # what the policy saves is part of what is traced
+        from paratune.parallel.recompute import SAVED_OPS
+
+        saved_ops = ",".join(sorted(str(op) for op in SAVED_OPS))
     text = json.dumps([config_json, checkpointing, precision, micro_batch, seq_len, torch.__version__,
-                       transformers.__version__, hashlib.sha256(Path(__file__).read_bytes()).hexdigest()])
+                       transformers.__version__, hashlib.sha256(Path(__file__).read_bytes()).hexdigest()]
+                      + ([saved_ops] if saved_ops else []))
     return paratune_home() / TRACE_STORE_DIR / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
 
 
@@ -439,18 +480,114 @@ def _traced_or_reason(config_json: str, checkpointing: str, precision: str, micr
         return f"{type(err).__name__}: {err}"
 
 
+# The tokens of one chunk of the chunked loss (loss 'chunked'): the logits of this many tokens exist
+# at once. The lead will point it at paratune.parallel.loss.CHUNK_TOKENS once the runtime defines it.
+CHUNK_TOKENS = 4096
+
+
+def _trace(config_json: str, checkpointing: str, plan: Plan) -> ActivationCoefficients | str:
+    return _traced_or_reason(config_json, checkpointing, compute_precision(plan), plan.micro_batch,
+                             max(1, plan.seq_len // plan.cp))
+
+
+def _with_vocab(config_json: str, vocab: int) -> str:
+    return json.dumps({**json.loads(config_json), "vocab_size": vocab})
+
+
+def _logits_sharded(at_v: ActivationCoefficients, at_2v: ActivationCoefficients, vocab: int,
+                    vocab_held: float) -> ActivationCoefficients:
+    """The coefficients with the logits of `vocab_held` vocabulary entries per token instead of
+    `vocab`'s. Every logits-sized buffer (the head's output, its fp32 copy, the loss's
+    log-probabilities, their gradients) grows linearly with the vocabulary and nothing else that
+    grows with tokens does, so a second trace at twice the vocabulary gives each moment's bytes
+    per token per vocabulary entry exactly; only the per-token part outside the blocks changes
+    (the head's weight gradient, fixed, is already divided over tp ranks)."""
+    def moved(a: PhaseBytes, b: PhaseBytes) -> PhaseBytes:
+        slope = (b.per_token - a.per_token) / vocab
+        return replace(a, per_token=max(0.0, a.per_token - slope * (vocab - vocab_held)))
+
+    slope = (at_2v.rest - at_v.rest) / vocab
+    return replace(at_v, rest=max(0.0, at_v.rest - slope * (vocab - vocab_held)),
+                   phases={k: moved(v, at_2v.phases[k]) for k, v in at_v.phases.items() if k in at_2v.phases},
+                   held_phases={k: moved(v, at_2v.held_phases[k]) for k, v in at_v.held_phases.items()
+                                if k in at_2v.held_phases})
+
+
+def _every_nth_block(none: ActivationCoefficients, full: ActivationCoefficients, blocks: int,
+                     every: int) -> ActivationCoefficients:
+    """`layers` checkpointing: transformers' every_n_layers recomputes blocks 0, N, 2N, ... whole
+    (`layer_index % every_n_layers == 0`, modeling_utils.py) and keeps the others' activations:
+    ceil(L/N) of a stage's L blocks. Block 0 (in the fits' per-token part) is a full block; of the
+    L - 1 others (the per-layer part) ceil(L/N) - 1 are. Each moment is the mix of the full and
+    the none traces by that share: exact for what the blocks save; in a recomputed block's own
+    backward the moment is the none trace's block for it (within one block's activations)."""
+    recomputed = math.ceil(blocks / every)
+    share = (recomputed - 1) / (blocks - 1) if blocks > 1 else 0.0
+
+    def mix(f: PhaseBytes, n: PhaseBytes) -> PhaseBytes:
+        return replace(f, layer_fixed=share * f.layer_fixed + (1 - share) * n.layer_fixed,
+                       layer_per_token=share * f.layer_per_token + (1 - share) * n.layer_per_token)
+
+    return replace(full, per_layer=share * full.per_layer + (1 - share) * none.per_layer,
+                   per_layer_fixed=share * full.per_layer_fixed + (1 - share) * none.per_layer_fixed,
+                   method=f"{full.method}; 'layers': {recomputed} of {blocks} blocks recomputed (full and none traces mixed)",
+                   phases={k: mix(v, none.phases[k]) for k, v in full.phases.items() if k in none.phases},
+                   held_phases={k: mix(v, none.held_phases[k]) for k, v in full.held_phases.items()
+                                if k in none.held_phases})
+
+
+def vocab_held(plan: Plan, vocab: int) -> float:
+    """Vocabulary entries of logits a rank holds per token of its micro-batch, by the loss's form
+    (paratune.levers.loss_form): standard: all of them (under tp the head's output is gathered on
+    every rank); vocab_parallel: its 1/tp shard; chunked: the whole vocabulary for CHUNK_TOKENS
+    tokens at a time, spread over the micro-batch's tokens."""
+    from paratune.levers import loss_form
+
+    form = loss_form(plan)
+    if form == "vocab_parallel":
+        return vocab / plan.tp
+    if form == "chunked":
+        tokens = plan.micro_batch * plan.seq_len // plan.cp
+        return vocab * min(1.0, CHUNK_TOKENS / tokens)
+    return float(vocab)
+
+
 def activation_coefficients(plan: Plan, model: ActivationModel = "trace") -> ActivationCoefficients:
     """Traced (the default), or DESIGN.md's formula when asked for or when the trace fails (the
-    method then says why)."""
+    method then says why); for the plan's checkpointing mode (`layers`: `_every_nth_block`) and
+    the logits its loss form holds (`vocab_held`, `_logits_sharded`). Compile changes none of it
+    (it fuses kernels; what autograd saves is modelled as eager's)."""
     shape = model_shape(plan)
-    formula = _formula_coefficients(shape, plan.activation_checkpointing, plan.precision, plan.seq_len)
+    ac = plan.activation_checkpointing
+    blocks = math.ceil(shape.layers / plan.pp)
+    held_vocab = vocab_held(plan, shape.vocab)
+
+    def formula(mode: str, vocab: int | None = None) -> ActivationCoefficients:
+        return _formula_coefficients(replace(shape, vocab=vocab or shape.vocab), mode, plan.precision, plan.seq_len)
+
+    def shaped(get) -> ActivationCoefficients | str:  # noqa: ANN001 - get(mode, vocab)
+        modes = {}
+        for mode in (("none", "full") if ac == "layers" else (ac,)):
+            coeff = get(mode, None)
+            if isinstance(coeff, str):
+                return coeff
+            if held_vocab != shape.vocab:
+                wider = get(mode, 2 * shape.vocab)
+                if isinstance(wider, str):
+                    return wider
+                coeff = _logits_sharded(coeff, wider, shape.vocab, held_vocab)
+            modes[mode] = coeff
+        if ac == "layers":
+            return _every_nth_block(modes["none"], modes["full"], blocks, plan.checkpoint_every)
+        return modes[ac]
+
+    formula_coeff = shaped(formula)
     if model != "trace":
-        return formula
+        return formula_coeff
     from paratune.models import build_config, config_key
 
-    traced = _traced_or_reason(config_key(build_config(plan.model, plan.model_overrides)),
-                               plan.activation_checkpointing, compute_precision(plan), plan.micro_batch,
-                               max(1, plan.seq_len // plan.cp))
+    key = config_key(build_config(plan.model, plan.model_overrides))
+    traced = shaped(lambda mode, vocab: _trace(_with_vocab(key, vocab) if vocab else key, mode, plan))
     if isinstance(traced, str):
-        return replace(formula, method=f"formula (DESIGN.md; the trace failed: {traced[:200]})")
+        return replace(formula_coeff, method=f"formula (DESIGN.md; the trace failed: {traced[:200]})")
     return traced
