@@ -353,19 +353,21 @@ def _enable_selective_recompute(model) -> None:  # noqa: ANN001 - a transformers
 
 @lru_cache(maxsize=256)
 def _traced_coefficients(config_json: str, checkpointing: str, precision: str, micro_batch: int = 1,
-                         seq_len: int = 128) -> ActivationCoefficients:
+                         seq_len: int = 128, layer_counts: tuple[int, ...] = (1, 2)) -> ActivationCoefficients:
     """Trace one micro-batch (`micro_batch` sequences of `seq_len` tokens, and of half as many) of
     a 1- and a 2-layer copy of the model on fake tensors (`_trace_micro_batch`; the cost is the
     number of ops, not their size): their differences give one block's and the rest's bytes, what
     grows with tokens and what does not, for the saved activations and for each phase. Exact at
-    the micro-batch's own shape; only the number of blocks is extrapolated (blocks repeat)."""
+    the micro-batch's own shape; only the number of blocks is extrapolated (blocks repeat).
+    `layer_counts` (1,): the 1-layer copy only, for what lies outside the blocks (the per-layer
+    parts are then 0): the wider-vocabulary trace of `_logits_sharded`, at half the cost."""
     from paratune.models import config_from_key
 
     full, half = micro_batch * seq_len, micro_batch * max(1, seq_len // 2)
     saved: dict[tuple[int, int], float] = {}
     phases: dict[str, dict[tuple[int, int], float]] = {p: {} for p in PHASES}
     held: dict[str, dict[tuple[int, int], float]] = {p: {} for p in (*PHASES, *_BLOCK_END)}
-    for layers in (1, 2):
+    for layers in layer_counts:
         config = config_from_key(config_json, num_hidden_layers=layers)
         for tokens in (half, full):
             saved[(layers, tokens)], peaks, held_peaks = _trace_micro_batch(config, tokens, checkpointing, precision,
@@ -374,6 +376,9 @@ def _traced_coefficients(config_json: str, checkpointing: str, precision: str, m
                 phases[phase][(layers, tokens)] = peaks.get(phase, 0.0)
             for phase in held:
                 held[phase][(layers, tokens)] = held_peaks.get(phase, 0.0)
+    if layer_counts == (1,):  # no second block: the per-layer parts are left 0
+        for values in (saved, *phases.values(), *held.values()):
+            values.update({(2, n): values[(1, n)] for n in (half, full)})
     fit = _fit_phase(saved, half, full)
     return ActivationCoefficients(per_layer=fit.layer_per_token, rest=fit.per_token, method="traced (fake tensors)",
                                   per_layer_fixed=max(0.0, fit.layer_fixed), rest_fixed=max(0.0, fit.fixed),
@@ -415,7 +420,8 @@ def _formula_coefficients(shape: ModelShape, checkpointing: str, precision: str,
 TRACE_STORE_DIR = "activation_traces"  # under paratune_home(): one JSON file per traced shape
 
 
-def _trace_store_path(config_json: str, checkpointing: str, precision: str, micro_batch: int, seq_len: int) -> Path:
+def _trace_store_path(config_json: str, checkpointing: str, precision: str, micro_batch: int, seq_len: int,
+                      layer_counts: tuple[int, ...] = (1, 2)) -> Path:
     """Where a trace's coefficients are kept between processes. The key holds everything the
     trace depends on: the shape, torch and transformers (their ops and modeling code) and this
     module's own source (the trace and the fits), so a change to any of them traces again."""
@@ -433,7 +439,7 @@ def _trace_store_path(config_json: str, checkpointing: str, precision: str, micr
         saved_ops = ",".join(sorted(str(op) for op in SAVED_OPS))
     text = json.dumps([config_json, checkpointing, precision, micro_batch, seq_len, torch.__version__,
                        transformers.__version__, hashlib.sha256(Path(__file__).read_bytes()).hexdigest()]
-                      + ([saved_ops] if saved_ops else []))
+                      + ([saved_ops] if saved_ops else []) + ([list(layer_counts)] if layer_counts != (1, 2) else []))
     return paratune_home() / TRACE_STORE_DIR / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
 
 
@@ -445,7 +451,7 @@ def _coefficients_from_json(text: str) -> ActivationCoefficients:
 
 
 def _stored_trace(config_json: str, checkpointing: str, precision: str, micro_batch: int,
-                  seq_len: int) -> ActivationCoefficients:
+                  seq_len: int, layer_counts: tuple[int, ...] = (1, 2)) -> ActivationCoefficients:
     """The trace from the store, else traced now and stored: `paratune plan` and the sweep
     (driver, resumed driver) trace a space's shapes once (the 8B space's 24 shapes: ~25 s on
     2 cores). A store that cannot be read or written only costs the trace."""
@@ -453,11 +459,13 @@ def _stored_trace(config_json: str, checkpointing: str, precision: str, micro_ba
 
     path = None
     try:
-        path = _trace_store_path(config_json, checkpointing, precision, micro_batch, seq_len)
+        path = _trace_store_path(config_json, checkpointing, precision, micro_batch, seq_len, layer_counts)
         return _coefficients_from_json(path.read_text())
     except Exception:  # noqa: BLE001 - not stored yet, or unreadable: trace it
         pass
-    coefficients = _traced_coefficients(config_json, checkpointing, precision, micro_batch, seq_len)
+    coefficients = (_traced_coefficients(config_json, checkpointing, precision, micro_batch, seq_len)
+                    if layer_counts == (1, 2) else
+                    _traced_coefficients(config_json, checkpointing, precision, micro_batch, seq_len, layer_counts))
     if path is None:
         return coefficients
     try:
@@ -472,10 +480,10 @@ def _stored_trace(config_json: str, checkpointing: str, precision: str, micro_ba
 
 @lru_cache(maxsize=256)
 def _traced_or_reason(config_json: str, checkpointing: str, precision: str, micro_batch: int,
-                      seq_len: int) -> ActivationCoefficients | str:
+                      seq_len: int, layer_counts: tuple[int, ...] = (1, 2)) -> ActivationCoefficients | str:
     """The trace, or why it failed (remembered, so a model the trace cannot follow is tried once)."""
     try:
-        return _stored_trace(config_json, checkpointing, precision, micro_batch, seq_len)
+        return _stored_trace(config_json, checkpointing, precision, micro_batch, seq_len, layer_counts)
     except Exception as err:  # noqa: BLE001 - a model the fake-tensor trace cannot follow
         return f"{type(err).__name__}: {err}"
 
@@ -485,32 +493,36 @@ def _traced_or_reason(config_json: str, checkpointing: str, precision: str, micr
 CHUNK_TOKENS = 4096
 
 
-def _trace(config_json: str, checkpointing: str, plan: Plan) -> ActivationCoefficients | str:
+def _trace(config_json: str, checkpointing: str, plan: Plan, layer_counts: tuple[int, ...] = (1, 2)
+           ) -> ActivationCoefficients | str:
     return _traced_or_reason(config_json, checkpointing, compute_precision(plan), plan.micro_batch,
-                             max(1, plan.seq_len // plan.cp))
+                             max(1, plan.seq_len // plan.cp), layer_counts)
 
 
 def _with_vocab(config_json: str, vocab: int) -> str:
     return json.dumps({**json.loads(config_json), "vocab_size": vocab})
 
 
-def _logits_sharded(at_v: ActivationCoefficients, at_2v: ActivationCoefficients, vocab: int,
-                    vocab_held: float) -> ActivationCoefficients:
+def _logits_sharded(coeff: ActivationCoefficients, at_v: ActivationCoefficients, at_2v: ActivationCoefficients,
+                    vocab: int, vocab_held: float) -> ActivationCoefficients:
     """The coefficients with the logits of `vocab_held` vocabulary entries per token instead of
     `vocab`'s. Every logits-sized buffer (the head's output, its fp32 copy, the loss's
     log-probabilities, their gradients) grows linearly with the vocabulary and nothing else that
     grows with tokens does, so a second trace at twice the vocabulary gives each moment's bytes
     per token per vocabulary entry exactly; only the per-token part outside the blocks changes
-    (the head's weight gradient, fixed, is already divided over tp ranks)."""
-    def moved(a: PhaseBytes, b: PhaseBytes) -> PhaseBytes:
+    (the head's weight gradient, fixed, is already divided over tp ranks), so the wider trace is
+    of the 1-layer copy alone (`layer_counts` (1,)): 2 fake micro-batches, not 4."""
+    def moved(c: PhaseBytes, a: PhaseBytes, b: PhaseBytes) -> PhaseBytes:
         slope = (b.per_token - a.per_token) / vocab
-        return replace(a, per_token=max(0.0, a.per_token - slope * (vocab - vocab_held)))
+        return replace(c, per_token=max(0.0, c.per_token - slope * (vocab - vocab_held)))
+
+    def each(mine: dict, narrow: dict, wide: dict) -> dict:
+        return {k: moved(v, narrow[k], wide[k]) if k in narrow and k in wide else v for k, v in mine.items()}
 
     slope = (at_2v.rest - at_v.rest) / vocab
-    return replace(at_v, rest=max(0.0, at_v.rest - slope * (vocab - vocab_held)),
-                   phases={k: moved(v, at_2v.phases[k]) for k, v in at_v.phases.items() if k in at_2v.phases},
-                   held_phases={k: moved(v, at_2v.held_phases[k]) for k, v in at_v.held_phases.items()
-                                if k in at_2v.held_phases})
+    return replace(coeff, rest=max(0.0, coeff.rest - slope * (vocab - vocab_held)),
+                   phases=each(coeff.phases, at_v.phases, at_2v.phases),
+                   held_phases=each(coeff.held_phases, at_v.held_phases, at_2v.held_phases))
 
 
 def _every_nth_block(none: ActivationCoefficients, full: ActivationCoefficients, blocks: int,
@@ -566,17 +578,18 @@ def activation_coefficients(plan: Plan, model: ActivationModel = "trace") -> Act
         return _formula_coefficients(replace(shape, vocab=vocab or shape.vocab), mode, plan.precision, plan.seq_len)
 
     def shaped(get) -> ActivationCoefficients | str:  # noqa: ANN001 - get(mode, vocab)
+        # The logits' bytes per vocabulary entry lie outside the blocks: the same whatever the
+        # checkpointing (tested), so they are measured once, with full recompute (the cheapest
+        # trace, and one most spaces hold): its trace at V beside a 1-layer one at 2V.
+        pair = (get("full", None), get("full", 2 * shape.vocab)) if held_vocab != shape.vocab else None
+        if pair is not None and any(isinstance(t, str) for t in pair):
+            return next(t for t in pair if isinstance(t, str))
         modes = {}
         for mode in (("none", "full") if ac == "layers" else (ac,)):
             coeff = get(mode, None)
             if isinstance(coeff, str):
                 return coeff
-            if held_vocab != shape.vocab:
-                wider = get(mode, 2 * shape.vocab)
-                if isinstance(wider, str):
-                    return wider
-                coeff = _logits_sharded(coeff, wider, shape.vocab, held_vocab)
-            modes[mode] = coeff
+            modes[mode] = _logits_sharded(coeff, *pair, shape.vocab, held_vocab) if pair else coeff
         if ac == "layers":
             return _every_nth_block(modes["none"], modes["full"], blocks, plan.checkpoint_every)
         return modes[ac]
@@ -584,10 +597,11 @@ def activation_coefficients(plan: Plan, model: ActivationModel = "trace") -> Act
     formula_coeff = shaped(formula)
     if model != "trace":
         return formula_coeff
-    from paratune.models import build_config, config_key
+    from paratune.shapes import model_config_key
 
-    key = config_key(build_config(plan.model, plan.model_overrides))
-    traced = shaped(lambda mode, vocab: _trace(_with_vocab(key, vocab) if vocab else key, mode, plan))
+    key = model_config_key(plan)
+    traced = shaped(lambda mode, vocab: _trace(_with_vocab(key, vocab), mode, plan, (1,)) if vocab
+                    else _trace(key, mode, plan))
     if isinstance(traced, str):
         return replace(formula_coeff, method=f"formula (DESIGN.md; the trace failed: {traced[:200]})")
     return traced
