@@ -102,18 +102,22 @@ def test_logits_bytes_are_linear_in_the_vocabulary_and_the_same_for_every_checkp
         assert slopes(mode, 2) == pytest.approx(s2, abs=1e-6)
 
 
-def test_vocab_parallel_and_chunked_losses_hold_a_share_of_the_logits(monkeypatch):
-    import paratune.activations as acts
-
+def test_vocab_parallel_and_chunked_losses_hold_a_share_of_the_logits():
     v = model_shape(_tiny()).vocab
     tp = dict(num_workers=2, tp=2, strategy="fsdp", fsdp={"sharding": "full"})
     standard, sharded = (activation_coefficients(_tiny(loss=form, **tp)) for form in ("standard", "auto"))
     # 12 bytes per token and vocabulary entry at the loss's start (fp32): 1/tp of them under vocab_parallel.
     assert standard.phases["loss"].per_token - sharded.phases["loss"].per_token == pytest.approx(12.0 * v / 2)
     assert standard.per_layer == sharded.per_layer
-    monkeypatch.setattr(acts, "CHUNK_TOKENS", 32)  # of the micro-batch's 128 tokens
+    from paratune.parallel.loss import chunk_tokens
+
+    shape = model_shape(_tiny())
+    tokens = _tiny().micro_batch * _tiny().seq_len
+    chunk = chunk_tokens(tokens, shape.vocab, shape.hidden)  # the runtime's chunk size
+    assert chunk < tokens, (chunk, tokens)
     whole, chunked = (activation_coefficients(_tiny(loss=form)) for form in ("standard", "chunked"))
-    assert whole.phases["loss"].per_token - chunked.phases["loss"].per_token == pytest.approx(12.0 * v * (1 - 32 / 128))
+    assert whole.phases["loss"].per_token - chunked.phases["loss"].per_token == pytest.approx(
+        12.0 * v * (1 - chunk / tokens))
 
 
 def test_the_70b_tp8_default_loss_keeps_the_logits_sharded():

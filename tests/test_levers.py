@@ -24,6 +24,10 @@ BASE = {"model": "tiny-llama", "num_workers": 2, "global_batch": 8, "micro_batch
     ({"loss": "vocab_parallel"}, "loss: 'vocab_parallel' needs tp > 1", "'chunked'"),
     ({"loss": "vocab_parallel", "tp": 2, "strategy": "zero"}, "loss: 'vocab_parallel' with strategy 'zero'",
      "AutoTP"),
+    ({"loss": "vocab_parallel", "tp": 2, "pp": 2, "num_workers": 4, "micro_batch": 2},
+     "loss: 'vocab_parallel' with pp 2", "schedule"),
+    ({"float8_all_gather": True, "float8": "tensorwise", "precision": "bf16", "strategy": "fsdp",
+      "fsdp": {"sharding": "no_shard"}}, "float8_all_gather: true with fsdp.sharding 'no_shard'", "never"),
     ({"loss": "chunked", "tp": 2}, "loss: 'chunked' with tp 2", "'vocab_parallel'"),
     ({"async_tp": True, "device": "cpu"}, "async_tp: true with device 'cpu'", "symmetric memory"),
     ({"async_tp": True, "tp": 2}, "async_tp: true needs compile: true, sequence_parallel: true", "allowed: false"),
@@ -49,6 +53,8 @@ def test_the_loss_form_auto_is_vocab_parallel_under_torch_tp_only():
     assert loss_form(load_plan_dict({**BASE, "tp": 2})) == "vocab_parallel"
     assert loss_form(load_plan_dict({**BASE, "tp": 2, "strategy": "zero"})) == "standard"  # DeepSpeed's AutoTP
     assert loss_form(load_plan_dict({**BASE, "loss": "chunked"})) == "chunked"
+    pp = load_plan_dict({**BASE, "num_workers": 4, "tp": 2, "pp": 2, "micro_batch": 2, "global_batch": 8})
+    assert loss_form(pp) == "standard"  # the schedule's backward runs outside loss_parallel
 
 
 def test_the_device_refuses_what_it_cannot_run():

@@ -488,11 +488,6 @@ def _traced_or_reason(config_json: str, checkpointing: str, precision: str, micr
         return f"{type(err).__name__}: {err}"
 
 
-# The tokens of one chunk of the chunked loss (loss 'chunked'): the logits of this many tokens exist
-# at once. The lead will point it at paratune.parallel.loss.CHUNK_TOKENS once the runtime defines it.
-CHUNK_TOKENS = 4096
-
-
 def _trace(config_json: str, checkpointing: str, plan: Plan, layer_counts: tuple[int, ...] = (1, 2)
            ) -> ActivationCoefficients | str:
     return _traced_or_reason(config_json, checkpointing, compute_precision(plan), plan.micro_batch,
@@ -548,19 +543,21 @@ def _every_nth_block(none: ActivationCoefficients, full: ActivationCoefficients,
                                 if k in none.held_phases})
 
 
-def vocab_held(plan: Plan, vocab: int) -> float:
+def vocab_held(plan: Plan, vocab: int, hidden: int) -> float:
     """Vocabulary entries of logits a rank holds per token of its micro-batch, by the loss's form
     (paratune.levers.loss_form): standard: all of them (under tp the head's output is gathered on
-    every rank); vocab_parallel: its 1/tp shard; chunked: the whole vocabulary for CHUNK_TOKENS
-    tokens at a time, spread over the micro-batch's tokens."""
+    every rank); vocab_parallel: its 1/tp shard; chunked: the whole vocabulary for one chunk of
+    tokens at a time (the runtime's chunk size, paratune.parallel.loss.chunk_tokens), spread over
+    the micro-batch's tokens."""
     from paratune.levers import loss_form
+    from paratune.parallel.loss import chunk_tokens
 
     form = loss_form(plan)
     if form == "vocab_parallel":
         return vocab / plan.tp
     if form == "chunked":
         tokens = plan.micro_batch * plan.seq_len // plan.cp
-        return vocab * min(1.0, CHUNK_TOKENS / tokens)
+        return vocab * min(1.0, chunk_tokens(tokens, vocab, hidden) / tokens)
     return float(vocab)
 
 
@@ -572,7 +569,7 @@ def activation_coefficients(plan: Plan, model: ActivationModel = "trace") -> Act
     shape = model_shape(plan)
     ac = plan.activation_checkpointing
     blocks = math.ceil(shape.layers / plan.pp)
-    held_vocab = vocab_held(plan, shape.vocab)
+    held_vocab = vocab_held(plan, shape.vocab, shape.hidden)
 
     def formula(mode: str, vocab: int | None = None) -> ActivationCoefficients:
         return _formula_coefficients(replace(shape, vocab=vocab or shape.vocab), mode, plan.precision, plan.seq_len)

@@ -383,7 +383,7 @@ def _print_levers(estimates, device, console: Console, top: int) -> None:
     for i, e in enumerate(shown, 1):
         shape = model_shape(e.plan)
         tokens = e.plan.micro_batch * e.plan.seq_len // e.plan.cp
-        logits = 4.0 * tokens * vocab_held(e.plan, shape.vocab)
+        logits = 4.0 * tokens * vocab_held(e.plan, shape.vocab, shape.hidden)
         f8 = float8_flops_share(e.plan, shape) if "fp8" in device.tflops else 0.0
         mfu = f"{e.mfu_vs_bf16_peak:.1%}" if e.mfu_vs_bf16_peak else "-"
         table.add_row(str(i), strategy_label(e.plan.to_dict()), loss_form(e.plan), f"{logits / 2**30:.2f}",

@@ -44,6 +44,9 @@ ASYNC_TP_CPU_REASON = ("async TP fuses the tp collectives into the matmuls with 
                        "(torch._inductor micro-pipeline TP over NCCL); CPU workers have neither")
 VOCAB_PARALLEL_ZERO_REASON = ("ZeRO's tp is DeepSpeed's AutoTP, which keeps the LM head's output gathered; "
                               "vocab-parallel loss needs the head as a DTensor sharded over the vocabulary")
+VOCAB_PARALLEL_PP_REASON = ("the pipeline schedule runs the last stage's backward outside the step's loss_parallel "
+                            "context, so the sharded logits' gradient would be computed without it")
+VOCAB_PARALLEL_CP_REASON = "context parallel's step computes its loss over sequence shards with its own scaling"
 CHUNKED_TP_REASON = ("under tp the head's logits are already split over tp ranks: use 'vocab_parallel' "
                      "(or 'auto')")
 DEVICES_WITHOUT_FP8_REASON = "float8 matmuls need FP8 tensor cores (Hopper, Ada, Blackwell: sm_89+)"
@@ -66,6 +69,9 @@ def check_levers(plan: Plan) -> None:
         if plan.strategy != "fsdp":
             raise ValueError(f"float8_all_gather: true needs strategy 'fsdp' (it is FSDP2's all-gather of "
                              f"float8 weights), got '{plan.strategy}'; allowed: false")
+        if plan.fsdp is not None and plan.fsdp.sharding == "no_shard":
+            raise ValueError("float8_all_gather: true with fsdp.sharding 'no_shard': replicated weights are never "
+                             "all-gathered; allowed: false, or sharding 'full' / 'grad_op' / 'hybrid'")
         if plan.float8 != "tensorwise":
             reason = FLOAT8_ALL_GATHER_ROWWISE_REASON if plan.float8 == "rowwise" else "no float8 weights to gather"
             raise ValueError(f"float8_all_gather: true with float8 '{plan.float8}': {reason}; "
@@ -83,6 +89,12 @@ def check_levers(plan: Plan) -> None:
         if plan.strategy == "zero":
             raise ValueError(f"loss: 'vocab_parallel' with strategy 'zero': {VOCAB_PARALLEL_ZERO_REASON}; "
                              "allowed: 'standard' or 'auto'")
+        if plan.pp > 1:
+            raise ValueError(f"loss: 'vocab_parallel' with pp {plan.pp}: {VOCAB_PARALLEL_PP_REASON}; allowed: "
+                             "'standard' or 'auto' (standard under pp)")
+        if plan.cp > 1:
+            raise ValueError(f"loss: 'vocab_parallel' with cp {plan.cp}: {VOCAB_PARALLEL_CP_REASON}; allowed: "
+                             "'standard' or 'auto' (standard under cp)")
     if plan.loss == "chunked" and plan.tp > 1:
         raise ValueError(f"loss: 'chunked' with tp {plan.tp}: {CHUNKED_TP_REASON}")
     if plan.async_tp:
@@ -97,10 +109,13 @@ def check_levers(plan: Plan) -> None:
 
 
 def loss_form(plan: Plan) -> str:
-    """What the plan's loss is, `auto` resolved: vocab_parallel under tp (DTensor layouts), else standard."""
+    """What the plan's loss is, `auto` resolved: vocab_parallel under torch's tp without pp or cp, else
+    standard. The model can still make auto fall back (a head tied to the embedding:
+    paratune.parallel.loss.resolve_loss_form, which records why)."""
     if plan.loss != "auto":
         return plan.loss
-    return "vocab_parallel" if plan.tp > 1 and plan.strategy != "zero" else "standard"
+    torch_tp = plan.tp > 1 and plan.strategy != "zero" and plan.pp == 1 and plan.cp == 1
+    return "vocab_parallel" if torch_tp else "standard"
 
 
 def device_refusal(plan: Plan, gpu: str | None, has_fp8: bool) -> str | None:

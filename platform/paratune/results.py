@@ -51,6 +51,10 @@ class TrialResult(BaseModel):
     # never part of the measured steps. compile_graphs: Dynamo graphs the warm-up compiled.
     compile_s: float | None = None
     compile_graphs: int | None = None
+    # The loss's form that ran (plan.loss with auto resolved by the model) and why auto fell back
+    # to standard (a head tied to the embedding ...); None where the trial did not say.
+    loss_form: str | None = None
+    loss_form_fallback: str | None = None
     wall_s: float | None = None
     started_at: float | None = None  # epoch seconds the trial's launch began (ends at + wall_s)
     env_seen: dict[str, str | None] = Field(default_factory=dict)  # plan env as workers saw it

@@ -154,7 +154,9 @@ def print_sweep(outcome, console: Console | None = None) -> None:
     t = outcome.time_split
     if t.get("trials_wall_s"):
         console.print(f"time: {t['trials_wall_s']:.0f} s in trials = {t['launch_s']:.0f} s launching "
-                      f"({t['launch_s'] / t['trials_wall_s']:.0%}) + {t['measured_s']:.0f} s measured steps "
+                      f"({t['launch_s'] / t['trials_wall_s']:.0%}) + "
+                      + (f"{t['compile_s']:.0f} s compiling blocks + " if t.get("compile_s") else "")
+                      + f"{t['measured_s']:.0f} s measured steps "
                       f"({t['measured_s'] / t['trials_wall_s']:.0%}) + {t['other_s']:.0f} s other "
                       "(warm-up, profiled/memory steps, teardown)"
                       + (f"; {t['profile_s']:.0f} s profiling the cluster" if t.get("profile_s") else ""))

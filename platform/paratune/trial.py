@@ -550,5 +550,6 @@ def summarize(plan: Plan, out: dict[str, Any], flops_tok: float, wall_s: float |
         linear_matmul_dtypes=out.get("linear_matmul_dtypes", {}), optimizer_class=out.get("optimizer_class"),
         losses=out["losses"], step_times_s=step_times, launch_s=out.get("launch_s"), wall_s=wall_s,
         compile_s=out.get("compile_s"), compile_graphs=out.get("compile_graphs"),
+        loss_form=out.get("loss_form"), loss_form_fallback=out.get("loss_form_fallback"),
         env_seen=out.get("env_seen", {}), placement=out.get("placement", []),
     )

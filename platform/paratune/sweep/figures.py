@@ -287,16 +287,21 @@ def plot_time_split(folder: SweepFolder) -> Figure:
     launch = np.array([e.result.launch_s or 0.0 for e in folder.entries])
     measured = np.array([sum(e.result.step_times_s) for e in folder.entries])
     wall = np.array([e.result.wall_s or 0.0 for e in folder.entries])
-    other = np.maximum(0.0, wall - launch - measured)
+    compiled = np.array([e.result.compile_s or 0.0 for e in folder.entries])  # in the warm-up, never measured
+    other = np.maximum(0.0, wall - launch - compiled - measured)
     labels = [f"#{e.number}" + ("r" if e.phase == "remeasure" else "") for e in folder.entries]
     fig, ax = _new_figure()
     x = np.arange(len(labels))
     ax.bar(x, launch, color="tab:orange", label="launch (start to first step)")
-    ax.bar(x, measured, bottom=launch, color="tab:blue", label="measured steps")
-    ax.bar(x, other, bottom=launch + measured, color="tab:gray", label="other (warm-up, memory/profiled steps, teardown)")
+    if compiled.any():
+        ax.bar(x, compiled, bottom=launch, color="tab:purple", label="compiling blocks (first warm-up step)")
+    ax.bar(x, measured, bottom=launch + compiled, color="tab:blue", label="measured steps")
+    ax.bar(x, other, bottom=launch + compiled + measured, color="tab:gray",
+           label="other (warm-up, memory/profiled steps, teardown)")
     for i, e in enumerate(folder.entries):
         if not (e.result.ok or e.result.stopped_early):
-            ax.annotate("failed" if e.result.reason is None else str(e.result.reason), (i, launch[i] + measured[i] + other[i]),
+            ax.annotate("failed" if e.result.reason is None else str(e.result.reason),
+                        (i, launch[i] + compiled[i] + measured[i] + other[i]),
                         textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7, rotation=90, color="tab:red")
     ax.set_xticks(x, labels, rotation=90 if len(labels) > 16 else 0, fontsize=8)
     ax.set_xlabel("trial (r: re-measure)")
@@ -304,9 +309,10 @@ def plot_time_split(folder: SweepFolder) -> Figure:
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0, 1.01), ncols=3, frameon=False)  # above the bars
     out.figure, out.png = fig, _png(fig)
-    out.data = {"launch_s": launch, "measured_s": measured, "other_s": other, "labels": labels}
+    out.data = {"launch_s": launch, "compile_s": compiled, "measured_s": measured, "other_s": other, "labels": labels}
     total = wall.sum()
-    out.caption = (f"{total:.0f} s in trials: {launch.sum():.0f} s launching, {measured.sum():.0f} s measured steps, "
+    compiling = f"{compiled.sum():.0f} s compiling blocks, " if compiled.any() else ""
+    out.caption = (f"{total:.0f} s in trials: {launch.sum():.0f} s launching, {compiling}{measured.sum():.0f} s measured steps, "
                    f"{other.sum():.0f} s other." if total else "No trial recorded its wall time.")
     return out
 

@@ -96,8 +96,9 @@ def finish_sweep(space: Space, outcome: SweepOutcome, ledger: Ledger, tracker, b
     launch = sum(e.result.launch_s or 0 for e in ledger.entries)
     measured = sum(sum(e.result.step_times_s) for e in ledger.entries)
     wall = sum(e.result.wall_s or 0 for e in ledger.entries)
-    outcome.time_split = {"trials_wall_s": wall, "launch_s": launch, "measured_s": measured,
-                         "other_s": max(0.0, wall - launch - measured)}
+    compiled = sum(e.result.compile_s or 0 for e in ledger.entries)  # inside the warm-up, never measured
+    outcome.time_split = {"trials_wall_s": wall, "launch_s": launch, "compile_s": compiled, "measured_s": measured,
+                         "other_s": max(0.0, wall - launch - compiled - measured)}
     best_metrics: dict[str, float] = {}
     summary: dict[str, Any] | None = None
     if winner is not None:
