@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Literal
 
 from paratune.plan import Plan
-from paratune.shapes import BYTES, ModelShape, compute_precision, model_shape
+from paratune.shapes import BYTES, ModelShape, compute_precision, mlp_width, model_shape
 
 ActivationModel = Literal["trace", "formula"]
 
@@ -245,6 +246,8 @@ def _trace_micro_batch(config, tokens: int, checkpointing: str, precision: str, 
         model.train()
         if checkpointing == "full":
             enable_full_recompute(model)
+        elif checkpointing == "selective":
+            _enable_selective_recompute(model)
         ids = torch.randint(0, config.vocab_size, (sequences, tokens // sequences))
         known = [t.untyped_storage() for t in (*model.parameters(), *model.buffers())]
         tracker = _LiveBytes(known)
@@ -319,21 +322,52 @@ def _trace_micro_batch(config, tokens: int, checkpointing: str, precision: str, 
     return saved, dict(tracker.peak), dict(tracker.held_peak)
 
 
+def _selective_policy():
+    """The per-op policy of selective checkpointing: save the outputs of
+    paratune.parallel.recompute.SAVED_OPS (matmuls, attention), recompute every other op."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from paratune.parallel.recompute import SAVED_OPS
+
+    def policy(ctx, func, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - torch's signature
+        return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _enable_selective_recompute(model) -> None:  # noqa: ANN001 - a transformers PreTrainedModel
+    """Every decoder block under torch's selective checkpointing with `_selective_policy`, through
+    transformers' own hook (as bench/probes/levers/sac_check.py ran it): the trace then holds
+    exactly what the policy saves (`create_selective_checkpoint_contexts` under fake tensors),
+    not an estimate from per-op bytes."""
+    from functools import partial
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    kwargs = {"use_reentrant": False, "context_fn": partial(create_selective_checkpoint_contexts, _selective_policy())}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 @lru_cache(maxsize=256)
 def _traced_coefficients(config_json: str, checkpointing: str, precision: str, micro_batch: int = 1,
-                         seq_len: int = 128) -> ActivationCoefficients:
+                         seq_len: int = 128, layer_counts: tuple[int, ...] = (1, 2)) -> ActivationCoefficients:
     """Trace one micro-batch (`micro_batch` sequences of `seq_len` tokens, and of half as many) of
     a 1- and a 2-layer copy of the model on fake tensors (`_trace_micro_batch`; the cost is the
     number of ops, not their size): their differences give one block's and the rest's bytes, what
     grows with tokens and what does not, for the saved activations and for each phase. Exact at
-    the micro-batch's own shape; only the number of blocks is extrapolated (blocks repeat)."""
+    the micro-batch's own shape; only the number of blocks is extrapolated (blocks repeat).
+    `layer_counts` (1,): the 1-layer copy only, for what lies outside the blocks (the per-layer
+    parts are then 0): the wider-vocabulary trace of `_logits_sharded`, at half the cost."""
     from paratune.models import config_from_key
 
     full, half = micro_batch * seq_len, micro_batch * max(1, seq_len // 2)
     saved: dict[tuple[int, int], float] = {}
     phases: dict[str, dict[tuple[int, int], float]] = {p: {} for p in PHASES}
     held: dict[str, dict[tuple[int, int], float]] = {p: {} for p in (*PHASES, *_BLOCK_END)}
-    for layers in (1, 2):
+    for layers in layer_counts:
         config = config_from_key(config_json, num_hidden_layers=layers)
         for tokens in (half, full):
             saved[(layers, tokens)], peaks, held_peaks = _trace_micro_batch(config, tokens, checkpointing, precision,
@@ -342,6 +376,9 @@ def _traced_coefficients(config_json: str, checkpointing: str, precision: str, m
                 phases[phase][(layers, tokens)] = peaks.get(phase, 0.0)
             for phase in held:
                 held[phase][(layers, tokens)] = held_peaks.get(phase, 0.0)
+    if layer_counts == (1,):  # no second block: the per-layer parts are left 0
+        for values in (saved, *phases.values(), *held.values()):
+            values.update({(2, n): values[(1, n)] for n in (half, full)})
     fit = _fit_phase(saved, half, full)
     return ActivationCoefficients(per_layer=fit.layer_per_token, rest=fit.per_token, method="traced (fake tensors)",
                                   per_layer_fixed=max(0.0, fit.layer_fixed), rest_fixed=max(0.0, fit.fixed),
@@ -357,6 +394,9 @@ def _formula_coefficients(shape: ModelShape, checkpointing: str, precision: str,
     scale = BYTES[precision] / 2
     h, a = shape.hidden, shape.heads
     per_layer = (2 * h if checkpointing == "full" else h * (34 + 5 * a * seq_len / h)) * scale
+    if checkpointing == "selective":  # SAVED_OPS' outputs: q, k, v, attention, o, gate, up, down; the input
+        kv = (shape.kv_heads or a) * shape.head_dim
+        per_layer = 2 * (4 * h + 2 * kv + 2 * mlp_width(shape)) * scale + 4 * a
     rest = 4.0 * shape.vocab + 2 * h * scale
     head_grad = 4.0 * (shape.head or shape.embedding)
     phases = {"forward": PhaseBytes(0.0, per_layer, 0.0, per_layer),
@@ -380,7 +420,8 @@ def _formula_coefficients(shape: ModelShape, checkpointing: str, precision: str,
 TRACE_STORE_DIR = "activation_traces"  # under paratune_home(): one JSON file per traced shape
 
 
-def _trace_store_path(config_json: str, checkpointing: str, precision: str, micro_batch: int, seq_len: int) -> Path:
+def _trace_store_path(config_json: str, checkpointing: str, precision: str, micro_batch: int, seq_len: int,
+                      layer_counts: tuple[int, ...] = (1, 2)) -> Path:
     """Where a trace's coefficients are kept between processes. The key holds everything the
     trace depends on: the shape, torch and transformers (their ops and modeling code) and this
     module's own source (the trace and the fits), so a change to any of them traces again."""
@@ -391,8 +432,14 @@ def _trace_store_path(config_json: str, checkpointing: str, precision: str, micr
 
     from paratune.launch import paratune_home
 
+    saved_ops = ""
+    if checkpointing == "selective":  # what the policy saves is part of what is traced
+        from paratune.parallel.recompute import SAVED_OPS
+
+        saved_ops = ",".join(sorted(str(op) for op in SAVED_OPS))
     text = json.dumps([config_json, checkpointing, precision, micro_batch, seq_len, torch.__version__,
-                       transformers.__version__, hashlib.sha256(Path(__file__).read_bytes()).hexdigest()])
+                       transformers.__version__, hashlib.sha256(Path(__file__).read_bytes()).hexdigest()]
+                      + ([saved_ops] if saved_ops else []) + ([list(layer_counts)] if layer_counts != (1, 2) else []))
     return paratune_home() / TRACE_STORE_DIR / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
 
 
@@ -404,7 +451,7 @@ def _coefficients_from_json(text: str) -> ActivationCoefficients:
 
 
 def _stored_trace(config_json: str, checkpointing: str, precision: str, micro_batch: int,
-                  seq_len: int) -> ActivationCoefficients:
+                  seq_len: int, layer_counts: tuple[int, ...] = (1, 2)) -> ActivationCoefficients:
     """The trace from the store, else traced now and stored: `paratune plan` and the sweep
     (driver, resumed driver) trace a space's shapes once (the 8B space's 24 shapes: ~25 s on
     2 cores). A store that cannot be read or written only costs the trace."""
@@ -412,11 +459,13 @@ def _stored_trace(config_json: str, checkpointing: str, precision: str, micro_ba
 
     path = None
     try:
-        path = _trace_store_path(config_json, checkpointing, precision, micro_batch, seq_len)
+        path = _trace_store_path(config_json, checkpointing, precision, micro_batch, seq_len, layer_counts)
         return _coefficients_from_json(path.read_text())
     except Exception:  # noqa: BLE001 - not stored yet, or unreadable: trace it
         pass
-    coefficients = _traced_coefficients(config_json, checkpointing, precision, micro_batch, seq_len)
+    coefficients = (_traced_coefficients(config_json, checkpointing, precision, micro_batch, seq_len)
+                    if layer_counts == (1, 2) else
+                    _traced_coefficients(config_json, checkpointing, precision, micro_batch, seq_len, layer_counts))
     if path is None:
         return coefficients
     try:
@@ -431,26 +480,128 @@ def _stored_trace(config_json: str, checkpointing: str, precision: str, micro_ba
 
 @lru_cache(maxsize=256)
 def _traced_or_reason(config_json: str, checkpointing: str, precision: str, micro_batch: int,
-                      seq_len: int) -> ActivationCoefficients | str:
+                      seq_len: int, layer_counts: tuple[int, ...] = (1, 2)) -> ActivationCoefficients | str:
     """The trace, or why it failed (remembered, so a model the trace cannot follow is tried once)."""
     try:
-        return _stored_trace(config_json, checkpointing, precision, micro_batch, seq_len)
+        return _stored_trace(config_json, checkpointing, precision, micro_batch, seq_len, layer_counts)
     except Exception as err:  # noqa: BLE001 - a model the fake-tensor trace cannot follow
         return f"{type(err).__name__}: {err}"
 
 
+# The tokens of one chunk of the chunked loss (loss 'chunked'): the logits of this many tokens exist
+# at once. The lead will point it at paratune.parallel.loss.CHUNK_TOKENS once the runtime defines it.
+CHUNK_TOKENS = 4096
+
+
+def _trace(config_json: str, checkpointing: str, plan: Plan, layer_counts: tuple[int, ...] = (1, 2)
+           ) -> ActivationCoefficients | str:
+    return _traced_or_reason(config_json, checkpointing, compute_precision(plan), plan.micro_batch,
+                             max(1, plan.seq_len // plan.cp), layer_counts)
+
+
+def _with_vocab(config_json: str, vocab: int) -> str:
+    return json.dumps({**json.loads(config_json), "vocab_size": vocab})
+
+
+def _logits_sharded(coeff: ActivationCoefficients, at_v: ActivationCoefficients, at_2v: ActivationCoefficients,
+                    vocab: int, vocab_held: float) -> ActivationCoefficients:
+    """The coefficients with the logits of `vocab_held` vocabulary entries per token instead of
+    `vocab`'s. Every logits-sized buffer (the head's output, its fp32 copy, the loss's
+    log-probabilities, their gradients) grows linearly with the vocabulary and nothing else that
+    grows with tokens does, so a second trace at twice the vocabulary gives each moment's bytes
+    per token per vocabulary entry exactly; only the per-token part outside the blocks changes
+    (the head's weight gradient, fixed, is already divided over tp ranks), so the wider trace is
+    of the 1-layer copy alone (`layer_counts` (1,)): 2 fake micro-batches, not 4."""
+    def moved(c: PhaseBytes, a: PhaseBytes, b: PhaseBytes) -> PhaseBytes:
+        slope = (b.per_token - a.per_token) / vocab
+        return replace(c, per_token=max(0.0, c.per_token - slope * (vocab - vocab_held)))
+
+    def each(mine: dict, narrow: dict, wide: dict) -> dict:
+        return {k: moved(v, narrow[k], wide[k]) if k in narrow and k in wide else v for k, v in mine.items()}
+
+    slope = (at_2v.rest - at_v.rest) / vocab
+    return replace(coeff, rest=max(0.0, coeff.rest - slope * (vocab - vocab_held)),
+                   phases=each(coeff.phases, at_v.phases, at_2v.phases),
+                   held_phases=each(coeff.held_phases, at_v.held_phases, at_2v.held_phases))
+
+
+def _every_nth_block(none: ActivationCoefficients, full: ActivationCoefficients, blocks: int,
+                     every: int) -> ActivationCoefficients:
+    """`layers` checkpointing: transformers' every_n_layers recomputes blocks 0, N, 2N, ... whole
+    (`layer_index % every_n_layers == 0`, modeling_utils.py) and keeps the others' activations:
+    ceil(L/N) of a stage's L blocks. Block 0 (in the fits' per-token part) is a full block; of the
+    L - 1 others (the per-layer part) ceil(L/N) - 1 are. Each moment is the mix of the full and
+    the none traces by that share: exact for what the blocks save; in a recomputed block's own
+    backward the moment is the none trace's block for it (within one block's activations)."""
+    recomputed = math.ceil(blocks / every)
+    share = (recomputed - 1) / (blocks - 1) if blocks > 1 else 0.0
+
+    def mix(f: PhaseBytes, n: PhaseBytes) -> PhaseBytes:
+        return replace(f, layer_fixed=share * f.layer_fixed + (1 - share) * n.layer_fixed,
+                       layer_per_token=share * f.layer_per_token + (1 - share) * n.layer_per_token)
+
+    return replace(full, per_layer=share * full.per_layer + (1 - share) * none.per_layer,
+                   per_layer_fixed=share * full.per_layer_fixed + (1 - share) * none.per_layer_fixed,
+                   method=f"{full.method}; 'layers': {recomputed} of {blocks} blocks recomputed (full and none traces mixed)",
+                   phases={k: mix(v, none.phases[k]) for k, v in full.phases.items() if k in none.phases},
+                   held_phases={k: mix(v, none.held_phases[k]) for k, v in full.held_phases.items()
+                                if k in none.held_phases})
+
+
+def vocab_held(plan: Plan, vocab: int) -> float:
+    """Vocabulary entries of logits a rank holds per token of its micro-batch, by the loss's form
+    (paratune.levers.loss_form): standard: all of them (under tp the head's output is gathered on
+    every rank); vocab_parallel: its 1/tp shard; chunked: the whole vocabulary for CHUNK_TOKENS
+    tokens at a time, spread over the micro-batch's tokens."""
+    from paratune.levers import loss_form
+
+    form = loss_form(plan)
+    if form == "vocab_parallel":
+        return vocab / plan.tp
+    if form == "chunked":
+        tokens = plan.micro_batch * plan.seq_len // plan.cp
+        return vocab * min(1.0, CHUNK_TOKENS / tokens)
+    return float(vocab)
+
+
 def activation_coefficients(plan: Plan, model: ActivationModel = "trace") -> ActivationCoefficients:
     """Traced (the default), or DESIGN.md's formula when asked for or when the trace fails (the
-    method then says why)."""
+    method then says why); for the plan's checkpointing mode (`layers`: `_every_nth_block`) and
+    the logits its loss form holds (`vocab_held`, `_logits_sharded`). Compile changes none of it
+    (it fuses kernels; what autograd saves is modelled as eager's)."""
     shape = model_shape(plan)
-    formula = _formula_coefficients(shape, plan.activation_checkpointing, plan.precision, plan.seq_len)
-    if model != "trace":
-        return formula
-    from paratune.models import build_config, config_key
+    ac = plan.activation_checkpointing
+    blocks = math.ceil(shape.layers / plan.pp)
+    held_vocab = vocab_held(plan, shape.vocab)
 
-    traced = _traced_or_reason(config_key(build_config(plan.model, plan.model_overrides)),
-                               plan.activation_checkpointing, compute_precision(plan), plan.micro_batch,
-                               max(1, plan.seq_len // plan.cp))
+    def formula(mode: str, vocab: int | None = None) -> ActivationCoefficients:
+        return _formula_coefficients(replace(shape, vocab=vocab or shape.vocab), mode, plan.precision, plan.seq_len)
+
+    def shaped(get) -> ActivationCoefficients | str:  # noqa: ANN001 - get(mode, vocab)
+        # The logits' bytes per vocabulary entry lie outside the blocks: the same whatever the
+        # checkpointing (tested), so they are measured once, with full recompute (the cheapest
+        # trace, and one most spaces hold): its trace at V beside a 1-layer one at 2V.
+        pair = (get("full", None), get("full", 2 * shape.vocab)) if held_vocab != shape.vocab else None
+        if pair is not None and any(isinstance(t, str) for t in pair):
+            return next(t for t in pair if isinstance(t, str))
+        modes = {}
+        for mode in (("none", "full") if ac == "layers" else (ac,)):
+            coeff = get(mode, None)
+            if isinstance(coeff, str):
+                return coeff
+            modes[mode] = _logits_sharded(coeff, *pair, shape.vocab, held_vocab) if pair else coeff
+        if ac == "layers":
+            return _every_nth_block(modes["none"], modes["full"], blocks, plan.checkpoint_every)
+        return modes[ac]
+
+    formula_coeff = shaped(formula)
+    if model != "trace":
+        return formula_coeff
+    from paratune.shapes import model_config_key
+
+    key = model_config_key(plan)
+    traced = shaped(lambda mode, vocab: _trace(_with_vocab(key, vocab), mode, plan, (1,)) if vocab
+                    else _trace(key, mode, plan))
     if isinstance(traced, str):
-        return replace(formula, method=f"formula (DESIGN.md; the trace failed: {traced[:200]})")
+        return replace(formula_coeff, method=f"formula (DESIGN.md; the trace failed: {traced[:200]})")
     return traced

@@ -197,6 +197,12 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     try:
         device = get_device(device_name, args.devices)
         raw = read_yaml_mapping(Path(args.space), "space", SpaceError)
+        if "fixed" not in raw and "space" not in raw:  # a plan file (plans/*.yaml): a space of one plan
+            plan = dict(raw)
+            strategy = plan.pop("strategy", "ddp")
+            options = plan.pop(strategy, None) or {}
+            raw = {"name": Path(args.space).stem, "fixed": plan,
+                   "space": {"strategy": {strategy: {k: [v] for k, v in options.items()}}}}
         fixed = dict(raw.get("fixed") or {})
         gpus = args.gpus_per_node or device.gpus_per_node
         if args.nodes:
@@ -223,6 +229,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
                     **({"time_source": f"composed from the stored profile {args.profile} (paratune.timemodel)"}
                        if profiles else {}))
     _print_construction(estimates, console, args.top)
+    _print_levers(estimates, device, console, args.top)
     if profiles:
         _print_time_parts(estimates, profiles, console, args.top)
         for note in notes:
@@ -351,6 +358,42 @@ def _print_profiles(profiles, console: Console) -> None:
                       f"{min(b.head_s for b in blocks) * 1e3:.1f}..{max(b.head_s for b in blocks) * 1e3:.1f}",
                       bw, lat, f"{p.optimizer.b * 1e9:.2f}", f"{p.profile_s:.1f}")
     console.print(table)
+
+
+def _print_levers(estimates, device, console: Console, top: int) -> None:
+    """`paratune plan`: what the throughput levers change in the plans shown above, where any is
+    set: the logits a rank holds by the loss's form (one fp32 buffer of them; the loss keeps a few),
+    the FLOPs recomputed, the FLOPs float8 moves to the FP8 peak, and MFU against bf16's peak."""
+    from rich.table import Table
+
+    from paratune.activations import vocab_held
+    from paratune.estimate import ASYNC_TP_OVERLAP, COMPILE_COMPUTE_SAVING, float8_flops_share, recompute_share
+    from paratune.levers import loss_form
+    from paratune.shapes import float8_cast_bytes, model_shape
+    from paratune.tables import strategy_label
+
+    shown = [e for e in estimates if e.fits][:top]
+    if not any(e.plan.activation_checkpointing != "none" or e.plan.compile or e.plan.float8 != "none"
+               or loss_form(e.plan) != "standard" or e.plan.async_tp for e in shown):
+        return
+    table = Table(title="levers: logits GiB per rank (one fp32 buffer, by the loss's form), recomputed FLOPs, "
+                        "float8's share of the FLOPs, predicted MFU against the bf16 peak")
+    for col in ("#", "plan", "loss", "logits GiB", "fp8 casts GiB", "recomputed", "fp8 FLOPs", "MFU (bf16 peak)"):
+        table.add_column(col, justify="left" if col in ("plan", "loss") else "right")
+    for i, e in enumerate(shown, 1):
+        shape = model_shape(e.plan)
+        tokens = e.plan.micro_batch * e.plan.seq_len // e.plan.cp
+        logits = 4.0 * tokens * vocab_held(e.plan, shape.vocab)
+        f8 = float8_flops_share(e.plan, shape) if "fp8" in device.tflops else 0.0
+        mfu = f"{e.mfu_vs_bf16_peak:.1%}" if e.mfu_vs_bf16_peak else "-"
+        table.add_row(str(i), strategy_label(e.plan.to_dict()), loss_form(e.plan), f"{logits / 2**30:.2f}",
+                      f"{float8_cast_bytes(e.plan, shape) / 2**30:.2f}", f"{recompute_share(e.plan, shape):.1%}",
+                      f"{f8:.0%}", mfu)
+    console.print(table)
+    console.print("levers in the roofline: recompute adds its FLOPs; float8's matmuls at the FP8 peak; compile "
+                  f"takes an assumed {COMPILE_COMPUTE_SAVING:.0%} off compute (estimate.COMPILE_COMPUTE_SAVING); "
+                  f"async TP hides {ASYNC_TP_OVERLAP:.0%} of the tp collectives (estimate.ASYNC_TP_OVERLAP); "
+                  "compile changes no memory")
 
 
 def _print_construction(estimates, console: Console, top: int) -> None:

@@ -44,9 +44,30 @@ GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "l4": {"bf16": 121.0, "fp32": 30.3},  # L4: BF16 242*, FP32 30.3
     "a10": {"bf16": 125.0, "fp32": 31.2},  # A10: BF16 125 (250*), FP32 31.2
     "a10g": {"bf16": 70.0, "fp32": 31.2},  # A10G (AWS): no NVIDIA datasheet; the figure AWS users quote
+    "mi300x": {"bf16": 1307.0, "fp32": 163.4},  # AMD Instinct MI300X: BF16 1,307.4 dense, FP32 (matrix) 163.4
     "v100-sxm2": {"fp32": 15.7},  # V100 SXM2: FP32 15.7; no bf16 tensor cores
     "v100-pcie": {"fp32": 14.0},  # V100 PCIe: FP32 14
     "v100s-pcie": {"fp32": 16.4},  # V100S PCIe: FP32 16.4
+}
+
+# Dense FP8 (E4M3/E5M2) tensor-core peak, TFLOP/s, of the GPU models that have FP8 (sm_89+: Ada,
+# Hopper, Blackwell; AMD's CDNA3); a model absent here has none (A100, A10, V100). What the float8
+# lever's converted matmuls run at in the roofline (paratune.estimate). Kept apart from
+# GPU_PEAK_TFLOPS, whose precisions are the ones a plan trains in (MFU is against bf16's).
+GPU_FP8_TFLOPS: dict[str, float] = {
+    "h100-sxm": 1979.0,  # H100 SXM5 datasheet: FP8 3,958* (sparse)
+    "h100-pcie": 1513.0,  # H100 PCIe: FP8 3,026*
+    "h100-nvl": 1671.0,  # H100 NVL: FP8 3,341*
+    "h200": 1979.0,  # H200 SXM: FP8 3,958*
+    "h200-nvl": 1671.0,  # H200 NVL: FP8 3,341*
+    "h800": 1979.0,  # H800 SXM5: as H100 SXM5
+    "h800-pcie": 1513.0,  # H800 PCIe: as H100 PCIe
+    "gh200": 1979.0,  # GH200: FP8 3,958*
+    "b200": 4500.0,  # HGX B200: FP8 9 PFLOPS* per GPU
+    "l40s": 733.0,  # L40S: FP8 733 (1,466*)
+    "l40": 362.0,  # L40: FP8 362 (724*)
+    "l4": 242.0,  # L4: FP8 485*
+    "mi300x": 2615.0,  # AMD Instinct MI300X: FP8 2,614.9 dense (5,229.8 with sparsity)
 }
 
 # How each model token of a device name resolves to a table key, by form factor: "sxm" (SXM or
@@ -67,6 +88,7 @@ _FORMS: dict[str, dict[str, str]] = {
     "A10G": {"": "a10g"},
     "V100": {"sxm": "v100-sxm2", "pcie": "v100-pcie"},
     "V100S": {"pcie": "v100s-pcie"},
+    "MI300X": {"*": "mi300x"},  # "AMD Instinct MI300X" (ROCm's torch names it so)
 }
 # Superchips whose name states CPU + GPU memory ("GH200 480GB"): the figure is not the GPU's.
 _NAME_MEMORY_IS_NOT_GPU = {"GH200"}
@@ -85,7 +107,7 @@ def gpu_model(device_name: str) -> GpuModel | None:
     """The canonical model of a `torch.cuda.get_device_name()` string, or None when the name is
     not one the table knows exactly (a CPU, a MIG slice, a form factor not listed). Exact tokens,
     never substrings: "NVIDIA L40" is the L40, not the L4."""
-    name = re.sub(r"^(NVIDIA\s+)?(Tesla\s+)?", "", device_name.strip())
+    name = re.sub(r"^(NVIDIA\s+|AMD\s+Instinct\s+)?(Tesla\s+)?", "", device_name.strip())
     tokens = [t for t in re.split(r"[\s\-]+", name.upper()) if t]
     if not tokens or "MIG" in tokens:  # a MIG slice has a fraction of the SMs: no peak applies
         return None
@@ -189,8 +211,23 @@ def _with_gpu_peaks(spec: dict) -> dict:
     """A shipped entry of a GPU model takes its peaks from GPU_PEAK_TFLOPS (one table of peaks:
     presets/devices.json gives `tflops` only for what is no GPU model, the cpu)."""
     if isinstance(spec, dict) and "tflops" not in spec and spec.get("gpu") in GPU_PEAK_TFLOPS:
-        return {**spec, "tflops": dict(GPU_PEAK_TFLOPS[spec["gpu"]])}
+        fp8 = GPU_FP8_TFLOPS.get(spec["gpu"])
+        return {**spec, "tflops": {**GPU_PEAK_TFLOPS[spec["gpu"]], **({"fp8": fp8} if fp8 else {})}}
     return spec
+
+
+def has_fp8(device: "Device") -> bool:
+    """Whether the device has FP8 tensor cores: its table entry gives an `fp8` peak."""
+    return "fp8" in device.tflops
+
+
+def device_refusal_for(plan, device: "Device") -> str | None:  # noqa: ANN001 - a paratune.plan.Plan
+    """paratune.levers.device_refusal for a device-table entry: why the plan's levers cannot run
+    on it (float8 without FP8 tensor cores, async TP on CPU workers), or None."""
+    from paratune.levers import device_refusal
+
+    on_cpu = plan.device == "cpu" or (plan.device == "auto" and device.name == "cpu")
+    return device_refusal(plan, None if on_cpu else (device.gpu or device.name), has_fp8(device))
 
 
 def load_devices(extra: str | Path | None = None) -> dict[str, Device]:

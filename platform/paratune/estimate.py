@@ -7,9 +7,11 @@ each strategy are described once, `data_parallel_comm`, and paratune.timemodel t
 description on measured curves), the roofline's time terms and their fit, and `estimate` /
 `estimate_space` / `Roofline` (a sweep's predictions, refitted on its trials).
 
-Time is a roofline: compute = model FLOPs (x4/3 with full recompute) over the device's dense
-peak; communication = ring-collective bytes over the slowest link the group spans; the DP part
-overlaps with backward, TP's does not; PP adds its bubble. Three constants (compute efficiency,
+Time is a roofline: compute = model FLOPs x (1 + the recomputed share: `recompute_share`) over
+the device's dense peak, float8's converted matmuls over its FP8 peak (`compute_seconds`),
+compile an assumed share off it (COMPILE_COMPUTE_SAVING); communication = ring-collective bytes over the slowest link the group spans; the DP part
+overlaps with backward, TP's does not (async TP: ASYNC_TP_OVERLAP of it hidden); PP adds its
+bubble. Three constants (compute efficiency,
 communication efficiency, a fixed per-step overhead) are fitted from measured trials
 (`fit_time_constants`); until then DESIGN.md's reference MFU (~40%) and 70% of link bandwidth.
 """
@@ -24,7 +26,7 @@ from paratune.activations import ActivationModel
 from paratune.devices import Device
 from paratune.memory import MemoryEstimate, construction_bytes, estimate_memory
 from paratune.plan import Plan
-from paratune.shapes import BYTES, GiB, local_params, model_shape, offload_bytes, replicas
+from paratune.shapes import BYTES, GiB, HeldParams, local_params, model_shape, offload_bytes, replicas
 
 # The cost model's public names, importable from here as before the split (paratune.devices,
 # .shapes, .activations, .memory hold them; paratune's own modules import them from there).
@@ -128,7 +130,11 @@ def comm_volume(plan: Plan) -> CommVolume:
     if d.gradients == "all_reduce":
         dp_bytes = ring * d.grad_bytes * local
     elif d.gathers_per_micro_batch:  # gathers and reduce-scatters every micro-batch
-        dp_bytes = ring / 2 * ga * (d.gathers_per_micro_batch * d.param_bytes * local + d.grad_bytes * local)
+        gathered = d.param_bytes * local
+        if plan.float8_all_gather:  # the blocks' linears gathered as float8 (1 byte), the root in bf16
+            root = HeldParams.of(plan, shape).root
+            gathered = (local - root) + d.param_bytes * root
+        dp_bytes = ring / 2 * ga * (d.gathers_per_micro_batch * gathered + d.grad_bytes * local)
     else:  # reduce-scatters (every micro-batch or at the boundary), the partition gathered once
         reduces = ga if d.grads_every_micro_batch else 1
         dp_bytes = ring / 2 * (reduces * d.grad_bytes * local + d.gathers_per_step * d.param_bytes * local)
@@ -173,24 +179,86 @@ class TimeEstimate:
     tokens_per_s_per_gpu: float
 
 
-def _time_terms(plan: Plan, device: Device) -> tuple[float, float, float, float]:
-    """(ideal compute s, ideal DP comm s, ideal TP+PP comm s, pipeline bubble fraction)."""
+# torch.compile of each block: the roofline counts FLOPs, which compile does not change; what it
+# removes is the eager time of the memory-bound ops between the matmuls (norms, activations, rotary,
+# residual adds, casts) by fusing them. Assumed: it takes this share off the compute time.
+# torchtitan's Llama-3.1 8B on 8 H100s (benchmarks/llama3_h100_202412_torchtitan.md, Table 1):
+# 5,762 -> 6,667 tokens/s/GPU with compile (-13.6% step time); 10% is the assumption, until a
+# profile or the sweep's refit measures it.
+COMPILE_COMPUTE_SAVING = 0.10
+# Async TP (torch's micro-pipelined all-gather/reduce-scatter matmuls under sequence
+# parallelism): this share of the tp collectives' time is assumed hidden behind the matmuls they
+# are fused into; the rest stays exposed (the pipeline's first and last chunks, the collectives
+# outside the fused matmuls). torchtitan's 70B on 256 H100s (Table 4): 829 -> 876 tokens/s/GPU.
+ASYNC_TP_OVERLAP = 0.8
+
+
+def recompute_share(plan: Plan, shape: ModelShape | None = None) -> float:
+    """FLOPs the checkpointing recomputes, as a share of the model's (forward + backward = 3x
+    the forward). full: every block's forward again (1/3); layers: ceil(L/N) of a stage's L
+    blocks (`activations._every_nth_block`); selective: only the ops outside SAVED_OPS, counted
+    per token and block: 2 RMSNorms (~5h each), SwiGLU's silu and product (~5 x MLP width),
+    rotary on q and k (~3 x their width), 2 residual adds (h): no matmul, ~1e-4 of the FLOPs
+    (their cost is memory-bound time, which FLOPs do not see; the calibrated model measures it)."""
+    from paratune.measure import flops_per_token
+    from paratune.shapes import mlp_width
+
+    ac = plan.activation_checkpointing
+    if ac == "full":
+        return 1 / 3
+    shape = shape or model_shape(plan)
+    if ac == "layers":
+        blocks = math.ceil(shape.layers / plan.pp)
+        return math.ceil(blocks / plan.checkpoint_every) / blocks / 3
+    if ac == "selective":
+        h, q = shape.hidden, shape.heads * shape.head_dim
+        k = (shape.kv_heads or shape.heads) * shape.head_dim
+        per_block = 10 * h + 5 * mlp_width(shape) + 3 * (q + k) + 2 * h
+        total = flops_per_token(shape.compute, shape.layers, shape.heads, shape.head_dim, plan.seq_len)
+        return shape.layers * per_block / total
+    return 0.0
+
+
+def float8_flops_share(plan: Plan, shape: ModelShape | None = None) -> float:
+    """The share of the model's FLOPs in the matmuls the float8 lever converts: every linear of
+    the decoder blocks (torchao's convert_to_float8_training, the LM head filtered out, as
+    torchtitan does), 6 FLOPs a parameter a token; the head and attention's scores stay bf16."""
     from paratune.measure import flops_per_token
 
-    shape = model_shape(plan)
+    if plan.float8 == "none":
+        return 0.0
+    shape = shape or model_shape(plan)
+    head = shape.head or shape.embedding  # the head's matmul (tied: the embedding's weight)
+    converted = 6.0 * max(0.0, shape.compute - head - shape.layers * 2 * shape.hidden)  # minus the norms
+    return converted / flops_per_token(shape.compute, shape.layers, shape.heads, shape.head_dim, plan.seq_len)
+
+
+def compute_seconds(plan: Plan, device: Device, shape: ModelShape | None = None) -> float:
+    """Ideal compute time per step of one rank: model FLOPs x (1 + recomputed share), the float8
+    matmuls at the device's FP8 peak (where it has one), the rest at the plan's precision's."""
+    from paratune.measure import flops_per_token
+
+    shape = shape or model_shape(plan)
     flops = flops_per_token(shape.compute, shape.layers, shape.heads, shape.head_dim, plan.seq_len)
-    flops *= plan.tokens_per_step / plan.num_workers
-    if plan.activation_checkpointing == "full":
-        flops *= 4 / 3  # one more forward
+    flops *= plan.tokens_per_step / plan.num_workers * (1 + recompute_share(plan, shape))
     peak = device.tflops.get(plan.precision, device.tflops.get("fp32", 1.0)) * 1e12
-    compute = flops / peak
+    f8 = float8_flops_share(plan, shape) if "fp8" in device.tflops else 0.0
+    seconds = flops * ((1 - f8) / peak + f8 / (device.tflops.get("fp8", 1.0) * 1e12))
+    return seconds * (1 - COMPILE_COMPUTE_SAVING if plan.compile else 1.0)
+
+
+def _time_terms(plan: Plan, device: Device) -> tuple[float, float, float, float]:
+    """(ideal compute s, ideal DP comm s, ideal TP+PP comm s, pipeline bubble fraction)."""
+    shape = model_shape(plan)
+    compute = compute_seconds(plan, device, shape)
     vol = comm_volume(plan)
     per_node = plan.gpus_per_node or device.gpus_per_node
     dp_span = plan.num_workers > per_node  # the dp ring crosses nodes once dp x tp x pp does
     tp_span = plan.tp > per_node
     bw = lambda crosses: (device.inter_node_gbps if crosses else device.intra_node_gbps) * 1e9  # noqa: E731
     dp_s = vol.dp / bw(dp_span)
-    mp_s = vol.tp / bw(tp_span) + vol.pp / bw(plan.num_workers > per_node)
+    tp_exposed = 1 - ASYNC_TP_OVERLAP if plan.async_tp else 1.0
+    mp_s = vol.tp / bw(tp_span) * tp_exposed + vol.pp / bw(plan.num_workers > per_node)
     mp_s += vol.cp / bw(plan.tp * plan.cp > per_node)  # counted as exposed: the ring waits on its peers
     mp_s += offload_bytes(plan, shape) / (device.host_link_gbps * 1e9)  # not overlapped either
     m = plan.grad_accum
@@ -288,6 +356,12 @@ class Estimate:
     # The step's parts (s) when `time` came from a paratune.predict.TimePredictor (`paratune plan
     # --profile`: the profile-composed model's compute, communication, optimizer, overheads).
     time_parts: dict[str, float] = field(default_factory=dict)
+    # Why the device cannot run the plan's levers (paratune.levers.device_refusal), else None;
+    # such a plan does not fit (`overflow` says so too).
+    refusal: str | None = None
+    # Model FLOPs per token x predicted tokens/s/GPU over the device's bf16 peak (float8 plans
+    # too: their FP8 matmuls are not a separate peak), None without a bf16 peak.
+    mfu_vs_bf16_peak: float | None = None
 
     @property
     def fits(self) -> bool:
@@ -300,7 +374,8 @@ class Estimate:
                 "predicted_construction_gib": self.construction / GiB,
                 "predicted_comm_gb_per_step": self.comm.total / 1e9,
                 "predicted_step_time_s": self.time.step_s,
-                "predicted_tokens_per_s_per_gpu": self.time.tokens_per_s_per_gpu}
+                "predicted_tokens_per_s_per_gpu": self.time.tokens_per_s_per_gpu,
+                **({"predicted_mfu_vs_bf16_peak": self.mfu_vs_bf16_peak} if self.mfu_vs_bf16_peak else {})}
 
 
 def estimate(plan: Plan, device: Device, constants: TimeConstants | None = None, capacity_gib: float | None = None,
@@ -309,10 +384,17 @@ def estimate(plan: Plan, device: Device, constants: TimeConstants | None = None,
     min(device memory, capacity_gib) x (1 + margin): at construction, in training, or both."""
     memory = estimate_memory(plan, activation_model, device)
     capacity = min(device.memory_bytes, capacity_gib * GiB if capacity_gib else math.inf)
+    from paratune.devices import device_refusal_for
+    from paratune.measure import flops_per_token
+
     result = Estimate(plan, memory, comm_volume(plan), estimate_time(plan, device, constants), capacity,
-                      construction=construction_bytes(plan))
+                      construction=construction_bytes(plan), refusal=device_refusal_for(plan, device))
+    shape = model_shape(plan)
+    if device.tflops.get("bf16"):
+        flops = flops_per_token(shape.compute, shape.layers, shape.heads, shape.head_dim, plan.seq_len)
+        result.mfu_vs_bf16_peak = flops * result.time.tokens_per_s_per_gpu / (device.tflops["bf16"] * 1e12)
     limit = capacity * (1 + margin)
-    reasons = []
+    reasons = [f"refused on {device.name}: {result.refusal}"] if result.refusal else []
     if result.construction > limit:
         reasons.append(f"construction needs {result.construction / GiB:.1f} GiB per rank (building the model, "
                        f"before the optimizer) > capacity {limit / GiB:.1f} GiB per GPU")

@@ -60,6 +60,7 @@ from paratune.shapes import (
     HeldParams,
     ModelShape,
     compute_precision,
+    float8_cast_bytes,
     fsdp_shard_degree,
     fully_sharded,
     local_params,
@@ -174,6 +175,7 @@ def _model_phase_bytes(plan: Plan, shape: ModelShape, coeff: ActivationCoefficie
     tp_share = 1.0 / plan.tp if plan.sequence_parallel or plan.tp == 1 else 0.5 + 0.5 / plan.tp
     others = (in_flight - 1) * tokens * (coeff.per_layer * layers_here * tp_share + coeff.rest)
     copies = (coeff.per_layer_fixed * layers_here + coeff.rest_fixed) / plan.tp  # saved for backward
+    others += float8_cast_bytes(plan, shape)
     out = {}
     phases = coeff.held_phases if held and coeff.held_phases else coeff.phases
     for phase, bytes_ in phases.items():
@@ -255,6 +257,10 @@ def _fsdp_moments(plan: Plan, shape: ModelShape, held: HeldParams, model: dict[s
     p, blk, root = held.local, held.layer, held.root
     layers_here = math.ceil(shape.layers / plan.pp)
     compute, reduce = pb, 4  # unsharded parameters and gradients in the compute dtype; reduce-scatter in fp32
+    # The float8 all-gather (torchao's WeightWithDynamicFloat8CastTensor: fsdp_pre_all_gather casts
+    # the shard, the blocks' linears arrive as float8): a gathered block is 1 byte a parameter (its
+    # norms, bf16, are ~1e-4 of it). The root (embedding, head: not converted) stays in bf16.
+    gathered_bytes = 1 if plan.float8_all_gather else compute
     moments: dict[str, _Moment] = {}
     if not fully_sharded(plan):
         # no_shard: FSDP2's replicate, DDP semantics (no-sync accumulation between micro-batches),
@@ -290,25 +296,25 @@ def _fsdp_moments(plan: Plan, shape: ModelShape, held: HeldParams, model: dict[s
     # In forward a block's all-gather output stays beside its unsharded parameters until the next
     # block's copy-out (`wait_for_unshard`: the implicit prefetch's all_gather_state); the last
     # block's until the root's post-forward (_fsdp_state.py `_post_forward`), after the loss.
-    output = 0.0 if alone else compute * blk
+    output = 0.0 if alone else gathered_bytes * blk
     kept = {"forward": output, "logits": output}
     for phase, (acts, grads) in model.items():  # grads: those FSDP2 holds and those being formed
-        moments[phase] = _Moment(shards + compute * (root + gathered[phase]), reduced.get(phase, 0.0) + grads, optim,
+        moments[phase] = _Moment(shards + compute * root + gathered_bytes * gathered[phase], reduced.get(phase, 0.0) + grads, optim,
                                  acts, rs_input.get(phase, 0.0) + kept.get(phase, 0.0))
     if "gather" in ends and "block_forward" in ends:
         # The last block's all-gather: the previous block's output (the root's, with one block) not
         # yet freed, its own output and its unsharded parameters being copied out of it.
         before = layers_here * blk - blk if not f.reshards_after_forward else 0.0
-        previous = 0.0 if alone else compute * (blk if layers_here > 1 else root)
+        previous = 0.0 if alone else (gathered_bytes * blk if layers_here > 1 else compute * root)
         acts, grads = ends["gather"]
-        moments["gather"] = _Moment(shards + compute * (root + before + blk), reduced.get("forward", 0.0) + grads,
+        moments["gather"] = _Moment(shards + compute * root + gathered_bytes * (before + blk), reduced.get("forward", 0.0) + grads,
                                     optim, acts, previous + output)
         acts, grads = ends["block_forward"]
-        moments["block_forward"] = _Moment(shards + compute * (root + before + blk),
+        moments["block_forward"] = _Moment(shards + compute * root + gathered_bytes * (before + blk),
                                            reduced.get("forward", 0.0) + grads, optim, acts, output)
     if "block_end" in ends and "block_reduced" in ends:
         # The first block's post-backward: resharded, then its reduce-scatter.
-        after = shards + compute * (root + in_backward - blk)  # what it prefetched (or all but it) stays whole
+        after = shards + compute * root + gathered_bytes * (in_backward - blk)  # what it prefetched (or all but it) stays whole
         (acts, grads), (acts_after, grads_after) = ends["block_end"], ends["block_reduced"]
         # foreach_reduce: the fp32 input beside the unsharded gradients it copies; once they are
         # freed, the output (a shard; the whole block on one rank) and gloo's copy of the input.

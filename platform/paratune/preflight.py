@@ -57,6 +57,14 @@ def check_plan_against_model(plan: Plan, config=None) -> None:
     """Raise PlanError (field, value, what is allowed) if the model cannot be laid out as the plan
     asks. `config`: the plan's built config (models.build_config), built here when not given."""
     cp = getattr(plan, "cp", 1)
+    if plan.loss in ("vocab_parallel", "chunked"):  # an explicit loss form the model may not take
+        from paratune.models import build_config
+        from paratune.parallel.loss import loss_form_refusal
+
+        config = config if config is not None else build_config(plan.model, plan.model_overrides)
+        refusal = loss_form_refusal(plan, config)
+        if refusal is not None:
+            raise PlanError(refusal)
     if plan.tp == 1 and plan.pp == 1 and cp == 1:
         return  # data parallelism keeps every layer whole: nothing family-specific to check
     from paratune.models import build_config, config_key

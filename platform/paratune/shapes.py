@@ -9,7 +9,9 @@ activation trace (paratune.activations) and the profile-composed time model (par
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -121,10 +123,23 @@ def _shape_from_key(key: str) -> ModelShape:
         first_layer=tensors["first_layer"], gathered_first=tensors["gathered_first"])
 
 
-def model_shape(plan: Plan) -> ModelShape:
+@lru_cache(maxsize=256)
+def _config_key_of(model: str, overrides_json: str, file_stamp: float | None) -> str:
     from paratune.models import build_config, config_key
 
-    return _shape_from_key(config_key(build_config(plan.model, plan.model_overrides)))
+    return config_key(build_config(model, json.loads(overrides_json)))
+
+
+def model_config_key(plan: Plan) -> str:
+    """config_key of the plan's model, remembered per model, overrides and (a model given as a
+    file) the file's modification time: building a transformers config costs ~3 ms, and a space's
+    estimate asked for it ~8 times a plan (a 1,000-plan space: 25 s of it)."""
+    stamp = os.path.getmtime(plan.model) if os.path.isfile(plan.model) else None
+    return _config_key_of(plan.model, json.dumps(plan.model_overrides, sort_keys=True, default=str), stamp)
+
+
+def model_shape(plan: Plan) -> ModelShape:
+    return _shape_from_key(model_config_key(plan))
 
 
 # --------------------------------------------------------------------------- what one rank holds
@@ -235,3 +250,29 @@ def offload_bytes(plan: Plan, shape: ModelShape) -> float:
     elif plan.strategy == "fsdp" and plan.fsdp is not None and plan.fsdp.cpu_offload:
         moved += 2 * ga * 4 * local / dp + 4 * local / dp  # shards up per pass, gradients down
     return moved
+
+
+def mlp_width(shape: ModelShape) -> float:
+    """A block's MLP width (intermediate size) from its parameters: what is not attention
+    (q and o: h x h each, k and v: h x kv dims each) nor its two norms, over the three matrices
+    of a gated MLP. Exact for Llama-like blocks; for others, the width of an equivalent one."""
+    h = shape.hidden
+    kv = (shape.kv_heads or shape.heads) * shape.head_dim
+    return max(0.0, (shape.layer - 2 * h * h - 2 * h * kv - 2 * h) / (3 * h))
+
+
+def float8_cast_bytes(plan: Plan, shape: ModelShape) -> float:
+    """Bytes of torchao's float8 casts alive at once (float8 plans; else 0). torchao 0.18 saves the
+    high-precision input and weight for backward (torchao/float8/float8_linear.py:45
+    `ctx.save_for_backward(input_hp, weight_hp_t)`) and casts again in backward, so no float8
+    copy outlives its matmul: what exists is one linear's casts at a time, 1 byte an element (the
+    scales are one number per tensor or row). The largest: a backward of the MLP's widest linear,
+    its grad_output and input casts (tokens x its width, twice) and the weight's (twice: for the
+    input's gradient and, transposed, rowwise's second layout). Under the float8 all-gather the
+    gathered weight is float8 already (counted with FSDP2's gathered blocks)."""
+    if plan.float8 == "none":
+        return 0.0
+    h = shape.hidden
+    width = max(h, mlp_width(shape)) / plan.tp
+    tokens = plan.micro_batch * plan.seq_len // plan.cp  # sequence parallelism gathers before the matmul
+    return 2.0 * tokens * width + (0.0 if plan.float8_all_gather else 2.0 * h * width)

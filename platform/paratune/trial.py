@@ -349,6 +349,8 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     out["linear_matmul_dtypes"] = total
     inner = getattr(runner.optimizer, "optimizer", runner.optimizer)  # DeepSpeed wraps the real one
     out["optimizer_class"] = type(inner).__name__
+    out["loss_form"] = runner.loss_form  # what ran (auto resolved), and why auto fell back (None: it did not)
+    out["loss_form_fallback"] = runner.loss_fallback
     return out
 
 

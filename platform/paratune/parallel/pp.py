@@ -14,12 +14,15 @@ profiling (paratune.profile) times one block, the embedding and the head of any 
 from __future__ import annotations
 
 import inspect
+from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from paratune.models import decoder_parts
+from paratune.parallel.loss import FALLBACK_ATTR, FORM_ATTR, stage_loss
 
 
 def stage_layer_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
@@ -59,6 +62,9 @@ class StageModule(nn.Module):
         # sequence shard of 1/seq_shards of the tokens; positions are those of the whole sequence.
         self.seq_shards = seq_shards
         self._accepts, self._required = _block_arguments(self.layers[0]) if len(self.layers) else (set(), [])
+        # The model's loss form (paratune.parallel.loss), on every stage: the runner reports it.
+        setattr(self, FORM_ATTR, getattr(model, FORM_ATTR, "standard"))
+        setattr(self, FALLBACK_ATTR, getattr(model, FALLBACK_ATTR, None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.autocast:
@@ -100,10 +106,19 @@ def build_stages(model: nn.Module, pp: int, pp_rank: int, schedule: str,
     return [(i, StageModule(model, ranges[i], i == 0, i == num_stages - 1, seq_shards)) for i in indices]
 
 
+def last_stage_loss(stages) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The schedule's loss function: the last stage's head computes it when the loss is chunked
+    (the stage then returns the hidden states, paratune.parallel.loss.ChunkedLossHead), else
+    causal_lm_loss on the logits. Ranks without the last stage never call it."""
+    heads = [stage.submod.lm_head for stage in stages if getattr(stage.submod, "lm_head", None) is not None]
+    return partial(stage_loss, heads[0]) if heads else causal_lm_loss
+
+
 def make_schedule(stages, n_microbatches: int, schedule: str):
     from torch.distributed.pipelining import ScheduleGPipe, ScheduleInterleaved1F1B, Schedule1F1B
 
+    loss_fn = last_stage_loss(stages)
     if schedule == "interleaved_1f1b":
-        return ScheduleInterleaved1F1B(stages, n_microbatches=n_microbatches, loss_fn=causal_lm_loss)
+        return ScheduleInterleaved1F1B(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
     cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-    return cls(stages[0], n_microbatches=n_microbatches, loss_fn=causal_lm_loss)
+    return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)

@@ -12,6 +12,7 @@ from typing import Callable, ContextManager, Iterator
 import torch
 from torch import nn
 
+from paratune.parallel.loss import apply_loss_form, local_loss, loss_context, recorded_loss_form
 from paratune.plan import Plan
 
 
@@ -34,7 +35,6 @@ def convert_linears(model: nn.Module, plan: Plan) -> None:
     """Before any layout: float8 linears where the plan asks (paratune.parallel.float8), and the
     loss's form on the head (paratune.parallel.loss). On the meta device: nothing is allocated."""
     from paratune.parallel.float8 import convert_to_float8
-    from paratune.parallel.loss import apply_loss_form
 
     convert_to_float8(model, plan)
     apply_loss_form(model, plan)
@@ -79,6 +79,10 @@ class StepRunner:
         self._clip = clip
         self._forward_extra = forward_extra or _no_forward_extra
         self.steps_done = 0
+        # The loss's form that runs (paratune.parallel.loss records it on the model), and why `auto`
+        # fell back to standard (None when it did not): reported with the trial's measurements.
+        self.loss_form, self.loss_fallback = (recorded_loss_form(model) if isinstance(model, nn.Module)
+                                              else ("standard", None))
 
     def clip_gradients(self) -> None:
         if self._clip is not None:
@@ -101,8 +105,10 @@ class StepRunner:
 
     @contextlib.contextmanager
     def micro_batch_inputs(self, ids: torch.Tensor) -> Iterator[dict]:
-        """The model's keyword arguments for one micro-batch; forward and backward run inside."""
-        yield {"input_ids": ids, "labels": ids, **self._forward_extra(ids)}
+        """The model's keyword arguments for one micro-batch; forward and backward run inside (and
+        inside the loss form's context: loss_parallel for vocab_parallel, closed even on failure)."""
+        with loss_context(self.loss_form):
+            yield {"input_ids": ids, "labels": ids, **self._forward_extra(ids)}
 
     def step_loss(self, total: torch.Tensor) -> torch.Tensor:
         """The step's summed micro-batch losses as the reference computes them (hook: cp sums ranks)."""
@@ -117,7 +123,7 @@ class StepRunner:
                 with self._autocast_ctx():
                     loss = self.model(**inputs).loss
                 (loss * self.loss_scale / n).backward()
-            total += loss.detach().float()
+            total += local_loss(loss.detach()).float()
         total = self.step_loss(total)
         self.optimizer_step()
         return total / n

@@ -13,8 +13,10 @@ before launch (paratune.preflight). The plan's keys name modules under the base 
 ("layers.*.self_attn.q_proj"; GPT-NeoX "layers.*.attention.query_key_value"): the blocks' stack
 is found generically (models.decoder_parts), as are the input embedding and the head, whatever
 the family calls them (embed_tokens, GPT-NeoX's embed_in, GPT-2's wte). The embedding is sharded
-over the vocabulary (row-wise) and the LM head column-wise with the logits gathered, so the loss
-is the ordinary one; a tied head stays tied to the sharded embedding. With sequence parallelism
+over the vocabulary (row-wise) and the LM head column-wise: its logits gathered for the ordinary
+loss, or kept sharded over the vocabulary for the vocab-parallel loss (paratune.parallel.loss:
+the default under tp where the model allows it); a tied head stays tied to the sharded embedding
+(and gathered). With sequence parallelism
 the norms and the residual stream are sharded along the sequence between the attention/MLP
 blocks.
 """
@@ -35,6 +37,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from paratune.models import decoder_blocks, decoder_parts
+from paratune.parallel.loss import recorded_loss_form
 
 # The transformers styles implemented here (name -> what it does). paratune.preflight refuses a
 # plan whose family uses any other style, before a worker starts.
@@ -123,6 +126,15 @@ def block_plan(model: nn.Module, sequence_parallel: bool) -> dict:
     return plan
 
 
+def head_style(model: nn.Module, input_layout) -> ColwiseParallel:
+    """The LM head's layout: column-parallel (sharded over the vocabulary). With the vocab-parallel
+    loss (paratune.parallel.loss, recorded on the model) its logits stay a DTensor sharded over the
+    vocabulary for loss_parallel; otherwise they are gathered for the ordinary loss."""
+    if recorded_loss_form(model)[0] == "vocab_parallel":
+        return ColwiseParallel(input_layouts=input_layout, output_layouts=Shard(-1), use_local_output=False)
+    return ColwiseParallel(input_layouts=input_layout, output_layouts=Replicate(), use_local_output=True)
+
+
 def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> None:
     parts = decoder_parts(model)
     embedding, head = parts.embedding, parts.head
@@ -131,8 +143,7 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> None
     parallelize_module(embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=sp_out))
     if sequence_parallel:
         parallelize_module(parts.norm, tp_mesh, SequenceParallel())
-    parallelize_module(head, tp_mesh,
-                       ColwiseParallel(input_layouts=sp_out, output_layouts=Replicate(), use_local_output=True))
+    parallelize_module(head, tp_mesh, head_style(model, sp_out))
     if tied:  # both are sharded over the vocabulary (Shard(0)): one parameter again, as in the reference
         head.weight = embedding.weight
     plan = block_plan(model, sequence_parallel)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from paratune.materialize import ModelInit, attn_implementation, materialize
+from paratune.parallel.loss import apply_loss_form
 from paratune.parallel.runner import (ADAM_BETAS, ADAM_EPS, StepRunner, apply_activation_checkpointing, compile_blocks,
                                       make_optimizer)
 from paratune.plan import Plan
@@ -236,6 +237,7 @@ def parallelize_zero(model: nn.Module, init: ModelInit, plan: Plan, device: torc
         materialize(model, init, device)
     if init.meter is not None:
         init.meter.stop()
+    apply_loss_form(model, plan)  # on the built model: ZeRO-3's is built anew under zero.Init
     apply_activation_checkpointing(model, plan)
     compile_blocks(model, plan)  # ZeRO 0-2 (the plan refuses compile with ZeRO-3)
     # The optimizer is made by DeepSpeed from the module's parameters once AutoTP has replaced the

@@ -300,6 +300,8 @@ def _predict(space: Space, budget_gb: float | None, console: Console):
     for c in space.candidates:
         if c not in kept:
             rule = f"predicted out of memory on {device.name} (over {estimates[c.key].capacity_bytes / 2**30:.1f} GiB by > {settings.margin:.0%})"
+            if estimates[c.key].refusal:  # the device cannot run its levers (paratune.levers.device_refusal)
+                rule = f"refused on {device.name}: {estimates[c.key].refusal.split(':')[0]}"
             removed[rule] += 1
             examples.setdefault(rule, f"{strategy_label(c.plan.to_dict())}: {estimates[c.key].overflow}")
     space = dataclasses.replace(space, candidates=kept, removed=removed, examples=examples)
