@@ -123,11 +123,48 @@ def test_compile_watch_accepts_one_graph_and_refuses_a_graph_break():
         watch.warmed_up()
 
 
-def test_compile_under_tp_is_refused_with_the_reason():
-    plan = _plan(compile=True, tp=2)
-    model = build_meta(build_config(plan.model, plan.model_overrides))
-    with pytest.raises(ValueError, match="compile: true with tp 2.*_redistribute.py"):
-        block_compile.compile_blocks(model, plan)
+def test_compile_under_tp_copies_the_embeddings_async_output_once():
+    """tp's embedding hands out an AsyncCollectiveTensor (parallel.compile's note): compile_blocks
+    hooks a copy after it, once however often it is called; tp 1 leaves the embedding alone."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    model = build_meta(build_config(MODEL["model"], MODEL["model_overrides"]))
+    embedding = model.get_input_embeddings()
+    block_compile.compile_blocks(model, _plan(compile=True))
+    assert not embedding._forward_hooks
+    for _ in range(2):
+        block_compile.compile_blocks(model, _plan(compile=True, tp=2))
+    assert list(embedding._forward_hooks.values()) == [block_compile._plain_output]
+    waiting = AsyncCollectiveTensor(torch.ones(2, 3))
+    plain = block_compile._plain_output(embedding, (), waiting)
+    assert type(plain) is torch.Tensor and torch.equal(plain, torch.ones(2, 3))
+    torch._dynamo.reset()
+
+
+def test_async_tp_refused_off_cuda_and_sets_inductors_pass_and_symmetric_memory(tmp_path):
+    """async_tp on a CPU device: refused with levers' reason. What it sets (the same function a
+    CUDA run calls after the device check), read back on a one-process gloo group."""
+    import torch._inductor.config
+    import torch.distributed as dist
+    from torch.distributed import _symmetric_memory as symm
+
+    from paratune.levers import ASYNC_TP_CPU_REASON
+
+    # The plan itself refuses async_tp on CPU (paratune.levers); the runtime check stands behind it.
+    plan = _plan(compile=True, tp=2, sequence_parallel=True).model_copy(update={"async_tp": True})
+    with pytest.raises(ValueError, match=f"async_tp: true on device 'cpu': {ASYNC_TP_CPU_REASON[:30]}"):
+        block_compile.enable_async_tp(plan, torch.device("cpu"), "0")
+    assert torch._inductor.config._micro_pipeline_tp is False
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        group_name = dist.group.WORLD.group_name
+        block_compile.set_async_tp(group_name)
+        assert torch._inductor.config._micro_pipeline_tp is True
+        assert symm.is_symm_mem_enabled_for_group(group_name)
+    finally:
+        torch._inductor.config._micro_pipeline_tp = False
+        symm._group_name_to_store.pop(group_name, None)
+        dist.destroy_process_group()
 
 
 def test_a_block_first_called_under_a_dispatch_mode_is_caught_and_reset():
@@ -162,8 +199,10 @@ CHECKPOINTED = {f"{layout}-{mode}": {**LAYOUTS[layout], "activation_checkpointin
 CHECKPOINTED["tp2-sp-selective"] = {**LAYOUTS["tp2-sp"], "activation_checkpointing": "selective"}  # SP's collectives
 # Compiled last: the first of each layout compiles its block graph, "ddp-compiled-again" (a second
 # plan of the same shapes in the same processes) must find it in the cache.
-# tp is refused with compile (parallel.compile.COMPILE_TP_REASON).
-COMPILED = {f"{layout}-compiled": {**LAYOUTS[layout], "compile": True} for layout in ("ddp", "fsdp", "pp2", "zero2")}
+# tp and tp + sequence parallelism: tp's embedding output is copied before the first block
+# (parallel.compile.resolve_async_embedding); without it the first backward fails.
+COMPILED = {f"{layout}-compiled": {**LAYOUTS[layout], "compile": True}
+            for layout in ("ddp", "fsdp", "pp2", "zero2", "tp2", "tp2-sp")}
 COMPILED["ddp-compiled-again"] = COMPILED["ddp-compiled"]
 CHECKPOINT_TOLERANCE, COMPILE_TOLERANCE = 1e-5, 1e-4
 

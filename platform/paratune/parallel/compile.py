@@ -27,14 +27,59 @@ from paratune.plan import Plan
 T = TypeVar("T")
 
 
-# Measured on 2 gloo processes (tiny Llama, tp 2, no sequence parallelism, loss standard): the
-# forward compiles, the first backward fails in torch/distributed/tensor/_redistribute.py:1994
-# (Redistribute.backward -> forward: "'Tensor' object has no attribute '_local_tensor'"): an eager
-# DTensor redistribution gets a plain-tensor gradient out of a compiled block. Until that is fixed,
-# refused here (and best also in paratune.levers, before any worker starts).
-COMPILE_TP_REASON = ("per-block compile under DTensor tp fails in the first backward on torch 2.13 (a compiled "
-                     "block hands DTensor's eager Redistribute.backward a plain-tensor gradient: AttributeError "
-                     "'_local_tensor', torch/distributed/tensor/_redistribute.py:1994)")
+# Why tp's embedding output is copied before the first compiled block (`resolve_async_embedding`):
+# RowwiseParallel's output hook redistributes with async_op=True (torch/distributed/tensor/parallel/
+# style.py:298) and hands the block an AsyncCollectiveTensor (grad_fn _ToTorchTensorBackward ->
+# RedistributeBackward). AOTAutograd swaps that input for `trigger_wait()` (torch/_functorch/
+# _aot_autograd/frontend_utils.py:73, subclass_codegen.py:270): the compiled block's input gradient
+# then skips _ToTorchTensorBackward and reaches Redistribute.backward as a plain tensor, which fails
+# at torch/distributed/tensor/_redistribute.py:1994 ("'Tensor' object has no attribute '_local_tensor'").
+# Measured on 2 gloo processes, torch 2.13, tiny Llama, tp 2 with and without sequence parallelism.
+
+
+def _plain_output(module: nn.Module, args, output):
+    """A copy of an AsyncCollectiveTensor output: the copy waits for the collective (eager, through
+    the subclass's dispatch) and keeps autograd's _ToTorchTensorBackward edge; anything else as is."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
+
+
+def resolve_async_embedding(model: nn.Module) -> None:
+    """Make tp's embedding hand the first compiled block a plain tensor (see the note above): a
+    forward hook after tp's own output hook (registered later, so it runs later). One copy of the
+    embeddings per step (batch x sequence x hidden), outside the blocks."""
+    from paratune.models import decoder_parts
+
+    embedding = decoder_parts(model).embedding
+    if embedding is not None and not getattr(embedding, "_paratune_plain_output", False):
+        embedding.register_forward_hook(_plain_output)
+        embedding._paratune_plain_output = True
+
+
+def enable_async_tp(plan: Plan, device: torch.device, tp_group_name: str) -> None:
+    """Async TP (torchtitan's way): Inductor's micro-pipeline pass fuses the sequence-parallel
+    all-gather / reduce-scatter into the compiled blocks' matmuls over symmetric memory of the tp
+    group. CUDA only; set before the blocks compile (the pass runs when Inductor compiles them)."""
+    if not plan.async_tp:
+        return
+    if device.type != "cuda":
+        from paratune.levers import ASYNC_TP_CPU_REASON
+
+        raise ValueError(f"async_tp: true on device '{device.type}': {ASYNC_TP_CPU_REASON}; allowed: false "
+                         "off CUDA")
+    set_async_tp(tp_group_name)
+
+
+def set_async_tp(tp_group_name: str) -> None:
+    """What async TP sets, device-free (so a CPU test can read it back): Inductor's
+    `_micro_pipeline_tp` pass on, and symmetric memory registered for the tp group (its rank,
+    size and store: torch/distributed/_symmetric_memory/__init__.py enable_symm_mem_for_group)."""
+    import torch._inductor.config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_group_name)
 
 
 class CompileFallback(RuntimeError):
@@ -90,8 +135,10 @@ def make_room_for_graphs(blocks: list[nn.Module]) -> None:
         torch._dynamo.reset()
 
 
-def compile_blocks(model: nn.Module, plan: Plan) -> None:
-    """Compile every decoder block (after tp and checkpointing, before DDP / FSDP2 wrap them)."""
+def compile_blocks(model: nn.Module, plan: Plan, device: torch.device | None = None,
+                   tp_group_name: str | None = None) -> None:
+    """Compile every decoder block (after tp and checkpointing, before DDP / FSDP2 wrap them);
+    under tp the plan's async TP is set up first (`device` and the tp group's name needed)."""
     if not plan.compile:
         return
     import torch._dynamo
@@ -99,8 +146,11 @@ def compile_blocks(model: nn.Module, plan: Plan) -> None:
     from paratune.models import decoder_blocks
 
     if plan.tp > 1:
-        raise ValueError(f"compile: true with tp {plan.tp}: {COMPILE_TP_REASON}; allowed: compile false with tp, "
-                         "or tp 1 (ddp, fsdp, pp, zero stage 0-2 compose with compile)")
+        resolve_async_embedding(model)
+        if plan.async_tp:
+            if device is None or tp_group_name is None:
+                raise ValueError("async_tp: true: compile_blocks needs the device and the tp group's name")
+            enable_async_tp(plan, device, tp_group_name)
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "use_cache", False):
         raise ValueError("compile: true needs the model's config.use_cache False (with a KV cache every block's "

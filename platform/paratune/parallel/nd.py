@@ -122,7 +122,7 @@ def parallelize_model_parallel(model: nn.Module, init: ModelInit, plan: Plan, de
     apply_activation_checkpointing(model, plan)
     if dims.tp > 1:
         apply_tp(model, dims.mesh["tp"], plan.sequence_parallel)  # on the meta device: shards, no memory
-    compile_blocks(model, plan)
+    compile_blocks(model, plan, device, dims.mesh["tp"].get_group().group_name if dims.tp > 1 else None)
     if dims.pp > 1:
         return _parallelize_pipeline(model, init, plan, device, dims, layout)
     _apply_dp_on_meta(model, decoder_blocks(model), plan, dims, layout)

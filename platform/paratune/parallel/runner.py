@@ -40,11 +40,13 @@ def convert_linears(model: nn.Module, plan: Plan) -> None:
     apply_loss_form(model, plan)
 
 
-def compile_blocks(model: nn.Module, plan: Plan) -> None:
-    """After tp and checkpointing, before DDP / FSDP2 wrap: each block compiled (paratune.parallel.compile)."""
+def compile_blocks(model: nn.Module, plan: Plan, device: torch.device | None = None,
+                   tp_group_name: str | None = None) -> None:
+    """After tp and checkpointing, before DDP / FSDP2 wrap: each block compiled (paratune.parallel.compile;
+    under tp with async_tp the device and the tp group's name are needed)."""
     from paratune.parallel.compile import compile_blocks as compile_each_block
 
-    compile_each_block(model, plan)
+    compile_each_block(model, plan, device, tp_group_name)
 
 
 def _no_sync_context(step: int, last_micro: bool) -> ContextManager:
