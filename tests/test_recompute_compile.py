@@ -194,15 +194,18 @@ def test_a_block_first_called_under_a_dispatch_mode_is_caught_and_reset():
 LAYOUTS = {"ddp": {"strategy": "ddp"}, "fsdp": {"strategy": "fsdp", "fsdp": {"sharding": "full"}},
            "tp2": {"tp": 2}, "tp2-sp": {"tp": 2, "sequence_parallel": True}, "pp2": {"pp": 2},
            "zero2": {"strategy": "zero", "zero": {"stage": 2}}}
+# selective under every layout; layers (the same transformers hook with every_n_layers) where the
+# blocks are called differently: whole model (ddp) and pipeline stages (pp2).
 CHECKPOINTED = {f"{layout}-{mode}": {**LAYOUTS[layout], "activation_checkpointing": mode}
-                for layout in ("ddp", "fsdp", "tp2", "pp2", "zero2") for mode in ("selective", "layers")}
+                for layout in ("ddp", "fsdp", "tp2", "pp2", "zero2") for mode in ("selective", "layers")
+                if mode == "selective" or layout in ("ddp", "pp2")}
 CHECKPOINTED["tp2-sp-selective"] = {**LAYOUTS["tp2-sp"], "activation_checkpointing": "selective"}  # SP's collectives
 # Compiled last: the first of each layout compiles its block graph, "ddp-compiled-again" (a second
 # plan of the same shapes in the same processes) must find it in the cache.
 # tp and tp + sequence parallelism: tp's embedding output is copied before the first block
 # (parallel.compile.resolve_async_embedding); without it the first backward fails.
 COMPILED = {f"{layout}-compiled": {**LAYOUTS[layout], "compile": True}
-            for layout in ("ddp", "fsdp", "pp2", "zero2", "tp2", "tp2-sp")}
+            for layout in ("ddp", "fsdp", "pp2", "zero2", "tp2-sp")}  # tp2-sp: tp's embedding hook, and SP's
 COMPILED["ddp-compiled-again"] = COMPILED["ddp-compiled"]
 CHECKPOINT_TOLERANCE, COMPILE_TOLERANCE = 1e-5, 1e-4
 
