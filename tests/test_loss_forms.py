@@ -154,7 +154,7 @@ def test_auto_resolves_and_falls_back_with_the_reason():
 
 @pytest.mark.parametrize("fields, overrides, match", [
     ({"tp": 2, "loss": "vocab_parallel"}, {"tie_word_embeddings": True}, "tie_word_embeddings"),
-    ({"num_workers": 4, "tp": 2, "pp": 2, "loss": "vocab_parallel"}, {}, "pp 2"),
+    # (an explicit vocab_parallel with pp or cp: the plan's own rule, tests/test_levers.py)
     ({"loss": "chunked", "model": "tiny-gemma2"}, None, "final_logit_softcapping 30"),
 ])
 def test_preflight_refuses_an_explicit_form_the_model_cannot_take(fields, overrides, match):

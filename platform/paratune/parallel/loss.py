@@ -78,7 +78,8 @@ def resolve_loss_form(plan: Plan, config) -> tuple[str, str | None]:
     from paratune.levers import loss_form
 
     form = loss_form(plan)
-    if form == "vocab_parallel":
+    # auto under torch's tp that levers.loss_form already resolved to standard (pp, cp) still says why.
+    if form == "vocab_parallel" or (plan.loss == "auto" and plan.tp > 1 and plan.strategy != "zero"):
         obstacle = _vocab_parallel_obstacle(plan, config)
         if obstacle is not None:
             if plan.loss == "auto":
