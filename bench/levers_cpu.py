@@ -19,7 +19,7 @@ from pathlib import Path
 from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).parent))
-from machine import describe  # noqa: E402
+from machine import describe, package_version  # noqa: E402
 
 from paratune.plan import PlanError, load_plan_dict  # noqa: E402
 from paratune.tables import strategy_label  # noqa: E402
@@ -111,7 +111,7 @@ def main() -> None:
         "# The levers on CPU, side by side (issue 28)", "",
         f"- date: {machine['date']}", f"- machine: {machine['machine']}",
         f"- software: torch {machine['torch']}, ray {machine.get('ray')}, transformers {machine.get('transformers')}, "
-        f"torchao {machine.get('torchao', 'see pyproject')}",
+        f"torchao {package_version('torchao')}",
         f"- model: {BASE['model']} (bf16 groups: tiny-llama, see BF16 in the script), seq_len {BASE['seq_len']}, global batch {BASE['global_batch']}, micro-batch "
         f"{BASE['micro_batch']}, 2 gloo workers, {BASE['warmup_steps']} warm-up + {BASE['measure_steps']} measured "
         "steps per trial, each a real Ray Train trial of `paratune.trial.run_trial`, all in this one run",

@@ -63,6 +63,9 @@ def test_invalid_plan_is_rejected_before_any_worker_starts(ray_local):
     # Context parallelism on a cluster without GPUs: torch cannot ring CPU attention; refused with why.
     result = run_trial({**BASE_PLAN, "cp": 2, "micro_batch": 4})
     assert result.reason == "invalid_config" and "aten._scaled_dot_product_flash_attention_for_cpu" in result.message
+    # Async TP on a cluster without GPUs: refused before any worker starts, with why.
+    result = run_trial({**BASE_PLAN, "tp": 2, "sequence_parallel": True, "compile": True, "async_tp": True})
+    assert result.reason == "invalid_config" and "async_tp: true on CPU workers" in result.message, result.message
     assert ray.available_resources().get("CPU") == before
     # More workers than the cluster holds: at once (not after Ray Train's 60 s start timeout),
     # named: what it needs, what the cluster has.

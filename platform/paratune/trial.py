@@ -399,6 +399,13 @@ def check_before_launch(plan: Plan | dict[str, Any], ray_address: str | None = N
         where = traceback.extract_tb(err.__traceback__)[-1]  # e.g. a file a library looked for
         return TrialResult.failed(plan, "invalid_config", f"model: '{plan.model}' cannot be built: "
                                   f"{type(err).__name__}: {err} (at {where.filename}:{where.lineno})")
+    if plan.async_tp:  # device 'auto' on a cluster without GPUs (device 'cpu': the plan refuses)
+        ensure_ray(ray_address)
+        if not wants_gpu(plan):
+            from paratune.levers import ASYNC_TP_CPU_REASON
+
+            return TrialResult.failed(plan, "invalid_config", f"async_tp: true on CPU workers: {ASYNC_TP_CPU_REASON}; "
+                                      "allowed: false on CPU")
     if plan.cp > 1:  # device 'auto' on a cluster without GPUs (device 'cpu': the plan refuses)
         ensure_ray(ray_address)
         if wants_gpu(plan):
