@@ -174,6 +174,11 @@ class Plan(_Strict):
     # Context parallelism: every sequence split over cp ranks, attention as a ring over them (torch's
     # context_parallel); the data-parallel degree is num_workers / (tp x pp x cp). GPUs only.
     cp: int = Field(1, ge=1, le=1024)
+    # Expert parallelism (mixture-of-experts models): each routed-experts layer's experts split over
+    # ep of the data-parallel ranks, tokens sent to their experts and back by all-to-all (dropless).
+    # It borrows dp ranks, as torchtitan's EP does: the dp degree and the batch split stay the same,
+    # and the experts' own data-parallel degree is dp / ep (paratune.parallel.ep).
+    ep: int = Field(1, ge=1, le=1024)
     gpus_per_node: int | None = Field(None, ge=1)  # the cluster's node size: tp must stay inside it
     # A trial on whole nodes, never sharing one with another trial (paratune.placement); None: on
     # when gpus_per_node is set. Where it runs, not what it trains: not part of the plan's meaning.
@@ -218,6 +223,11 @@ class Plan(_Strict):
     @property
     def dp_degree(self) -> int:
         return self.num_workers // (self.tp * self.pp * self.cp)
+
+    @property
+    def expert_dp_degree(self) -> int:
+        """Copies of each expert: the dp ranks that expert parallelism does not split them over."""
+        return self.dp_degree // self.ep
 
     @property
     def total_steps(self) -> int:
@@ -347,6 +357,8 @@ def _check_degrees(plan: "Plan") -> None:
             f"{_factorizations(world)[:400]}")
     if plan.cp > 1:
         _check_cp_degrees(plan)
+    if plan.ep > 1:
+        _check_ep_degrees(plan)
     if plan.sequence_parallel and tp == 1:
         raise ValueError("sequence_parallel: true needs tp > 1, got tp 1; allowed: false with tp 1")
     if plan.pp_schedule != "1f1b" and pp == 1:  # the same training as 1f1b: a sweep would run it twice
@@ -415,6 +427,55 @@ def _check_cp_degrees(plan: "Plan") -> None:
             raise ValueError(f"cp: {cp} with precision 'fp32' and grouped-query attention ({heads} heads, {kv_heads} "
                              "KV heads): CUDA runs fp32 GQA on SDPA's math kernel only, which context parallel cannot "
                              "ring; allowed: precision 'bf16' (flash attention)")
+
+
+# Keys where families keep their number of routed experts (Mixtral num_local_experts, Qwen-MoE /
+# OLMoE / Granite-MoE num_experts, DeepSeek n_routed_experts).
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def routed_expert_count(config: dict[str, Any]) -> int | None:
+    """The number of routed experts a config.json dict declares, None for a dense model."""
+    for key in EXPERT_COUNT_KEYS:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 2:
+            return value
+    return None
+
+
+def _check_ep_degrees(plan: "Plan") -> None:
+    """Expert parallelism: what paratune.parallel.ep composes with (the rest is refused here)."""
+    ep, dp = plan.ep, plan.dp_degree
+    if dp % ep:
+        raise ValueError(f"ep: {ep} must divide the data-parallel degree {dp} (num_workers / (tp x pp x cp)): the "
+                         f"experts are split over dp ranks; allowed ep: {[d for d in range(1, dp + 1) if dp % d == 0]}")
+    if plan.strategy == "zero":
+        raise ValueError(f"ep: {ep} with strategy 'zero': DeepSpeed's expert parallelism needs its own MoE layer "
+                         "(deepspeed.moe.layer.MoE), which transformers' models do not use, and ZeRO would gather "
+                         "experts that are meant to stay apart; allowed: ep with 'ddp' or 'fsdp', or ep 1 with zero")
+    if plan.tp > 1:
+        raise ValueError(f"ep: {ep} with tp {plan.tp} is not wired: the experts would have to be tensor-parallel "
+                         "inside the tp group or sliced by token across it (transformers' tp plans shard them "
+                         "'packed_colwise', which paratune's tp does not implement); allowed: tp 1 with ep")
+    if plan.cp > 1:
+        raise ValueError(f"ep: {ep} with cp {plan.cp} is not wired (the cp ranks' sequence shards would join the "
+                         "expert groups); allowed: cp 1 with ep")
+    if plan.compile:
+        raise ValueError(f"ep: {ep} with compile: true: the dispatch reads each layer's split sizes back to the "
+                         "host (dropless all-to-all), a graph break in every block; allowed: compile false with ep")
+    if plan.fsdp is not None and plan.fsdp.sharding in ("hybrid", "no_shard"):
+        raise ValueError(f"ep: {ep} with fsdp.sharding '{plan.fsdp.sharding}': the experts are sharded over the "
+                         "dp ranks ep does not use, the dense part over all of them; allowed: 'full' or 'grad_op'")
+    config = _model_numbers(plan)
+    if config is None:
+        return
+    experts = routed_expert_count(config)
+    if experts is None:
+        raise ValueError(f"ep: {ep} with model '{plan.model}', which has no routed experts (none of "
+                         f"{', '.join(EXPERT_COUNT_KEYS)} >= 2 in its config); allowed: ep 1")
+    if experts % ep:
+        raise ValueError(f"ep: {ep} must divide the model's {experts} routed experts; allowed ep: "
+                         f"{[d for d in range(1, min(experts, dp) + 1) if experts % d == 0 and dp % d == 0]}")
 
 
 def _check_zero_degrees(plan: "Plan") -> None:

@@ -33,7 +33,7 @@ from paratune.plan import (
 
 STRATEGY_OPTIONS: dict[str, type[BaseModel]] = {"ddp": DDPOptions, "fsdp": FSDPOptions, "zero": ZeroOptions}
 # Plan fields that may be swept at the top level (besides strategy and env).
-SWEEPABLE = ("micro_batch", "activation_checkpointing", "precision", "tp", "pp", "cp", "pp_schedule",
+SWEEPABLE = ("micro_batch", "activation_checkpointing", "precision", "tp", "pp", "cp", "ep", "pp_schedule",
              "sequence_parallel", "checkpoint_every", "compile", "float8", "float8_all_gather", "loss", "async_tp")
 # Fields the sweep owns: they may not be fixed, since the sweep sets them per trial. The
 # SWEEPABLE ones and env may be fixed when the space does not sweep them (env: other keys).
@@ -121,6 +121,8 @@ class SpacePart(_Strict):
     tp: list[int] | Literal["auto"] | None = None
     pp: list[int] | Literal["auto"] | None = None
     cp: list[int] | Literal["auto"] | None = None  # context parallel (GPU clusters; long sequences)
+    # Expert parallel (MoE models): experts split over ep of the dp ranks ("auto": every divisor).
+    ep: list[int] | Literal["auto"] | None = None
     pp_schedule: list[str] | None = None
     sequence_parallel: list[bool] | None = None
     # The levers (paratune.levers): checkpointing's every-N, per-block compile, float8, the loss's form.

@@ -41,6 +41,8 @@ def strategy_label(plan: dict) -> str:
     model_parallel = plan.get("tp", 1) * plan.get("pp", 1) * plan.get("cp", 1)
     if model_parallel > 1:  # the rest of the world is data parallel
         extras.append(f"dp{plan['num_workers'] // model_parallel}")
+    if plan.get("ep", 1) > 1:  # experts split over ep of the dp ranks
+        extras.append(f"ep{plan['ep']}")
     checkpointing = plan.get("activation_checkpointing", "none")
     if checkpointing != "none":
         extras.append({"full": "ckpt", "selective": "sac", "layers": f"ckpt/{plan.get('checkpoint_every', 2)}"}
