@@ -233,7 +233,7 @@ def batch_result(run) -> tuple:
 
 # Fields that only lay the same training out differently (or say what else to measure): the
 # single-process reference reads none of them, so plans differing only in these share one.
-LAYOUT_FIELDS = ("strategy", "ddp", "fsdp", "zero", "tp", "pp", "pp_schedule", "sequence_parallel", "cp",
+LAYOUT_FIELDS = ("strategy", "ddp", "fsdp", "zero", "tp", "pp", "pp_schedule", "sequence_parallel", "cp", "ep",
                  "num_workers", "grad_accum", "track_memory", "profile_comm")
 
 

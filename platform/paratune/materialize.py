@@ -144,7 +144,9 @@ class ModelInit:
                 tensor = slot[target.attr]
                 if tensor is None or tensor.is_meta:
                     raise RuntimeError(f"materialize: {owner}.{target.attr} is still on the meta device")
-                copy_local_slice(tensor, values[target.owner_attr])
+                value = values[target.owner_attr]
+                rows = getattr(target.module, "_ep_rows", {}).get(target.attr)  # expert parallel: E / ep experts
+                copy_local_slice(tensor, value if rows is None else value[rows])
                 filled += 1
         return filled
 

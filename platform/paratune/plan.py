@@ -382,6 +382,11 @@ def _check_degrees(plan: "Plan") -> None:
                          f"{[d for d in range(1, kv_heads + 1) if heads % d == 0 and kv_heads % d == 0]}")
     if tp > 1 and config.get("vocab_size", 0) % tp:
         raise ValueError(f"tp: {tp} must divide vocab_size {config['vocab_size']} (embedding and head are sharded)")
+    if pp > 1 and config.get("output_router_logits") and config.get("router_aux_loss_coef", 1) != 0:
+        raise ValueError(f"pp: {pp} with model '{plan.model}', whose loss adds the routers' load-balancing loss "
+                         "(output_router_logits true): the family computes it at the loss from every layer's router "
+                         "logits, which pipeline stages do not pass on, so the pipeline would train without it; "
+                         "allowed: pp 1, or model_overrides {output_router_logits: false} to train without it")
     if pp > 1:
         stages = pp * (2 if plan.pp_schedule == "interleaved_1f1b" else 1)
         if layers < stages:
@@ -469,11 +474,8 @@ def _check_ep_degrees(plan: "Plan") -> None:
     config = _model_numbers(plan)
     if config is None:
         return
-    experts = routed_expert_count(config)
-    if experts is None:
-        raise ValueError(f"ep: {ep} with model '{plan.model}', which has no routed experts (none of "
-                         f"{', '.join(EXPERT_COUNT_KEYS)} >= 2 in its config); allowed: ep 1")
-    if experts % ep:
+    experts = routed_expert_count(config)  # None: dense, or kept elsewhere (the preflight builds the model)
+    if experts is not None and experts % ep:
         raise ValueError(f"ep: {ep} must divide the model's {experts} routed experts; allowed ep: "
                          f"{[d for d in range(1, min(experts, dp) + 1) if experts % d == 0 and dp % d == 0]}")
 

@@ -65,12 +65,19 @@ def check_plan_against_model(plan: Plan, config=None) -> None:
         refusal = loss_form_refusal(plan, config)
         if refusal is not None:
             raise PlanError(refusal)
-    if plan.tp == 1 and plan.pp == 1 and cp == 1:
+    ep = getattr(plan, "ep", 1)
+    if plan.tp == 1 and plan.pp == 1 and cp == 1 and ep == 1:
         return  # data parallelism keeps every layer whole: nothing family-specific to check
     from paratune.models import build_config, config_key
 
     config = config if config is not None else build_config(plan.model, plan.model_overrides)
     model = _meta_model(config_key(config))
+    if ep > 1:  # the family's EP plan must name experts paratune can split (paratune.parallel.ep)
+        from paratune.parallel.ep import ep_refusal
+
+        refusal = ep_refusal(plan, model)
+        if refusal is not None:
+            raise PlanError(refusal)
     if plan.tp > 1 and plan.strategy == "zero":
         _check_autotp(plan, config, model)
     elif plan.tp > 1:

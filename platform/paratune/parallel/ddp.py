@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import torch
 from torch import nn
@@ -49,7 +50,17 @@ def parallelize_ddp(model: nn.Module, init: ModelInit, plan: Plan, device: torch
     convert_linears(model, plan)
     apply_activation_checkpointing(model, plan)
     compile_blocks(model, plan)
-    materialize(model, init, device)  # DDP replicates: every rank holds the whole model
+    experts = meshes = None
+    if plan.ep > 1:  # each rank holds E / ep of every layer's experts (paratune.parallel.ep)
+        from paratune.parallel.ep import expert_meshes, expert_param_names, mark_expert_params, shard_experts
+
+        meshes = expert_meshes(plan, device.type)
+        experts = shard_experts(model, meshes)
+    materialize(model, init, device)  # DDP replicates: every rank holds the whole model (ep: its experts)
+    if experts is not None:
+        mark_expert_params(experts)
+        # DDP would average the experts over all ranks, which hold different ones: theirs is their own step
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model))
     ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -68,5 +79,12 @@ def parallelize_ddp(model: nn.Module, init: ModelInit, plan: Plan, device: torch
             return contextlib.nullcontext()
         return ddp.no_sync()
 
+    if meshes is not None:
+        from paratune.parallel.ep import reduce_expert_gradients
+        from paratune.parallel.tp import clip_grad_norm
+
+        return StepRunner(ddp, make_optimizer(ddp.parameters(), plan), plan, device, sync_context,
+                          autocast=plan.precision == "bf16", before_step=partial(reduce_expert_gradients, model, meshes),
+                          clip=partial(clip_grad_norm, list(ddp.parameters()), plan.grad_clip, ep_group=meshes.ep_group))
     return StepRunner(ddp, make_optimizer(ddp.parameters(), plan), plan, device, sync_context,
                       autocast=plan.precision == "bf16")

@@ -7,6 +7,7 @@ ranks (a node), replicate across groups; no_shard = FSDP2's `replicate` (DDP sem
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import torch
 from torch import nn
@@ -64,6 +65,12 @@ def parallelize_fsdp(model: nn.Module, init: ModelInit, plan: Plan, device: torc
         else:
             mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
         reshard = opts.reshards_after_forward
+        if plan.ep > 1:  # the experts first, over the ranks holding the same ones (paratune.parallel.ep)
+            from paratune.parallel.ep import expert_meshes, shard_experts, shard_experts_fsdp
+
+            meshes = expert_meshes(plan, device.type)
+            experts = shard_experts(model, meshes)
+            shard_experts_fsdp(experts, meshes, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
         blocks = decoder_blocks(model)
         for block in blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
@@ -85,9 +92,17 @@ def parallelize_fsdp(model: nn.Module, init: ModelInit, plan: Plan, device: torc
         model.set_requires_gradient_sync(last_micro or sharded)
         return contextlib.nullcontext()
 
+    clip = None
+    if plan.ep > 1:
+        from paratune.parallel.ep import mark_expert_params
+        from paratune.parallel.tp import clip_grad_norm
+
+        mark_expert_params(experts)
+        # torch's clip cannot mix the experts' mesh with the rest's; each ep rank's experts add their norm
+        clip = partial(clip_grad_norm, list(model.parameters()), plan.grad_clip, ep_group=meshes.ep_group)
     optimizer = make_optimizer(model.parameters(), plan)
     if plan.float8_all_gather:  # every float8 weight's scale after each step, in one all-reduce
         from paratune.parallel.float8 import precompute_scales_after_step
 
         precompute_scales_after_step(model, optimizer, plan)
-    return StepRunner(model, optimizer, plan, device, sync_context)
+    return StepRunner(model, optimizer, plan, device, sync_context, clip=clip)

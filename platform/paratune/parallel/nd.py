@@ -150,17 +150,17 @@ def parallelize_model_parallel(model: nn.Module, init: ModelInit, plan: Plan, de
 class PipelineRunner(StepRunner):
     """A step is one pipeline schedule over the step's micro-batches, then clip and optimizer step."""
 
-    def __init__(self, stages, schedule, has_first: bool, has_last: bool, pp_group, tp_group, **kw):
+    def __init__(self, stages, schedule, has_first: bool, has_last: bool, pp_group, tp_group, ep_group=None, **kw):
         super().__init__(**kw)
         self.stages, self.schedule, self.has_first, self.has_last = stages, schedule, has_first, has_last
-        self.pp_group, self.tp_group = pp_group, tp_group
+        self.pp_group, self.tp_group, self.ep_group = pp_group, tp_group, ep_group
 
     def micro_batch_roots(self) -> list[nn.Module]:
         return list(self.model)  # each stage module is entered once per micro-batch
 
     def clip_gradients(self) -> None:
         clip_grad_norm(list(self.model.parameters()), self.plan.grad_clip, pp_group=self.pp_group,
-                       tp_group=self.tp_group)
+                       tp_group=self.tp_group, ep_group=self.ep_group)
 
     def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor | None:
         batch = torch.cat(micro_batches)
@@ -172,6 +172,29 @@ class PipelineRunner(StepRunner):
         return torch.stack([loss.detach().float() for loss in losses]).mean() if self.has_last else None
 
 
+def _wrap_stage_experts(experts: list, stage_modules: list[nn.Module], plan: Plan, dims: ParallelDims,
+                        layout: DataParallelLayout, meshes) -> list:
+    """Before the stages' own FSDP2, on the meta device: the experts of this rank's stages wrapped
+    over their expert_dp ranks (sharded, or replicated where the dp axis replicates)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+    from paratune.parallel.ep import shard_experts_fsdp
+
+    inside = {id(m) for root in stage_modules for m in root.modules()}
+    experts = [entry for entry in experts if id(entry.module) in inside]
+    if plan.fsdp is not None:
+        from paratune.parallel.fsdp import fsdp_policies
+
+        mp, offload = fsdp_policies(plan, torch.device(dims.device_type))
+    else:
+        mp, offload = MixedPrecisionPolicy(), OffloadPolicy()
+    kwargs = dict(mp_policy=mp, offload_policy=offload)
+    if layout.kind == "fsdp":
+        kwargs["reshard_after_forward"] = plan.fsdp.reshards_after_forward
+    shard_experts_fsdp(experts, meshes, replicated=layout.kind == "replicate", **kwargs)
+    return experts
+
+
 def _parallelize_pipeline(model: nn.Module, init: ModelInit, plan: Plan, device: torch.device,
                           dims: ParallelDims, layout: DataParallelLayout) -> StepRunner:
     from torch.distributed.pipelining import PipelineStage
@@ -180,12 +203,20 @@ def _parallelize_pipeline(model: nn.Module, init: ModelInit, plan: Plan, device:
 
     pp_mesh = dims.mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
+    experts = meshes = None
+    if plan.ep > 1:  # each stage's experts split over ep of its dp ranks (paratune.parallel.ep), on meta
+        from paratune.parallel.ep import expert_meshes, shard_experts
+
+        meshes = expert_meshes(plan, dims.device_type)
+        experts = shard_experts(model, meshes)
     owned = build_stages(model, dims.pp, pp_rank, plan.pp_schedule,
                          seq_shards=dims.tp if plan.sequence_parallel else 1)
     num_stages = dims.pp * (2 if plan.pp_schedule == "interleaved_1f1b" else 1)
     # Drop the original model's hold on what other stages own, so this rank keeps only its part.
     for key, (parent, attr) in decoder_parts(model).slots(model).items():
         setattr(parent, attr, nn.ModuleList() if key == "blocks" else None)
+    if experts is not None:  # this rank's stages' experts, over their expert_dp ranks
+        experts = _wrap_stage_experts(experts, [module for _, module in owned], plan, dims, layout, meshes)
     for _, module in owned:
         _apply_dp_on_meta(module, list(module.layers), plan, dims, layout)
     # Only this rank's stages are allocated and filled; the rest of the model never exists here.
@@ -196,10 +227,15 @@ def _parallelize_pipeline(model: nn.Module, init: ModelInit, plan: Plan, device:
         # each stage's forward (the schedule calls the stages itself, outside the runner's autocast).
         module.autocast = plan.precision == "bf16" and not layout.mixed_precision
     modules = [module for _, module in owned]
+    if experts is not None:
+        from paratune.parallel.ep import mark_expert_params
+
+        mark_expert_params(experts)
     stages = [PipelineStage(module, index, num_stages, device, group=pp_mesh.get_group()) for index, module in owned]
     schedule = make_schedule(stages, plan.grad_accum, plan.pp_schedule)
     container = nn.ModuleList(modules)
     return PipelineRunner(stages, schedule, has_first=any(i == 0 for i, _ in owned),
                           has_last=any(i == num_stages - 1 for i, _ in owned), pp_group=pp_mesh.get_group(),
-                          tp_group=dims.mesh["tp"].get_group(), model=container,
+                          tp_group=dims.mesh["tp"].get_group(), ep_group=meshes.ep_group if meshes else None,
+                          model=container,
                           optimizer=make_optimizer(container.parameters(), plan), plan=plan, device=device)

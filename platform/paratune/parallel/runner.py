@@ -70,6 +70,7 @@ class StepRunner:
         autocast: bool = False,
         clip: Callable[[], object] | None = None,
         forward_extra: Callable[[torch.Tensor], dict] | None = None,
+        before_step: Callable[[], None] | None = None,
     ):
         self.model, self.optimizer, self.plan, self.device = model, optimizer, plan, device
         self._sync_context = sync_context or _no_sync_context
@@ -78,6 +79,8 @@ class StepRunner:
         # cycle (a finished trial's model would then outlive it and inflate the next one's peak).
         self._clip = clip
         self._forward_extra = forward_extra or _no_forward_extra
+        # Gradient work the wrapper does not do, after the last micro-batch (ep under DDP: the experts').
+        self._before_step = before_step
         self.steps_done = 0
         # The loss's form that runs (paratune.parallel.loss records it on the model), and why `auto`
         # fell back to standard (None when it did not): reported with the trial's measurements.
@@ -130,6 +133,8 @@ class StepRunner:
 
     def optimizer_step(self) -> None:
         """Clip (when the plan does), step and zero the gradients: the end of every step."""
+        if self._before_step is not None:
+            self._before_step()
         if self.plan.grad_clip > 0:
             self.clip_gradients()
         self.optimizer.step()

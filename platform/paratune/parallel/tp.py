@@ -152,29 +152,36 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> None
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters, max_norm: float, pp_group=None, tp_group=None) -> torch.Tensor:
+def clip_grad_norm(parameters, max_norm: float, pp_group=None, tp_group=None, ep_group=None) -> torch.Tensor:
     """Global-norm clipping over plain and DTensor gradients alike (same formula as torch's).
 
     torch.nn.utils.clip_grad_norm_ cannot mix tensors of different meshes; with pipeline
     stages the squared norms are summed across stages too. Parameters that DDP holds as local
     shards of a tensor-parallel weight (marked `_st_info` by torch's DDP transform) contribute
-    their squared norms summed over the tp group.
+    their squared norms summed over the tp group; expert parameters (paratune.parallel.ep: each
+    ep rank holds other experts) theirs summed over the ep group.
     """
     params = [p for p in parameters if p.grad is not None]
     device = params[0].grad.device if params else torch.device("cpu")
     total_sq = torch.zeros((), dtype=torch.float32, device=device)
     shard_sq = torch.zeros((), dtype=torch.float32, device=device)
+    expert_sq = torch.zeros((), dtype=torch.float32, device=device)
     for p in params:
         norm = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        if hasattr(p, "_st_info"):
+        if getattr(p, "_paratune_expert", False):
+            expert_sq += norm.to(device) ** 2
+        elif hasattr(p, "_st_info"):
             shard_sq += norm.to(device) ** 2
         else:
             total_sq += norm.to(device) ** 2
     if tp_group is not None:
         dist.all_reduce(shard_sq, group=tp_group)
     total_sq += shard_sq
+    if ep_group is not None:
+        dist.all_reduce(expert_sq, group=ep_group)
+    total_sq += expert_sq
     grads = [p.grad for p in params]
     if pp_group is not None:
         dist.all_reduce(total_sq, group=pp_group)

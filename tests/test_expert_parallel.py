@@ -1,0 +1,130 @@
+"""Expert parallelism (plan field `ep`): the rules, and parity on real gloo processes.
+
+The parity cases run in test_parity_gloo's shared process sets (`ep_plans` is added to its batch):
+each must train like the single-process reference (fp32, < 1e-5), and every rank must hold exactly
+its E / ep experts (local parameter counts), so a layout that kept every expert everywhere, or
+averaged experts that differ, fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gloo_harness import batch_result, reference_for
+from conftest import BASE_PLAN
+
+from paratune.models import build_config, parameter_counts, routed_experts
+from paratune.parity import max_loss_difference
+from paratune.plan import PlanError, load_plan_dict
+from paratune.preflight import check_plan_against_model
+
+MOE = {**BASE_PLAN, "model": "tiny-mixtral", "micro_batch": 1}
+NO_AUX = {"output_router_logits": False}  # pipeline stages do not carry router logits to the loss
+
+EP_CASES: dict[str, dict] = {
+    # 2 processes: every dp rank is one ep rank (expert_dp 1)
+    "ddp-ep2": {"num_workers": 2, "strategy": "ddp", "ep": 2, "grad_clip": 0.05},  # clipping on every step
+    "fsdp-ep2": {"num_workers": 2, "strategy": "fsdp", "ep": 2, "grad_clip": 0.05},
+    # 4 processes: expert_dp 2 (each expert on two ranks) or ep over all four
+    "ddp-ep2-edp2": {"num_workers": 4, "strategy": "ddp", "ep": 2},
+    "fsdp-ep2-edp2-selective": {"num_workers": 4, "strategy": "fsdp", "ep": 2, "grad_clip": 0.05,
+                                "activation_checkpointing": "selective"},
+    "fsdp-grad-op-ep4": {"num_workers": 4, "strategy": "fsdp", "fsdp": {"sharding": "grad_op"}, "ep": 4},
+    "ddp-ep4-full-checkpointing": {"num_workers": 4, "strategy": "ddp", "ep": 4, "activation_checkpointing": "full"},
+    # pipeline x ep: each stage's experts over ep of its dp ranks
+    "pp2-dp2-ep2-fsdp": {"num_workers": 4, "strategy": "fsdp", "pp": 2, "ep": 2, "model_overrides": NO_AUX},
+    "pp2-dp2-ep2-ddp": {"num_workers": 4, "strategy": "ddp", "pp": 2, "ep": 2, "model_overrides": NO_AUX,
+                        "grad_clip": 0.05},
+}
+
+
+def ep_plans() -> dict:
+    """The cases as plans (what test_parity_gloo adds to its batches, by world size)."""
+    return {name: load_plan_dict({**MOE, **case}) for name, case in EP_CASES.items()}
+
+
+def _runs(world: int) -> dict:
+    from test_parity_gloo import _runs as shared_runs
+
+    return shared_runs(world)
+
+
+def _expert_parameters(plan) -> int:
+    from transformers import AutoModelForCausalLM
+
+    config = build_config(plan.model, plan.model_overrides)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for _, module, _ in routed_experts(model) for p in module.parameters())
+
+
+def _expected_local_parameters(plan) -> float:
+    """What one rank holds: the dense part as the strategy lays it out, E / ep of the experts
+    (sharded further over expert_dp by FSDP2), both over pp stages."""
+    total = parameter_counts(build_config(plan.model, plan.model_overrides))["total"]
+    experts = _expert_parameters(plan)
+    dense = total - experts
+    if plan.strategy == "fsdp":
+        return (dense / plan.dp_degree + experts / plan.dp_degree) / plan.pp
+    return (dense + experts / plan.ep) / plan.pp
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", list(EP_CASES))
+def test_expert_parallel_trains_like_the_reference(name):
+    plan, out = batch_result(_runs(EP_CASES[name]["num_workers"])[("ep", name)])
+    reference = reference_for(plan)
+    assert max_loss_difference(out["losses"], reference) < 1e-5, (out["losses"], reference)
+    assert out["losses"][-1] < out["losses"][0]
+    expected = _expected_local_parameters(plan)
+    counts = out["local_parameter_counts"]
+    if plan.pp == 1:  # exact: the experts split evenly, FSDP2's shards differ by padding only
+        assert all(abs(c - expected) <= 64 for c in counts), (counts, expected)
+    else:  # stages hold unequal parts (embedding on the first, head on the last)
+        assert 0.8 * expected <= min(counts) <= max(counts) <= 1.2 * expected, (counts, expected)
+    # and not what every rank would hold without ep (the experts whole)
+    whole = parameter_counts(build_config(plan.model, plan.model_overrides))["total"]
+    if plan.strategy == "ddp" and plan.pp == 1:
+        assert max(counts) <= whole - _expert_parameters(plan) / 2
+
+
+# ---- rules: refused before any worker starts, naming the field, the value and what is allowed ----
+REFUSED = {
+    "ep-not-dividing-dp": ({"num_workers": 4, "ep": 3}, r"ep: 3 must divide the data-parallel degree 4.*allowed ep: \[1, 2, 4\]"),
+    "ep-with-zero": ({"strategy": "zero", "ep": 2}, r"ep: 2 with strategy 'zero'.*deepspeed\.moe.*allowed"),
+    "ep-with-tp": ({"num_workers": 4, "tp": 2, "ep": 2}, r"ep: 2 with tp 2 is not wired.*allowed: tp 1"),
+    "ep-with-compile": ({"ep": 2, "compile": True, "warmup_steps": 1}, r"ep: 2 with compile: true.*split sizes"),
+    "ep-with-hybrid": ({"num_workers": 4, "ep": 2, "strategy": "fsdp", "fsdp": {"sharding": "hybrid",
+                                                                                 "shard_group_size": 2}},
+                       r"ep: 2 with fsdp\.sharding 'hybrid'.*allowed: 'full' or 'grad_op'"),
+    "ep-not-dividing-experts": ({"num_workers": 6, "global_batch": 6, "ep": 3},
+                                r"ep: 3 must divide the model's 8 routed experts; allowed ep: \[1, 2\]"),
+    "pp-drops-aux-loss": ({"num_workers": 2, "pp": 2}, r"pp: 2 with model 'tiny-mixtral'.*load-balancing loss"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_plan_refuses_what_ep_cannot_do(name):
+    fields, message = REFUSED[name]
+    with pytest.raises(PlanError, match=message):
+        load_plan_dict({**MOE, **fields})
+
+
+def test_preflight_refuses_ep_on_a_dense_model_and_accepts_a_moe():
+    with pytest.raises(PlanError, match=r"ep: 2 with model 'tiny-llama' .*no routed experts.*allowed: ep 1"):
+        check_plan_against_model(load_plan_dict({**BASE_PLAN, "ep": 2}))
+    check_plan_against_model(load_plan_dict({**MOE, "ep": 2}))  # no error
+
+
+def test_expert_entries_follow_the_family_ep_plan():
+    from transformers import AutoModelForCausalLM
+
+    from paratune.parallel.ep import expert_entries
+
+    config = build_config("tiny-mixtral")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    entries = expert_entries(model)
+    assert [e.name for e in entries] == [f"model.layers.{i}.mlp.experts" for i in range(config.num_hidden_layers)]
+    assert all(e.packed == ("gate_up_proj", "down_proj") and e.experts == 8 for e in entries)
+    assert {id(e.module) for e in entries} == {id(m) for _, m, _ in routed_experts(model)}
