@@ -33,6 +33,12 @@ SHARDED = {
     "pp2": {"pp": 2},
 }
 FP32 = 4
+# Expert parallelism: each rank builds its E / ep experts only (the experts are most of a MoE).
+EP_SHARDED = {
+    "ddp-ep2": {"strategy": "ddp", "ep": 2},
+    "fsdp-ep2": {"strategy": "fsdp", "ep": 2},
+}
+MOE = {"model": "tiny-mixtral", "micro_batch": 1}
 
 
 def _sizes(plan) -> tuple[int, int, int]:
@@ -54,6 +60,8 @@ def measured():
     the same 2 processes."""
     names = [*SHARDED, "ddp"]
     plans = [load_plan_dict({**BASE_PLAN, **EIGHT_LAYERS, **SHARDED.get(n, {"strategy": "ddp"})}) for n in names]
+    names += list(EP_SHARDED)
+    plans += [load_plan_dict({**BASE_PLAN, **EIGHT_LAYERS, **MOE, **case}) for case in EP_SHARDED.values()]
     names += [f"tracked-{n}" for n in TRACKED]
     plans += [load_plan_dict({**BASE_PLAN, "track_memory": True, **case}) for case in TRACKED.values()]
     return {n: (plan, out) for n, plan, out in zip(names, plans, run_plans_on_gloo(plans))}
@@ -91,3 +99,31 @@ def test_ddp_control_holds_the_whole_model(measured):
     plan, out = measured["ddp"]
     full, block, _ = _sizes(plan)
     assert all(full <= peak <= full + 2 * block for peak in out["construction_peak_bytes"]), (out["construction_peak_bytes"], full)
+
+
+def _largest_module_bytes(plan) -> int:
+    """The largest module's own parameters (a MoE's packed experts module: all E experts), in fp32
+    bytes: what the host holds for a moment while one module's values are made."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(build_config(plan.model, plan.model_overrides))
+    return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()) * FP32
+
+
+@pytest.mark.parametrize("name", list(EP_SHARDED))
+def test_expert_parallel_plans_build_only_their_experts(name, measured):
+    from test_expert_parallel import _expert_parameters
+
+    plan, out = measured[name]
+    full, block, _ = _sizes(plan)
+    host_module = _largest_module_bytes(plan)
+    experts = _expert_parameters(plan) * FP32
+    for rank, (peak, params) in enumerate(zip(out["construction_peak_bytes"], out["local_parameter_counts"])):
+        share = params * FP32
+        assert share <= full - experts / 2, (rank, share, full, experts)  # half the experts (ep 2) at most
+        assert peak <= share + block + host_module, f"rank {rank}: construction peak {peak} B > share {share} + " \
+            f"block {block} + host module {host_module}"
+        assert peak < full - experts / 4, f"rank {rank}: {peak} B: most of the experts were built ({experts} B)"
+    assert max_loss_difference(out["losses"], reference_for(plan)) < 1e-5
