@@ -128,3 +128,29 @@ def test_expert_entries_follow_the_family_ep_plan():
     assert [e.name for e in entries] == [f"model.layers.{i}.mlp.experts" for i in range(config.num_hidden_layers)]
     assert all(e.packed == ("gate_up_proj", "down_proj") and e.experts == 8 for e in entries)
     assert {id(e.module) for e in entries} == {id(m) for _, m, _ in routed_experts(model)}
+
+
+def test_the_gpu_images_older_ep_plan_is_refused_with_the_reason():
+    """The GPU image's transformers (5.17) writes Mixtral's EP plan as 'ep_router' + 'moe_tp_experts'
+    (an all-reduce over a shared batch): read from that installed source, it is refused before
+    launch, naming the entry, instead of failing on a worker."""
+    import ast
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from paratune.parallel.ep import ep_refusal
+
+    source = Path(".venv/gpu-image-site/transformers/models/mixtral/configuration_mixtral.py")
+    if not source.is_file():
+        pytest.skip("the GPU image's transformers is not beside the venv (make install puts it there)")
+    tree = ast.parse(source.read_text())
+    old_plan = next(ast.literal_eval(node.value) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                    and any(getattr(t, "id", None) == "base_model_ep_plan" for t in node.targets))
+    assert "ep_router" in old_plan.values()
+    config = build_config("tiny-mixtral")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model.config.base_model_ep_plan = old_plan
+    refusal = ep_refusal(load_plan_dict({**MOE, "ep": 2}), model)
+    assert refusal is not None and "'ep_router' is not implemented by paratune" in refusal and "allowed: ep 1" in refusal

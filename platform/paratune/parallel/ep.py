@@ -80,8 +80,10 @@ def expert_entries(model: nn.Module) -> list[ExpertEntry]:
                 found.setdefault(name, (modules[name], []))
         elif style != PACKED_STYLE:
             raise ExpertPlanError(f"model_type '{family}': transformers' EP plan entry '{pattern}': '{style}' is "
-                                  f"not implemented by paratune (it runs '{DISPATCH_STYLE}' with '{PACKED_STYLE}' "
-                                  "weights)")
+                                  f"not implemented by paratune, which dispatches tokens by all-to-all "
+                                  f"('{DISPATCH_STYLE}' with '{PACKED_STYLE}' weights, transformers >= 5.2x; 5.17's "
+                                  "'ep_router' / 'moe_tp_experts' plans all-reduce a batch every rank shares, an "
+                                  "inference layout)")
     for pattern, style in ep_plan.items():
         if style != PACKED_STYLE:
             continue
