@@ -154,3 +154,37 @@ def test_the_gpu_images_older_ep_plan_is_refused_with_the_reason():
     model.config.base_model_ep_plan = old_plan
     refusal = ep_refusal(load_plan_dict({**MOE, "ep": 2}), model)
     assert refusal is not None and "'ep_router' is not implemented by paratune" in refusal and "allowed: ep 1" in refusal
+
+
+# The public shapes (deepseek-ai/DeepSeek-V3 and Qwen/Qwen3-30B-A3B config.json, abridged).
+DEEPSEEK_V3 = dict(model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
+                   num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+                   qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, first_k_dense_replace=3,
+                   moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
+                   n_group=8, topk_group=4, vocab_size=129280, tie_word_embeddings=False)
+QWEN3_30B_A3B = dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, moe_intermediate_size=768,
+                     num_experts=128, num_experts_per_tok=8, vocab_size=151936, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("shape", [DEEPSEEK_V3, QWEN3_30B_A3B], ids=["deepseek-v3", "qwen3-30b-a3b"])
+def test_a_moe_proxy_keeps_its_experts_and_a_moe_layer(shape, tmp_path):
+    """The parity proxy of a big MoE plan stays a MoE the plan's ep can split: every expert and the
+    top-k kept, small experts, at least one MoE layer (DeepSeek's first 3 layers are dense), and
+    small enough for the driver's CPU."""
+    import json
+
+    from paratune.materialize import build_meta
+    from paratune.parallel.ep import ep_refusal
+    from paratune.parity import parity_proxy
+
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    plan = load_plan_dict({"model": str(tmp_path), "num_workers": 16, "ep": 8, "strategy": "fsdp",
+                           "global_batch": 16, "micro_batch": 1, "seq_len": 128})
+    proxy = parity_proxy(plan)
+    config = build_config(proxy.model, proxy.model_overrides)
+    model = build_meta(config)
+    experts = routed_experts(model)
+    assert experts and all(count == shape.get("n_routed_experts", shape.get("num_experts")) for _, _, count in experts)
+    assert ep_refusal(proxy, model) is None
+    assert parameter_counts(config)["total"] < 20_000_000

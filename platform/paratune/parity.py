@@ -128,6 +128,28 @@ def proxy_shape(plan: Plan) -> dict[str, Any]:
         value = config.get(key)
         if isinstance(value, list) and len(value) == layers:
             shape[key] = [value[i % layers] for i in range(proxy_layers)]
+    shape.update(_moe_proxy_shape(config, hidden, proxy_layers))
+    return shape
+
+
+# Mixture-of-experts widths and layouts a proxy shrinks (the experts' count and top-k stay: ep must
+# still divide them, and the routing is the family's): expert and shared-expert widths, DeepSeek's
+# multi-head latent attention ranks and head dims.
+MOE_WIDTH_KEYS = ("moe_intermediate_size", "shared_expert_intermediate_size")
+MLA_PROXY = {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16}
+
+
+def _moe_proxy_shape(config: dict[str, Any], hidden: int, proxy_layers: int) -> dict[str, Any]:
+    """The MoE part of a proxy: small experts, and at least one MoE layer among the proxy's
+    (DeepSeek's first_k_dense_replace dense layers, Qwen-MoE's mlp_only_layers, cut to fit)."""
+    shape: dict[str, Any] = {key: 2 * hidden for key in MOE_WIDTH_KEYS if config.get(key)}
+    if isinstance(config.get("first_k_dense_replace"), int):
+        shape["first_k_dense_replace"] = min(config["first_k_dense_replace"], proxy_layers - 1)
+    if isinstance(config.get("mlp_only_layers"), list):
+        shape["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if i < proxy_layers - 1]
+    if config.get("kv_lora_rank"):  # multi-head latent attention
+        shape.update({k: v for k, v in MLA_PROXY.items() if k in config and (config[k] or k != "q_lora_rank")})
+        shape.pop("head_dim", None)  # DeepSeek derives it (the rope head dim)
     return shape
 
 
