@@ -38,9 +38,13 @@ EP_CASES: dict[str, dict] = {
 }
 
 
+# bf16, the GPU's precision: FSDP2's mixed precision on the experts too (bf16 compute, fp32 reduction).
+EP_BF16_CASES = {"fsdp-ep2-bf16": {"num_workers": 2, "strategy": "fsdp", "ep": 2, "precision": "bf16"}}
+
+
 def ep_plans() -> dict:
     """The cases as plans (what test_parity_gloo adds to its batches, by world size)."""
-    return {name: load_plan_dict({**MOE, **case}) for name, case in EP_CASES.items()}
+    return {name: load_plan_dict({**MOE, **case}) for name, case in {**EP_CASES, **EP_BF16_CASES}.items()}
 
 
 def _runs(world: int) -> dict:
@@ -86,6 +90,14 @@ def test_expert_parallel_trains_like_the_reference(name):
     whole = parameter_counts(build_config(plan.model, plan.model_overrides))["total"]
     if plan.strategy == "ddp" and plan.pp == 1:
         assert max(counts) <= whole - _expert_parameters(plan) / 2
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", list(EP_BF16_CASES))
+def test_expert_parallel_in_bf16_trains_close_to_the_reference(name):
+    plan, out = batch_result(_runs(EP_BF16_CASES[name]["num_workers"])[("ep", name)])
+    assert max_loss_difference(out["losses"], reference_for(plan)) < 0.05
+    assert set(out["linear_matmul_dtypes"]) == {"bfloat16"}
 
 
 # ---- rules: refused before any worker starts, naming the field, the value and what is allowed ----
