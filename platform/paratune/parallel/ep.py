@@ -183,6 +183,7 @@ def shard_experts(model: nn.Module, meshes: ExpertMeshes) -> list[ExpertEntry]:
             module._parameters[attr] = part
             module._ep_rows[attr] = rows
         module.num_experts = local  # the experts' own forward runs local ids 0 .. E/ep - 1
+        module._ep_checkpoint_suffix = f"@ep{rank}of{ep}"  # see checkpoint_renames
         _install_dispatch(module, AllToAllEP(module, meshes.ep, meshes.mesh["etp"]))
     return entries
 
@@ -203,6 +204,26 @@ def mark_expert_params(entries: list[ExpertEntry]) -> None:
     for entry in entries:
         for attr in entry.packed:
             setattr(entry.module._parameters[attr], EXPERT_PARAM_MARK, True)
+
+
+def checkpoint_renames(module: nn.Module) -> dict[str, str]:
+    """State-dict keys of this rank's experts -> keys of their own (`@ep<rank>of<ep>` appended).
+
+    Every ep rank holds different experts under the same names; a torch.distributed.checkpoint
+    save would take one rank's tensor for all (plain tensors of one name are replicas to it, and
+    FSDP2's shards span the expert-dp ranks only), so the others' experts would be lost. Under
+    their own names each ep rank's experts (and their optimizer states) are saved and loaded back
+    as its own; a resume needs the same ep. Empty for a model without ep."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    root = module.module if isinstance(module, DistributedDataParallel) else module
+    renames = {}
+    for name, sub in root.named_modules():
+        suffix = getattr(sub, "_ep_checkpoint_suffix", None)
+        for attr in getattr(sub, "_ep_rows", {}) if suffix else ():
+            key = f"{name}.{attr}" if name else attr
+            renames[key] = key + suffix
+    return renames
 
 
 def is_expert_param(param: torch.Tensor) -> bool:

@@ -143,22 +143,42 @@ class StepRunner:
 
     def save_state(self, path: str) -> None:
         """Model and optimizer state, sharded as the strategy holds it (torch.distributed.checkpoint:
-        each rank writes its own shards, so a checkpoint never gathers the model on one rank)."""
+        each rank writes its own shards, so a checkpoint never gathers the model on one rank;
+        expert parallelism: each ep rank's experts under names of their own, paratune.parallel.ep)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optim_state = get_state_dict(self._state_module(), self.optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+        module = self._state_module()
+        model_state, optim_state = get_state_dict(module, self.optimizer)
+        dcp.save(_renamed({"model": model_state, "optim": optim_state}, _expert_renames(module)), checkpoint_id=path)
 
     def load_state(self, path: str) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         module = self._state_module()
+        renames = _expert_renames(module)
         model_state, optim_state = get_state_dict(module, self.optimizer)
-        state = {"model": model_state, "optim": optim_state}
+        state = _renamed({"model": model_state, "optim": optim_state}, renames)
         dcp.load(state, checkpoint_id=path)
+        state = _renamed(state, {new: old for old, new in renames.items()})
         set_state_dict(module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     def _state_module(self) -> nn.Module:
         return self.model if isinstance(self.model, nn.Module) else nn.ModuleList(self.model)
+
+
+def _expert_renames(module: nn.Module) -> dict[str, str]:
+    from paratune.parallel.ep import checkpoint_renames
+
+    return checkpoint_renames(module)
+
+
+def _renamed(state: dict, renames: dict[str, str]) -> dict:
+    """A {"model", "optim"} state with the model's keys and the optimizer's per-parameter state
+    keys renamed (param_groups keep the plain names: they are the same on every rank)."""
+    if not renames:
+        return state
+    optim = dict(state["optim"])
+    optim["state"] = {renames.get(k, k): v for k, v in optim.get("state", {}).items()}
+    return {"model": {renames.get(k, k): v for k, v in state["model"].items()}, "optim": optim}
