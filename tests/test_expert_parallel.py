@@ -260,3 +260,19 @@ def test_a_checkpoint_restores_every_ranks_own_experts():
     for name, out in zip(CHECKPOINTED, outs):
         assert out["experts_equal_on_every_rank"], name
         assert out["resumed"] == pytest.approx(out["continued"], abs=1e-6), (name, out)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_winners_settings_say_how_experts_are_laid_out(strategy, tmp_path):
+    import json
+
+    from paratune.export import export_winner
+
+    plan = load_plan_dict({**MOE, "num_workers": 4, "strategy": strategy, "ep": 2})
+    export_winner(plan, tmp_path, {"label": "x"})
+    settings = json.loads((tmp_path / f"{strategy}.json").read_text())["expert_parallel"]
+    assert (settings["ep"], settings["expert_dp"], settings["dp"], settings["mesh_shape"]) == (2, 2, 4, [1, 2, 2, 1])
+    assert ("fully_shard" in settings["expert_gradients"]) == (strategy == "fsdp")
+    plain = load_plan_dict({**MOE, "num_workers": 4, "strategy": strategy})
+    export_winner(plain, tmp_path / "plain", {"label": "x"})
+    assert "expert_parallel" not in json.loads((tmp_path / "plain" / f"{strategy}.json").read_text())

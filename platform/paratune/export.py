@@ -28,7 +28,23 @@ def fsdp_settings(plan: Plan) -> dict[str, Any]:
         "mp_policy": {"param_dtype": "bfloat16", "reduce_dtype": "float32"} if plan.precision == "bf16" else None,
         "offload_policy": "CPUOffloadPolicy" if f.cpu_offload else None,
         "activation_checkpointing": plan.activation_checkpointing,
+        **expert_parallel_settings(plan),
     }
+
+
+def expert_parallel_settings(plan: Plan) -> dict[str, Any]:
+    """How the winner lays out experts (paratune.parallel.ep), for a training script to follow; empty without ep."""
+    if plan.ep == 1:
+        return {}
+    experts = ("torch.distributed.fsdp.fully_shard per experts module over the expert_dp ranks, "
+               "set_gradient_divide_factor(dp)" if plan.strategy == "fsdp"
+               else "left out of DDP; gradients all-reduced over the expert_dp ranks and divided by dp once per step")
+    return {"expert_parallel": {
+        "ep": plan.ep, "expert_dp": plan.expert_dp_degree, "dp": plan.dp_degree,
+        "mesh": ["pp", "edp", "ep", "etp"], "mesh_shape": [plan.pp, plan.expert_dp_degree, plan.ep, 1],
+        "experts_per_rank": "E / ep of every layer's routed experts (the family's base_model_ep_plan)",
+        "dispatch": "transformers.distributed.expert_parallel.AllToAllEP (dropless all-to-all)",
+        "expert_gradients": experts}}
 
 
 def ddp_settings(plan: Plan) -> dict[str, Any]:
@@ -36,7 +52,7 @@ def ddp_settings(plan: Plan) -> dict[str, Any]:
     assert d is not None
     return {"api": "torch.nn.parallel.DistributedDataParallel", **d.model_dump(),
             "autocast": "bfloat16" if plan.precision == "bf16" else None,
-            "activation_checkpointing": plan.activation_checkpointing}
+            "activation_checkpointing": plan.activation_checkpointing, **expert_parallel_settings(plan)}
 
 
 def job_command(plan_path: str, steps: int = 1000, checkpoint_every: int = 100, name: str | None = None) -> str:
