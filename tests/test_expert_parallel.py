@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gloo_harness import batch_result, reference_for
+from gloo_harness import assert_groups_use_plan_timeout, batch_result, reference_for
 from conftest import BASE_PLAN
 
 from paratune.models import build_config, parameter_counts, routed_experts
@@ -80,6 +80,7 @@ def test_expert_parallel_trains_like_the_reference(name):
     reference = reference_for(plan)
     assert max_loss_difference(out["losses"], reference) < 1e-5, (out["losses"], reference)
     assert out["losses"][-1] < out["losses"][0]
+    assert_groups_use_plan_timeout(plan, out)  # the expert mesh's groups (ep, expert-dp) too
     expected = _expected_local_parameters(plan)
     counts = out["local_parameter_counts"]
     if plan.pp == 1:  # exact: the experts split evenly, FSDP2's shards differ by padding only
