@@ -31,10 +31,17 @@ EP_CASES: dict[str, dict] = {
                                 "activation_checkpointing": "selective"},
     "fsdp-grad-op-ep4": {"num_workers": 4, "strategy": "fsdp", "fsdp": {"sharding": "grad_op"}, "ep": 4},
     "ddp-ep4-full-checkpointing": {"num_workers": 4, "strategy": "ddp", "ep": 4, "activation_checkpointing": "full"},
+    # tp x ep: attention tensor-parallel, each tp rank dispatching a slice of the tokens it shares (the
+    # loss: standard, since auto's vocab-parallel form cannot take the routers' aux loss; the trial says why)
+    "dp2xtp2-ep2-fsdp": {"num_workers": 4, "strategy": "fsdp", "tp": 2, "ep": 2, "grad_clip": 0.05},
+    "dp2xtp2-ep2-ddp": {"num_workers": 4, "strategy": "ddp", "tp": 2, "ep": 2, "grad_clip": 0.05},
     # pipeline x ep: each stage's experts over ep of its dp ranks
     "pp2-dp2-ep2-fsdp": {"num_workers": 4, "strategy": "fsdp", "pp": 2, "ep": 2, "model_overrides": NO_AUX},
     "pp2-dp2-ep2-ddp": {"num_workers": 4, "strategy": "ddp", "pp": 2, "ep": 2, "model_overrides": NO_AUX,
                         "grad_clip": 0.05},
+    # 3-D x ep on 8 processes: pp 2 x dp 2 x tp 2, the experts over the 2 dp ranks of each stage
+    "dp2xpp2xtp2-ep2-fsdp": {"num_workers": 8, "strategy": "fsdp", "pp": 2, "tp": 2, "ep": 2,
+                             "model_overrides": NO_AUX, "grad_clip": 0.05},
 }
 
 
@@ -63,14 +70,15 @@ def _expert_parameters(plan) -> int:
 
 
 def _expected_local_parameters(plan) -> float:
-    """What one rank holds: the dense part as the strategy lays it out, E / ep of the experts
-    (sharded further over expert_dp by FSDP2), both over pp stages."""
+    """What one rank holds: the dense part as the strategy lays it out (over tp, then sharded over
+    dp by FSDP2), E / ep of the experts (whole on every tp rank; FSDP2 shards them over their
+    expert_dp x tp copies), both over pp stages."""
     total = parameter_counts(build_config(plan.model, plan.model_overrides))["total"]
     experts = _expert_parameters(plan)
     dense = total - experts
     if plan.strategy == "fsdp":
-        return (dense / plan.dp_degree + experts / plan.dp_degree) / plan.pp
-    return (dense + experts / plan.ep) / plan.pp
+        return (dense + experts) / (plan.dp_degree * plan.tp * plan.pp)
+    return (dense / plan.tp + experts / plan.ep) / plan.pp
 
 
 @pytest.mark.integration
@@ -83,9 +91,9 @@ def test_expert_parallel_trains_like_the_reference(name):
     assert_groups_use_plan_timeout(plan, out)  # the expert mesh's groups (ep, expert-dp) too
     expected = _expected_local_parameters(plan)
     counts = out["local_parameter_counts"]
-    if plan.pp == 1:  # exact: the experts split evenly, FSDP2's shards differ by padding only
+    if plan.pp == 1 and plan.tp == 1:  # exact: the experts split evenly, FSDP2's shards differ by padding only
         assert all(abs(c - expected) <= 64 for c in counts), (counts, expected)
-    else:  # stages hold unequal parts (embedding on the first, head on the last)
+    else:  # stages hold unequal parts (embedding on the first, head on the last); tp replicates the norms
         assert 0.8 * expected <= min(counts) <= max(counts) <= 1.2 * expected, (counts, expected)
     # and not what every rank would hold without ep (the experts whole)
     whole = parameter_counts(build_config(plan.model, plan.model_overrides))["total"]
@@ -105,7 +113,8 @@ def test_expert_parallel_in_bf16_trains_close_to_the_reference(name):
 REFUSED = {
     "ep-not-dividing-dp": ({"num_workers": 4, "ep": 3}, r"ep: 3 must divide the data-parallel degree 4.*allowed ep: \[1, 2, 4\]"),
     "ep-with-zero": ({"strategy": "zero", "ep": 2}, r"ep: 2 with strategy 'zero'.*deepspeed\.moe.*allowed"),
-    "ep-with-tp": ({"num_workers": 4, "tp": 2, "ep": 2}, r"ep: 2 with tp 2 is not wired.*allowed: tp 1"),
+    "ep-with-sequence-parallel": ({"num_workers": 4, "tp": 2, "ep": 2, "sequence_parallel": True},
+                                  r"ep: 2 with tp 2 and sequence_parallel.*allowed: sequence_parallel false"),
     "ep-with-compile": ({"ep": 2, "compile": True, "warmup_steps": 1}, r"ep: 2 with compile: true.*split sizes"),
     "ep-with-hybrid": ({"num_workers": 4, "ep": 2, "strategy": "fsdp", "fsdp": {"sharding": "hybrid",
                                                                                  "shard_group_size": 2}},
@@ -113,14 +122,16 @@ REFUSED = {
     "ep-not-dividing-experts": ({"num_workers": 6, "global_batch": 6, "ep": 3},
                                 r"ep: 3 must divide the model's 8 routed experts; allowed ep: \[1, 2\]"),
     "pp-drops-aux-loss": ({"num_workers": 2, "pp": 2}, r"pp: 2 with model 'tiny-mixtral'.*load-balancing loss"),
+    "vocab-parallel-with-aux-loss": ({"num_workers": 4, "tp": 2, "ep": 2, "loss": "vocab_parallel"},
+                                     r"loss: 'vocab_parallel' with output_router_logits true.*allowed: 'standard'"),
 }
 
 
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_plan_refuses_what_ep_cannot_do(name):
     fields, message = REFUSED[name]
-    with pytest.raises(PlanError, match=message):
-        load_plan_dict({**MOE, **fields})
+    with pytest.raises(PlanError, match=message):  # the plan's rules, then the preflight's on the meta model
+        check_plan_against_model(load_plan_dict({**MOE, **fields}))
 
 
 def test_preflight_refuses_ep_on_a_dense_model_and_accepts_a_moe():

@@ -145,10 +145,10 @@ def _check_ep_degrees(plan: Any) -> None:
         raise ValueError(f"ep: {ep} with strategy 'zero': DeepSpeed's expert parallelism needs its own MoE layer "
                          "(deepspeed.moe.layer.MoE), which transformers' models do not use, and ZeRO would gather "
                          "experts that are meant to stay apart; allowed: ep with 'ddp' or 'fsdp', or ep 1 with zero")
-    if plan.tp > 1:
-        raise ValueError(f"ep: {ep} with tp {plan.tp} is not wired: the experts would have to be tensor-parallel "
-                         "inside the tp group or sliced by token across it (transformers' tp plans shard them "
-                         "'packed_colwise', which paratune's tp does not implement); allowed: tp 1 with ep")
+    if plan.tp > 1 and plan.sequence_parallel:
+        raise ValueError(f"ep: {ep} with tp {plan.tp} and sequence_parallel: the MoE layer's input and output "
+                         "would be sequence-sharded across the tp group, which the dispatch does not follow (it "
+                         "slices a replicated input by token); allowed: sequence_parallel false with ep")
     if plan.cp > 1:
         raise ValueError(f"ep: {ep} with cp {plan.cp} is not wired (the cp ranks' sequence shards would join the "
                          "expert groups); allowed: cp 1 with ep")

@@ -157,7 +157,12 @@ def _check_tp(plan: Plan, config, model: nn.Module) -> None:
                         "strategy 'fsdp' (FSDP2 x TP keeps the tie), or ddp with dp 1")
     blocks = decoder_blocks(model)
     prefix = f"{parts.stack_path}.*."
+    from paratune.parallel.ep import expert_module_patterns, under_experts
+
+    experts = expert_module_patterns(config) if getattr(plan, "ep", 1) > 1 else []  # ep's, not tp's
     for pattern, style in hf_plan.items():
+        if under_experts(pattern, experts):
+            continue
         if style == "embedding_rowwise" and _is_module(model.base_model, pattern, embedding):
             # transformers 5.1x (the GPU image's 5.17) adds the tied input embedding to every plan as
             # "embed_tokens": "embedding_rowwise"; paratune shards that embedding itself, the same way.

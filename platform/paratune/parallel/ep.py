@@ -110,6 +110,18 @@ def expert_entries(model: nn.Module) -> list[ExpertEntry]:
     return entries
 
 
+def expert_module_patterns(config) -> list[str]:
+    """The EP plan's experts-module patterns ("layers.*.mlp.experts"): under ep, tensor parallelism
+    leaves these modules (and their weights) to expert parallelism."""
+    ep_plan = getattr(config, "base_model_ep_plan", None) or {}
+    return [pattern for pattern, style in ep_plan.items() if style == DISPATCH_STYLE]
+
+
+def under_experts(pattern: str, experts: list[str]) -> bool:
+    """Whether a tp-plan pattern names an experts module or something inside one."""
+    return any(pattern == e or pattern.startswith(e + ".") for e in experts)
+
+
 def ep_refusal(plan: Plan, model: nn.Module) -> str | None:
     """Why the plan's ep cannot split this model's experts (None: it can); for the preflight."""
     if plan.ep == 1:
@@ -132,19 +144,19 @@ def ep_refusal(plan: Plan, model: nn.Module) -> str | None:
 
 @dataclass(frozen=True)
 class ExpertMeshes:
-    """The expert layout's device mesh: pp x expert_dp x ep x etp (etp = 1: experts not
-    tensor-parallel), over the same ranks as the strategy's pp x dp mesh (tp 1, cp 1)."""
+    """The expert layout's device mesh: pp x expert_dp x ep x etp, over the same ranks as the
+    strategy's pp x dp x tp mesh (cp 1; dp = expert_dp x ep). etp is the plan's tp group: its
+    ranks hold the same tokens, and each dispatches its own slice of them (transformers'
+    AllToAllEP slices by rank and gathers back), so each of them also holds a copy of its ep
+    rank's experts: the copies of an expert are its expert_dp x tp ranks (`expert_dp`)."""
 
     mesh: DeviceMesh
     dp: int  # all data-parallel ranks (the gradient's divisor)
+    expert_dp: DeviceMesh  # the ranks holding the same experts: edp x etp, flattened
 
     @property
     def ep(self) -> DeviceMesh:
         return self.mesh["ep"]
-
-    @property
-    def expert_dp(self) -> DeviceMesh:
-        return self.mesh["edp"]
 
     @property
     def ep_group(self):
@@ -157,10 +169,11 @@ class ExpertMeshes:
 
 def expert_meshes(plan: Plan, device_type: str) -> ExpertMeshes:
     """The mesh the experts are laid out on (every rank calls it, in the same order)."""
-    assert plan.tp == 1 and plan.cp == 1, "ep with tp or cp is refused by the plan"
-    mesh = init_device_mesh(device_type, (plan.pp, plan.expert_dp_degree, plan.ep, 1),
+    assert plan.cp == 1, "ep with cp is refused by the plan"
+    mesh = init_device_mesh(device_type, (plan.pp, plan.expert_dp_degree, plan.ep, plan.tp),
                             mesh_dim_names=("pp", "edp", "ep", "etp"))
-    return ExpertMeshes(mesh, plan.dp_degree)
+    copies = mesh["edp"] if plan.tp == 1 else mesh["edp", "etp"]._flatten("edp_etp")
+    return ExpertMeshes(mesh, plan.dp_degree, copies)
 
 
 def shard_experts(model: nn.Module, meshes: ExpertMeshes) -> list[ExpertEntry]:
@@ -237,8 +250,9 @@ def expert_param_names(model: nn.Module) -> list[str]:
 
 @torch.no_grad()
 def reduce_expert_gradients(model: nn.Module, meshes: ExpertMeshes) -> None:
-    """DDP's share for the experts it ignores: sum each expert gradient over its expert_dp copies
-    and divide by dp (see the module docstring), once per step, after the last micro-batch."""
+    """DDP's share for the experts it ignores: sum each expert gradient over its copies (expert_dp,
+    x tp: each tp rank dispatched a slice of the tokens) and divide by dp (see the module
+    docstring), once per step, after the last micro-batch."""
     grads = [p.grad for p in model.parameters() if is_expert_param(p) and p.grad is not None]
     if not grads:
         return
@@ -255,7 +269,8 @@ def reduce_expert_gradients(model: nn.Module, meshes: ExpertMeshes) -> None:
 def shard_experts_fsdp(entries: list[ExpertEntry], meshes: ExpertMeshes, replicated: bool = False,
                        **fsdp_kwargs) -> None:
     """FSDP2 on each experts module over the expert_dp ranks (torchtitan's and transformers' way):
-    its reduce-scatter sums the copies; the divide factor dp makes it the reference's gradient.
+    its reduce-scatter sums the copies (x tp: each tp rank dispatched a slice of the tokens); the
+    divide factor dp makes it the reference's gradient.
     `replicated`: FSDP2's replicate instead (DDP semantics under a pipeline schedule). Non-NCCL
     backends reject FSDP2's PREMUL_SUM for a custom factor: sum, then divide locally."""
     from torch.distributed._composable.replicate_with_fsdp import replicate

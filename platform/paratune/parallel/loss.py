@@ -51,6 +51,14 @@ CP_REASON = ("under cp the sequence is sharded by context_parallel; paratune's c
              "runs on gathered logits")
 
 
+# A MoE family adds its routers' load-balancing loss (a plain tensor) to the cross-entropy inside
+# its forward; under loss_parallel that cross-entropy is a DTensor, and the sum's backward mixes them
+# ("aten.mul.Tensor got mixed torch.Tensor and DTensor", measured on gloo with tiny-mixtral, tp 2).
+AUX_LOSS_REASON = ("output_router_logits true: the family adds the routers' load-balancing loss to the loss "
+                   "inside its forward, a plain tensor beside loss_parallel's DTensor loss, and the backward "
+                   "cannot mix them")
+
+
 def logit_transform(config) -> str | None:
     """The config field (and value) with which the family transforms its logits after the head, or None."""
     for field in LOGIT_TRANSFORM_FIELDS:
@@ -67,6 +75,8 @@ def _vocab_parallel_obstacle(plan: Plan, config) -> str | None:
         return f"cp {plan.cp}: {CP_REASON}"
     if getattr(config, "tie_word_embeddings", False):
         return TIED_REASON
+    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 1) != 0:
+        return AUX_LOSS_REASON
     # A family's logit transform (LOGIT_TRANSFORM_FIELDS) is pointwise: it keeps the vocab sharding
     # (Gemma-2's tanh soft-cap on a Shard(-1) DTensor under loss_parallel: exact, measured).
     return None

@@ -120,14 +120,30 @@ def parallelize_model_parallel(model: nn.Module, init: ModelInit, plan: Plan, de
     layout = DataParallelLayout.for_plan(plan, dims)
     convert_linears(model, plan)
     apply_activation_checkpointing(model, plan)
-    if dims.tp > 1:
-        apply_tp(model, dims.mesh["tp"], plan.sequence_parallel)  # on the meta device: shards, no memory
+    experts = meshes = None
+    if plan.ep > 1:  # the experts split over ep of the dp ranks (paratune.parallel.ep), on meta, before tp
+        from paratune.parallel.ep import expert_meshes, shard_experts
+
+        meshes = expert_meshes(plan, dims.device_type)
+        experts = shard_experts(model, meshes)
+    if dims.tp > 1:  # on the meta device: shards, no memory (under ep: all but the routed experts)
+        apply_tp(model, dims.mesh["tp"], plan.sequence_parallel, expert_parallel=experts is not None)
     compile_blocks(model, plan, device, dims.mesh["tp"].get_group().group_name if dims.tp > 1 else None)
     if dims.pp > 1:
-        return _parallelize_pipeline(model, init, plan, device, dims, layout)
+        return _parallelize_pipeline(model, init, plan, device, dims, layout, experts, meshes)
+    if experts is not None:
+        experts = _wrap_stage_experts(experts, [model], plan, dims, layout, meshes)
     _apply_dp_on_meta(model, decoder_blocks(model), plan, dims, layout)
     materialize(model, init, _materialize_device(device, layout))
     move_buffers(model, device)
+    before_step = None
+    if experts is not None:
+        from paratune.parallel.ep import expert_param_names, mark_expert_params, reduce_expert_gradients
+
+        mark_expert_params(experts)
+        if layout.kind == "ddp":  # DDP would average experts that differ: theirs is their own step
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model))
+            before_step = partial(reduce_expert_gradients, model, meshes)
     wrapped = _wrap_ddp(model, plan, dims, layout)
     params = list(wrapped.parameters())
 
@@ -136,8 +152,9 @@ def parallelize_model_parallel(model: nn.Module, init: ModelInit, plan: Plan, de
         return {"position_ids": torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)}
 
     runner_args = (wrapped, make_optimizer(params, plan), plan, device, _sync_context(wrapped, plan, layout))
-    runner_kwargs = dict(autocast=plan.precision == "bf16" and not layout.mixed_precision,
-                         clip=partial(clip_grad_norm, params, plan.grad_clip, tp_group=dims.mesh["tp"].get_group()))
+    runner_kwargs = dict(autocast=plan.precision == "bf16" and not layout.mixed_precision, before_step=before_step,
+                         clip=partial(clip_grad_norm, params, plan.grad_clip, tp_group=dims.mesh["tp"].get_group(),
+                                      ep_group=meshes.ep_group if meshes is not None else None))
     if dims.cp > 1:  # positions come with the sequence shard (sequence parallelism included)
         from paratune.parallel.cp import CPStepRunner, configure_gradient_reduction
 
@@ -174,14 +191,16 @@ class PipelineRunner(StepRunner):
 
 def _wrap_stage_experts(experts: list, stage_modules: list[nn.Module], plan: Plan, dims: ParallelDims,
                         layout: DataParallelLayout, meshes) -> list:
-    """Before the stages' own FSDP2, on the meta device: the experts of this rank's stages wrapped
-    over their expert_dp ranks (sharded, or replicated where the dp axis replicates)."""
+    """Before FSDP2 wraps the blocks, on the meta device: the experts of this rank's modules (its
+    stages) wrapped over their copies (sharded, or replicated where the dp axis replicates)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
     from paratune.parallel.ep import shard_experts_fsdp
 
     inside = {id(m) for root in stage_modules for m in root.modules()}
     experts = [entry for entry in experts if id(entry.module) in inside]
+    if layout.kind == "ddp":  # torch DDP, wrapped later, ignores them (reduce_expert_gradients)
+        return experts
     if plan.fsdp is not None:
         from paratune.parallel.fsdp import fsdp_policies
 
@@ -196,19 +215,14 @@ def _wrap_stage_experts(experts: list, stage_modules: list[nn.Module], plan: Pla
 
 
 def _parallelize_pipeline(model: nn.Module, init: ModelInit, plan: Plan, device: torch.device,
-                          dims: ParallelDims, layout: DataParallelLayout) -> StepRunner:
+                          dims: ParallelDims, layout: DataParallelLayout, experts: list | None = None,
+                          meshes=None) -> StepRunner:
     from torch.distributed.pipelining import PipelineStage
 
     from paratune.parallel.pp import build_stages, make_schedule
 
     pp_mesh = dims.mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
-    experts = meshes = None
-    if plan.ep > 1:  # each stage's experts split over ep of its dp ranks (paratune.parallel.ep), on meta
-        from paratune.parallel.ep import expert_meshes, shard_experts
-
-        meshes = expert_meshes(plan, dims.device_type)
-        experts = shard_experts(model, meshes)
     owned = build_stages(model, dims.pp, pp_rank, plan.pp_schedule,
                          seq_shards=dims.tp if plan.sequence_parallel else 1)
     num_stages = dims.pp * (2 if plan.pp_schedule == "interleaved_1f1b" else 1)

@@ -106,13 +106,17 @@ def block_prefix(model: nn.Module) -> str:
     return f"{decoder_parts(model).stack_path}.*."
 
 
-def block_plan(model: nn.Module, sequence_parallel: bool) -> dict:
-    """Per-block plan from transformers' `base_model_tp_plan` (the blocks' prefix stripped)."""
+def block_plan(model: nn.Module, sequence_parallel: bool, expert_parallel: bool = False) -> dict:
+    """Per-block plan from transformers' `base_model_tp_plan` (the blocks' prefix stripped).
+    `expert_parallel`: the routed experts are expert parallelism's (paratune.parallel.ep), not tp's."""
+    from paratune.parallel.ep import expert_module_patterns, under_experts
+
     hf_plan = getattr(model.config, "base_model_tp_plan", None) or {}
     prefix = block_prefix(model)
+    experts = expert_module_patterns(model.config) if expert_parallel else []
     plan: dict = {}
     for pattern, style in hf_plan.items():
-        if not pattern.startswith(prefix):
+        if not pattern.startswith(prefix) or under_experts(pattern, experts):
             continue
         plan[pattern.removeprefix(prefix)] = _style(style, pattern, sequence_parallel)
     if not plan:
@@ -135,7 +139,7 @@ def head_style(model: nn.Module, input_layout) -> ColwiseParallel:
     return ColwiseParallel(input_layouts=input_layout, output_layouts=Replicate(), use_local_output=True)
 
 
-def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> None:
+def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False, expert_parallel: bool = False) -> None:
     parts = decoder_parts(model)
     embedding, head = parts.embedding, parts.head
     tied = head.weight is embedding.weight
@@ -146,7 +150,7 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> None
     parallelize_module(head, tp_mesh, head_style(model, sp_out))
     if tied:  # both are sharded over the vocabulary (Shard(0)): one parameter again, as in the reference
         head.weight = embedding.weight
-    plan = block_plan(model, sequence_parallel)
+    plan = block_plan(model, sequence_parallel, expert_parallel)
     for block in decoder_blocks(model):
         parallelize_module(block, tp_mesh, plan)
 
