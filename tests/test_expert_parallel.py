@@ -23,7 +23,8 @@ NO_AUX = {"output_router_logits": False}  # pipeline stages do not carry router 
 
 EP_CASES: dict[str, dict] = {
     # 2 processes: every dp rank is one ep rank (expert_dp 1)
-    "ddp-ep2": {"num_workers": 2, "strategy": "ddp", "ep": 2, "grad_clip": 0.05},  # clipping on every step
+    "ddp-ep2": {"num_workers": 2, "strategy": "ddp", "ep": 2, "grad_clip": 0.05,  # clipping on every step
+                "profile_comm": True},  # and the all-to-all's share of a profiled step
     "fsdp-ep2": {"num_workers": 2, "strategy": "fsdp", "ep": 2, "grad_clip": 0.05},
     # 4 processes: expert_dp 2 (each expert on two ranks) or ep over all four
     "ddp-ep2-edp2": {"num_workers": 4, "strategy": "ddp", "ep": 2},
@@ -89,6 +90,11 @@ def test_expert_parallel_trains_like_the_reference(name):
     assert max_loss_difference(out["losses"], reference) < 1e-5, (out["losses"], reference)
     assert out["losses"][-1] < out["losses"][0]
     assert_groups_use_plan_timeout(plan, out)  # the expert mesh's groups (ep, expert-dp) too
+    # the routing's balance, summed over ranks (and stages): every MoE layer, max / mean >= 1
+    assert out["routing_layers"] == list(range(build_config(plan.model, plan.model_overrides).num_hidden_layers))
+    assert out["routing_balance"] == max(out["routing_balance_per_layer"]) >= 1.0
+    if plan.profile_comm:  # the dispatch's part of the collectives
+        assert 0 < out["all_to_all_share"] <= out["comm_share"], (out["all_to_all_share"], out["comm_share"])
     expected = _expected_local_parameters(plan)
     counts = out["local_parameter_counts"]
     if plan.pp == 1 and plan.tp == 1:  # exact: the experts split evenly, FSDP2's shards differ by padding only

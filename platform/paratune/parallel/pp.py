@@ -54,6 +54,7 @@ class StageModule(nn.Module):
         parts = decoder_parts(model)
         self.embed_tokens = parts.embedding if first else None
         self.layers = nn.ModuleList(list(parts.blocks)[layers[0] : layers[1]])
+        self.layer_offset = layers[0]  # its layers' indices in the whole model (layers.0 here is that one)
         self.norm = parts.norm if last else None
         self.lm_head = parts.head if last else None
         self.rotary_emb = parts.rotary  # no parameters: recomputed on every stage
