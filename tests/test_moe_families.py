@@ -3,10 +3,10 @@
 One process: each preset builds, its routed experts are found (count, layers, top-k), the family
 declares transformers' `base_model_ep_plan`, and the trained loss is the family's own (cross
 entropy plus router_aux_loss_coef x the load-balancing loss where it has one). Two real gloo
-processes (one set for the whole matrix): every family under ddp, fsdp (full) and ZeRO-3 trains
-like the single-process reference (fp32, < 1e-5), and where the family has an aux loss, changing
-its coefficient moves the reference far more than that tolerance, so the parity also proves the
-distributed loss carries the aux loss.
+processes (one set for the whole matrix): every family under ddp, fsdp (full) and ZeRO-3, and
+four ep 2 cases, train like the single-process reference (fp32, < 1e-5); where the family has an
+aux loss, changing its coefficient moves the reference far more than that tolerance, so the
+parity also proves the distributed loss carries the aux loss.
 """
 
 from __future__ import annotations
@@ -39,6 +39,15 @@ STRATEGIES: dict[str, dict] = {
     "zero3": {"strategy": "zero", "zero": {"stage": 3}},
 }
 
+# Expert parallelism (ep 2: each rank holds 4 of the 8 experts, transformers' AllToAllEP dispatch)
+# on the families tiny-mixtral's EP cases (test_expert_parallel) do not cover, each wrapper twice.
+EP_CASES: dict[str, dict] = {
+    "qwen3-moe-ddp-ep2": {"model": "tiny-qwen3-moe", "strategy": "ddp", "ep": 2},
+    "olmoe-ddp-ep2": {"model": "tiny-olmoe", "strategy": "ddp", "ep": 2},
+    "deepseek-v3-fsdp-ep2": {"model": "tiny-deepseek-v3", "strategy": "fsdp", "ep": 2},
+    "granitemoe-fsdp-ep2": {"model": "tiny-granitemoe", "strategy": "fsdp", "ep": 2},
+}
+
 # 2 processes x micro_batch 2 = global_batch 4 (no accumulation): one warm-up step, two measured.
 CASE = {**BASE_PLAN, "global_batch": 4, "micro_batch": 2, "warmup_steps": 1, "measure_steps": 2}
 PARITY_TOLERANCE = 1e-5  # fp32; the dense families' parity cases see ~5e-7
@@ -49,10 +58,11 @@ def _case_name(family: str, strategy: str) -> str:
 
 
 def moe_family_plans() -> dict[str, Plan]:
-    """Every family under every strategy, as plans of 2 processes (what test_parity_gloo can add to
-    its batch of 2 processes)."""
-    return {_case_name(family, strategy): load_plan_dict({**CASE, "model": family, **fields})
-            for family in FAMILIES for strategy, fields in STRATEGIES.items()}
+    """Every family under every strategy, and the EP cases, as plans of 2 processes (what
+    test_parity_gloo can add to its batch of 2 processes)."""
+    plans = {_case_name(family, strategy): load_plan_dict({**CASE, "model": family, **fields})
+             for family in FAMILIES for strategy, fields in STRATEGIES.items()}
+    return plans | {name: load_plan_dict({**CASE, **fields}) for name, fields in EP_CASES.items()}
 
 
 @functools.lru_cache(maxsize=None)
