@@ -1,0 +1,152 @@
+"""Mixture-of-experts families (presets tiny-mixtral, -qwen3-moe, -olmoe, -deepseek-v3, -granitemoe).
+
+One process: each preset builds, its routed experts are found (count, layers, top-k), the family
+declares transformers' `base_model_ep_plan`, and the trained loss is the family's own (cross
+entropy plus router_aux_loss_coef x the load-balancing loss where it has one). Two real gloo
+processes (one set for the whole matrix): every family under ddp, fsdp (full) and ZeRO-3, and
+four ep 2 cases, train like the single-process reference (fp32, < 1e-5); where the family has an
+aux loss, changing its coefficient moves the reference far more than that tolerance, so the
+parity also proves the distributed loss carries the aux loss.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from gloo_harness import batch_result, one_torch_thread, reference_for, run_named_batch  # noqa: F401 (fixture)
+from conftest import BASE_PLAN
+
+from paratune.models import build_config, build_model, routed_experts, routed_top_k
+from paratune.parity import max_loss_difference
+from paratune.plan import Plan, PlanError, load_plan_dict
+
+# family preset -> (routed experts per MoE layer, indices of the MoE layers, has a load-balancing loss)
+FAMILIES: dict[str, tuple[int, list[int], bool]] = {
+    "tiny-mixtral": (8, [0, 1], True),
+    "tiny-qwen3-moe": (8, [0, 1], True),
+    "tiny-olmoe": (8, [0, 1], True),
+    # first_k_dense_replace 1: layer 0 dense; aux-loss-free routing (a score bias, no loss term)
+    "tiny-deepseek-v3": (8, [1], False),
+    "tiny-granitemoe": (8, [0, 1], True),
+}
+AUX_FAMILIES = [f for f, (_, _, aux) in FAMILIES.items() if aux]
+
+STRATEGIES: dict[str, dict] = {
+    "ddp": {"strategy": "ddp"},
+    "fsdp": {"strategy": "fsdp", "fsdp": {"sharding": "full"}},
+    "zero3": {"strategy": "zero", "zero": {"stage": 3}},
+}
+
+# Expert parallelism (ep 2: each rank holds 4 of the 8 experts, transformers' AllToAllEP dispatch)
+# on the families tiny-mixtral's EP cases (test_expert_parallel) do not cover, each wrapper twice.
+EP_CASES: dict[str, dict] = {
+    "qwen3-moe-ddp-ep2": {"model": "tiny-qwen3-moe", "strategy": "ddp", "ep": 2},
+    "olmoe-ddp-ep2": {"model": "tiny-olmoe", "strategy": "ddp", "ep": 2},
+    "deepseek-v3-fsdp-ep2": {"model": "tiny-deepseek-v3", "strategy": "fsdp", "ep": 2},
+    "granitemoe-fsdp-ep2": {"model": "tiny-granitemoe", "strategy": "fsdp", "ep": 2},
+}
+
+# 2 processes x micro_batch 2 = global_batch 4 (no accumulation): one warm-up step, two measured.
+CASE = {**BASE_PLAN, "global_batch": 4, "micro_batch": 2, "warmup_steps": 1, "measure_steps": 2}
+PARITY_TOLERANCE = 1e-5  # fp32; the dense families' parity cases see ~5e-7
+
+
+def _case_name(family: str, strategy: str) -> str:
+    return f"{family.removeprefix('tiny-')}-{strategy}"
+
+
+def moe_family_plans() -> dict[str, Plan]:
+    """Every family under every strategy, and the EP cases, as plans of 2 processes (what
+    test_parity_gloo can add to its batch of 2 processes)."""
+    plans = {_case_name(family, strategy): load_plan_dict({**CASE, "model": family, **fields})
+             for family in FAMILIES for strategy, fields in STRATEGIES.items()}
+    return plans | {name: load_plan_dict({**CASE, **fields}) for name, fields in EP_CASES.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _moe_runs() -> dict:
+    """name -> (plan, rank 0's output) of every case, one set of gloo processes for all (the lead
+    may swap this for test_parity_gloo's shared `_runs(2)` batch)."""
+    return run_named_batch(moe_family_plans())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_preset_builds_and_its_experts_are_found(family):
+    count, layers, aux = FAMILIES[family]
+    config = build_config(family)
+    model = build_model(config, seed=0)
+    experts = routed_experts(model)
+    assert [n for _, _, n in experts] == [count] * len(layers), experts
+    assert [path.split(".")[2] for path, _, _ in experts] == [str(i) for i in layers], experts
+    assert [routed_top_k(model, path, module) for path, module, _ in experts] == [2] * len(layers)
+    # transformers' own expert-parallel plan for the family (what paratune.parallel.ep drives)
+    assert getattr(config, "base_model_ep_plan", None), f"{family}: no base_model_ep_plan"
+    assert bool(config.output_router_logits) == aux
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_trained_loss_is_the_familys_own(family):
+    """The loss a step trains on: cross entropy plus coef x the family's load-balancing loss (none
+    for DeepSeek-V3), the aux loss computed from every layer's router logits in the forward."""
+    _, layers, aux = FAMILIES[family]
+    config = build_config(family)
+    model = build_model(config, seed=0).train()
+    ids = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    out = model(input_ids=ids, labels=ids)
+    plain = model(input_ids=ids, labels=ids, output_router_logits=False)
+    if not aux:
+        assert out.get("aux_loss") is None and torch.equal(out.loss, plain.loss)
+        return
+    assert len(out.router_logits) == len(layers)
+    assert out.aux_loss > 0
+    expected = plain.loss + config.router_aux_loss_coef * out.aux_loss
+    assert abs(out.loss.item() - expected.item()) < 1e-6, (out.loss.item(), expected.item())
+
+
+@pytest.mark.parametrize("family", AUX_FAMILIES)
+def test_pipeline_refused_where_the_aux_loss_would_be_dropped(family):
+    """Pipeline stages pass hidden states, not router logits: the plan refuses pp with the aux
+    loss on (before any worker starts), and accepts it when the preset is overridden without it."""
+    fields = {**CASE, "model": family, "pp": 2}
+    with pytest.raises(PlanError, match="output_router_logits"):
+        load_plan_dict(fields)
+    assert load_plan_dict({**fields, "model_overrides": {"output_router_logits": False}}).pp == 2
+
+
+def test_pipeline_accepted_for_the_aux_free_family():
+    assert load_plan_dict({**CASE, "model": "tiny-deepseek-v3", "pp": 2}).pp == 2
+
+
+@pytest.mark.parametrize("family", AUX_FAMILIES)
+def test_aux_loss_moves_the_reference_far_beyond_the_tolerance(family):
+    """Changing router_aux_loss_coef changes the reference's losses by far more than the parity
+    tolerance: a distributed run within tolerance of the reference trains on the aux loss too."""
+    plan = moe_family_plans()[_case_name(family, "ddp")]
+    coef = build_config(family).router_aux_loss_coef
+    changed = load_plan_dict({**plan.to_dict(), "model_overrides": {"router_aux_loss_coef": 10 * coef}})
+    moved = max_loss_difference(reference_for(changed), reference_for(plan))
+    assert moved > 100 * PARITY_TOLERANCE, moved
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_later_steps_depend_on_the_update(family):
+    """The reference's steps after the first move by far more than the tolerance when the learning
+    rate changes: parity on them checks each strategy's update, not only its forward. (Random
+    tokens, a new batch every step: over 3 steps the loss need not fall, so it is not asserted.)"""
+    plan = moe_family_plans()[_case_name(family, "ddp")]
+    slower = load_plan_dict({**plan.to_dict(), "lr": plan.lr / 10})
+    reference, slow = reference_for(plan), reference_for(slower)
+    assert reference[0] == slow[0]  # same model, same first batch
+    assert max_loss_difference(reference[1:], slow[1:]) > 100 * PARITY_TOLERANCE
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", list(moe_family_plans()))
+def test_family_trains_like_the_reference(name):
+    plan, out = batch_result(_moe_runs()[name])
+    reference = reference_for(plan)
+    assert len(out["losses"]) == plan.total_steps
+    assert max_loss_difference(out["losses"], reference) < PARITY_TOLERANCE, (out["losses"], reference)
+    assert set(out["linear_matmul_dtypes"]) == {"float32"}  # fp32 plans compute in fp32
