@@ -21,6 +21,7 @@ from conftest import BASE_PLAN
 from paratune.models import build_config, build_model, routed_experts, routed_top_k
 from paratune.parity import max_loss_difference
 from paratune.plan import Plan, PlanError, load_plan_dict
+from paratune.preflight import check_plan_against_model
 
 # family preset -> (routed experts per MoE layer, indices of the MoE layers, has a load-balancing loss)
 FAMILIES: dict[str, tuple[int, list[int], bool]] = {
@@ -48,6 +49,14 @@ EP_CASES: dict[str, dict] = {
     "granitemoe-fsdp-ep2": {"model": "tiny-granitemoe", "strategy": "fsdp", "ep": 2},
 }
 
+# Pipeline stages (pp 2: layer 0 on one rank, layer 1 on the other), the families without tied
+# embeddings, their aux loss off (stages do not carry router logits; the preflight refuses it on).
+NO_AUX = {"output_router_logits": False}
+PP_CASES: dict[str, dict] = {
+    f"{family.removeprefix('tiny-')}-pp2": {"model": family, "strategy": "ddp", "pp": 2, "micro_batch": 1,
+                                            "model_overrides": NO_AUX}
+    for family in ("tiny-mixtral", "tiny-qwen3-moe", "tiny-olmoe", "tiny-deepseek-v3")}
+
 # 2 processes x micro_batch 2 = global_batch 4 (no accumulation): one warm-up step, two measured.
 CASE = {**BASE_PLAN, "global_batch": 4, "micro_batch": 2, "warmup_steps": 1, "measure_steps": 2}
 PARITY_TOLERANCE = 1e-5  # fp32; the dense families' parity cases see ~5e-7
@@ -62,14 +71,15 @@ def moe_family_plans() -> dict[str, Plan]:
     test_parity_gloo can add to its batch of 2 processes)."""
     plans = {_case_name(family, strategy): load_plan_dict({**CASE, "model": family, **fields})
              for family in FAMILIES for strategy, fields in STRATEGIES.items()}
-    return plans | {name: load_plan_dict({**CASE, **fields}) for name, fields in EP_CASES.items()}
+    return plans | {name: load_plan_dict({**CASE, **fields}) for name, fields in {**EP_CASES, **PP_CASES}.items()}
 
 
-@functools.lru_cache(maxsize=None)
 def _moe_runs() -> dict:
-    """name -> (plan, rank 0's output) of every case, one set of gloo processes for all (the lead
-    may swap this for test_parity_gloo's shared `_runs(2)` batch)."""
-    return run_named_batch(moe_family_plans())
+    """name -> (plan, rank 0's output) of every case: test_parity_gloo's shared batch of 2 processes
+    runs them with its own (one spawn, one import for all)."""
+    from test_parity_gloo import _runs
+
+    return {name: run for (kind, name), run in _runs(2).items() if kind == "moe-family"}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -111,12 +121,16 @@ def test_pipeline_refused_where_the_aux_loss_would_be_dropped(family):
     loss on (before any worker starts), and accepts it when the preset is overridden without it."""
     fields = {**CASE, "model": family, "pp": 2}
     with pytest.raises(PlanError, match="output_router_logits"):
-        load_plan_dict(fields)
-    assert load_plan_dict({**fields, "model_overrides": {"output_router_logits": False}}).pp == 2
+        check_plan_against_model(load_plan_dict(fields))
+    if family != "tiny-granitemoe":  # tied embeddings: refused under pp for that reason
+        check_plan_against_model(load_plan_dict({**fields, "model_overrides": NO_AUX}))
 
 
 def test_pipeline_accepted_for_the_aux_free_family():
-    assert load_plan_dict({**CASE, "model": "tiny-deepseek-v3", "pp": 2}).pp == 2
+    """DeepSeek-V3 adds no aux loss (its config has no router_aux_loss_coef): output_router_logits on
+    changes nothing, and pp is accepted with it."""
+    check_plan_against_model(load_plan_dict({**CASE, "model": "tiny-deepseek-v3", "pp": 2,
+                                             "model_overrides": {"output_router_logits": True}}))
 
 
 @pytest.mark.parametrize("family", AUX_FAMILIES)

@@ -12,6 +12,7 @@ from gloo_harness import assert_groups_use_plan_timeout, batch_result, one_torch
 from conftest import BASE_PLAN, expected_parameter_share
 from test_loss_forms import loss_form_plans
 from test_expert_parallel import ep_plans
+from test_moe_families import moe_family_plans
 
 from paratune.plan import load_plan_dict
 from paratune.parity import max_loss_difference
@@ -104,7 +105,8 @@ def _all_plans() -> dict:
     return ({("fp32", n): _fp32_plan(n) for n in CASES} | {("bf16", n): _bf16_plan(n) for n in BF16_CASES}
             | {("model-parallel", n): load_plan_dict({**BASE_PLAN, **case}) for n, case in MODEL_PARALLEL.items()}
             | {("loss-form", n): plan for n, plan in loss_form_plans().items()}  # test_loss_forms' cases
-            | {("ep", n): plan for n, plan in ep_plans().items()})  # test_expert_parallel's cases
+            | {("ep", n): plan for n, plan in ep_plans().items()}  # test_expert_parallel's cases
+            | {("moe-family", n): plan for n, plan in moe_family_plans().items()})  # test_moe_families' cases
 
 
 @functools.lru_cache(maxsize=None)

@@ -69,11 +69,6 @@ def check_degrees(plan: Any) -> None:
                          f"{[d for d in range(1, kv_heads + 1) if heads % d == 0 and kv_heads % d == 0]}")
     if tp > 1 and config.get("vocab_size", 0) % tp:
         raise ValueError(f"tp: {tp} must divide vocab_size {config['vocab_size']} (embedding and head are sharded)")
-    if pp > 1 and config.get("output_router_logits") and config.get("router_aux_loss_coef", 1) != 0:
-        raise ValueError(f"pp: {pp} with model '{plan.model}', whose loss adds the routers' load-balancing loss "
-                         "(output_router_logits true): the family computes it at the loss from every layer's router "
-                         "logits, which pipeline stages do not pass on, so the pipeline would train without it; "
-                         "allowed: pp 1, or model_overrides {output_router_logits: false} to train without it")
     if pp > 1:
         stages = pp * (2 if plan.pp_schedule == "interleaved_1f1b" else 1)
         if layers < stages:

@@ -396,3 +396,11 @@ def parameter_counts(config) -> dict[str, int]:
     """
     layout = _layout(config_key(config))
     return {key: layout[key] for key in ("total", "embedding", "active", "compute")}
+
+
+def adds_router_aux_loss(config) -> bool:
+    """Whether the family's causal LM adds its routers' load-balancing loss to the loss it returns:
+    `output_router_logits` on and a non-zero `router_aux_loss_coef` on the built config (the family
+    class's default where config.json omits it; a family without one, DeepSeek-V3's aux-free
+    routing, adds nothing). The loss needs every layer's router logits, inside the model's forward."""
+    return bool(getattr(config, "output_router_logits", False)) and bool(getattr(config, "router_aux_loss_coef", 0))

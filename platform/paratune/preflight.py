@@ -33,7 +33,9 @@ from torch import nn
 from paratune.plan import Plan, PlanError
 
 # Families whose pipeline stages train exactly like the reference (measured, fp32 < 1e-5).
-PIPELINE_FAMILIES = ("gpt_neox", "llama", "mistral", "phi3", "qwen2", "qwen3")
+PIPELINE_FAMILIES = ("gpt_neox", "llama", "mistral", "phi3", "qwen2", "qwen3",
+                     # mixtures of experts (their aux loss off: _check_pp), proven by tests/test_moe_families.py
+                     "mixtral", "qwen3_moe", "olmoe", "deepseek_v3")
 # Why a known family is not among them (what its stages would get wrong).
 PIPELINE_REFUSALS = {
     "gemma2": "Gemma2ForCausalLM soft-caps the logits after lm_head (final_logit_softcapping) and its "
@@ -279,6 +281,13 @@ def _stage_mismatch(model: nn.Module) -> str | None:
 def _check_pp(plan: Plan, config, model: nn.Module) -> None:
     pp = plan.pp
     family = config.model_type
+    from paratune.models import adds_router_aux_loss
+
+    if adds_router_aux_loss(config):
+        raise PlanError(f"pp: {pp} with {_family(config)}, whose loss adds the routers' load-balancing loss "
+                        "(output_router_logits true): the family computes it at the loss from every layer's router "
+                        "logits, which pipeline stages do not pass on, so the pipeline would train without it; "
+                        "allowed: pp 1, or model_overrides {\"output_router_logits\": false} to train without it")
     if family not in PIPELINE_FAMILIES:
         why = PIPELINE_REFUSALS.get(family) or _stage_mismatch(model) or (
             f"{type(model).__name__} has not been verified to train the same model when cut into Llama-style stages")

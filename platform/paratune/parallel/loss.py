@@ -75,7 +75,9 @@ def _vocab_parallel_obstacle(plan: Plan, config) -> str | None:
         return f"cp {plan.cp}: {CP_REASON}"
     if getattr(config, "tie_word_embeddings", False):
         return TIED_REASON
-    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 1) != 0:
+    from paratune.models import adds_router_aux_loss
+
+    if adds_router_aux_loss(config):
         return AUX_LOSS_REASON
     # A family's logit transform (LOGIT_TRANSFORM_FIELDS) is pointwise: it keeps the vocab sharding
     # (Gemma-2's tanh soft-cap on a Shard(-1) DTensor under loss_parallel: exact, measured).
