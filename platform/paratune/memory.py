@@ -53,6 +53,7 @@ from paratune.activations import (
     activation_coefficients,
 )
 from paratune.devices import Device
+from paratune.moe_costs import DEFAULT_IMBALANCE, ExpertShare, expert_activation_bytes, held_with_experts, shard_params
 from paratune.plan import Plan
 from paratune.shapes import (
     BYTES,
@@ -226,7 +227,8 @@ def _ddp_moments(plan: Plan, shape: ModelShape, held: HeldParams, model: dict[st
     return moments
 
 
-def _fsdp_moments(plan: Plan, shape: ModelShape, held: HeldParams, model: dict[str, tuple[float, float]], host: bool) -> dict[str, _Moment]:
+def _fsdp_moments(plan: Plan, shape: ModelShape, held: HeldParams, model: dict[str, tuple[float, float]], host: bool,
+                  share: ExpertShare | None = None) -> dict[str, _Moment]:
     """FSDP2 (`fully_shard` per block and the root; `replicate` for no_shard).
 
     Sharded: fp32 shards, their moments and (once reduced) gradient shards, 4 + 8 + 4 bytes per
@@ -255,6 +257,13 @@ def _fsdp_moments(plan: Plan, shape: ModelShape, held: HeldParams, model: dict[s
     assert f is not None
     s, ga, pb = fsdp_shard_degree(plan), plan.grad_accum, BYTES[plan.precision]
     p, blk, root = held.local, held.layer, held.root
+    # Under ep the routed experts (E / ep of them, in `held` already) shard over expert_dp, the rest
+    # over dp (`shard_params`; with ep 1 everything over s).
+    e_local, e_layer, e_first = (share.local, share.layer, share.first) if share else (0.0, 0.0, 0.0)
+
+    def per_rank(params: float, experts: float) -> float:
+        return shard_params(params, experts, s, share)
+
     layers_here = math.ceil(shape.layers / plan.pp)
     compute, reduce = pb, 4  # unsharded parameters and gradients in the compute dtype; reduce-scatter in fp32
     # The float8 all-gather (torchao's WeightWithDynamicFloat8CastTensor: fsdp_pre_all_gather casts
@@ -272,14 +281,15 @@ def _fsdp_moments(plan: Plan, shape: ModelShape, held: HeldParams, model: dict[s
         for phase, (acts, forming) in model.items():
             moments[phase] = _Moment(weights, (4 * p if ga > 1 else 0.0) + forming, 8 * p, acts, reduce * blk)
         moments["step"] = _Moment(4 * p, 4 * p, 8 * p + _adamw_temporaries(p, held.largest, host))
-        return _fsdp_offloaded(plan, moments, p, s)
+        return _fsdp_offloaded(plan, moments, p / s)
     alone = s == 1  # a one-rank mesh: no all-gather, no reduce-scatter
-    shards, optim = 4 * p / s, 8 * p / s
+    ps = per_rank(p, e_local)
+    shards, optim = 4 * ps, 8 * ps
     if ga > 1:  # gradient shards accumulated from the earlier micro-batches
-        reduced = {phase: 4 * p / s for phase in (*PHASES, *_BLOCK_END, "next_block", "last_block", "reduce")}
+        reduced = {phase: 4 * ps for phase in (*PHASES, *_BLOCK_END, "next_block", "last_block", "reduce")}
     else:  # the blocks' shards appear as their reduce-scatters finish
-        reduced = {"next_block": 4 * blk / s, "last_block": 4 * (p - root - held.first) / s,
-                   "embedding": 4 * (p - root) / s, "reduce": 4 * (p - root) / s}
+        reduced = {"next_block": 4 * per_rank(blk, e_layer), "last_block": 4 * per_rank(p - root - held.first, e_local - e_first),
+                   "embedding": 4 * per_rank(p - root, e_local), "reduce": 4 * per_rank(p - root, e_local)}
     blocks_whole = layers_here * blk if not f.reshards_after_forward else 0.0
     ahead = 0 if alone else max(1, f.prefetch)  # blocks gathered ahead of the one in use
     in_backward = layers_here * blk if not f.reshards_after_forward else blk * (1 + ahead)
@@ -320,24 +330,25 @@ def _fsdp_moments(plan: Plan, shape: ModelShape, held: HeldParams, model: dict[s
         # freed, the output (a shard; the whole block on one rank) and gloo's copy of the input.
         copy_in = _Moment(after, reduced.get("blocks", 0.0) + grads, optim, acts, reduce * blk)
         scatter = _Moment(after, reduced.get("blocks", 0.0) + grads_after, optim, acts_after,
-                          reduce * blk + reduce * blk / s + (reduce * blk if host and not alone else 0.0))
+                          reduce * blk + reduce * per_rank(blk, e_layer) + (reduce * blk if host and not alone else 0.0))
         moments["block_reduce"] = max(copy_in, scatter, key=lambda m: m.total)
     gloo_copy = reduce * root if host and not alone else 0.0
     copy_in = _Moment(shards, reduced["reduce"] + compute * root, optim, 0.0, reduce * root)
     scatter = _Moment(shards, reduced["reduce"] + compute * held.head + reduce * root / s, optim, 0.0,
                       reduce * root + gloo_copy)
     moments["reduce"] = max(copy_in, scatter, key=lambda m: m.total)
-    moments["step"] = _Moment(shards, 4 * p / s, optim + _adamw_temporaries(p / s, held.largest / s, host))
-    return _fsdp_offloaded(plan, moments, p, s)
+    moments["step"] = _Moment(shards, 4 * ps, optim + _adamw_temporaries(ps, held.largest / s, host))
+    return _fsdp_offloaded(plan, moments, ps)
 
 
-def _fsdp_offloaded(plan: Plan, moments: dict[str, _Moment], p: float, s: int) -> dict[str, _Moment]:
-    """Under CPU offload the shards, their gradients and the optimizer live in host memory."""
+def _fsdp_offloaded(plan: Plan, moments: dict[str, _Moment], per_shard: float) -> dict[str, _Moment]:
+    """Under CPU offload the shards (`per_shard` parameters), their gradients and the optimizer
+    live in host memory."""
     if plan.fsdp is None or not plan.fsdp.cpu_offload:
         return moments
     for m in moments.values():
-        m.weights = max(0.0, m.weights - 4 * p / s)
-        m.gradients = max(0.0, m.gradients - 4 * p / s)
+        m.weights = max(0.0, m.weights - 4 * per_shard)
+        m.gradients = max(0.0, m.gradients - 4 * per_shard)
         m.optimizer = 0.0
     return moments
 
@@ -460,15 +471,38 @@ def _step(weights: float, grads: float, step_grads: float, optim: float, temps: 
 
 
 def memory_moments(plan: Plan, model: ActivationModel = "trace", device: "Device | None" = None,
-                   coeff: ActivationCoefficients | None = None) -> dict[str, _Moment]:
-    """Bytes per part at every moment of the step the model considers (PHASE_WHEN), per rank."""
+                   coeff: ActivationCoefficients | None = None, imbalance: float = DEFAULT_IMBALANCE) -> dict[str, _Moment]:
+    """Bytes per part at every moment of the step the model considers (PHASE_WHEN), per rank.
+    `imbalance`: max / mean tokens per expert (expert-parallel plans; paratune.moe_costs)."""
     shape = model_shape(plan)
     coeff = coeff or activation_coefficients(plan, model)
-    held = HeldParams.of(plan, shape)
+    held, share = held_with_experts(plan, shape)
     per_phase = _model_phase_bytes(plan, shape, coeff, keeps_weight_copies=compute_precision(plan) == "bf16",
                                    held=fully_sharded(plan))
-    build = {"ddp": _ddp_moments, "fsdp": _fsdp_moments, "zero": _zero_moments}[plan.strategy]
-    return build(plan, shape, held, per_phase, _on_host(plan, device))
+    host = _on_host(plan, device)
+    if plan.strategy == "fsdp":
+        moments = _fsdp_moments(plan, shape, held, per_phase, host, share)
+    else:
+        moments = {"ddp": _ddp_moments, "zero": _zero_moments}[plan.strategy](plan, shape, held, per_phase, host)
+    if share is not None:
+        _add_dispatch(plan, moments, imbalance)
+    return moments
+
+
+# Moments at which the blocks' saved activations are alive (the backward has not passed them yet),
+# and those at which an MoE layer's all-to-all buffers are in flight (a block's forward or backward).
+_BLOCKS_SAVED = ("gather", "block_forward", "forward", "logits", "loss", "head", "first_grad", "after_head", "blocks",
+                 "next_block", "block_end", "block_reduced", "block_reduce")
+_DISPATCHING = ("gather", "block_forward", "forward", "blocks", "next_block", "last_block")
+
+
+def _add_dispatch(plan: Plan, moments: dict[str, _Moment], imbalance: float) -> None:
+    """Expert parallelism's activations beyond the ep-1 trace (paratune.moe_costs
+    `expert_activation_bytes`): the busiest rank's extra received rows while the blocks' saved
+    activations live, one layer's all-to-all buffers while a block runs."""
+    saved, in_flight = expert_activation_bytes(plan, imbalance)
+    for phase, m in moments.items():
+        m.activations += (saved if phase in _BLOCKS_SAVED else 0.0) + (in_flight if phase in _DISPATCHING else 0.0)
 
 
 @dataclass
@@ -491,7 +525,7 @@ def model_states(plan: Plan, shape: ModelShape | None = None) -> ModelStates:
     home; FSDP: shards; ZeRO-1: whole, in param.grad; ZeRO-2/3: the rank's partition); at the
     optimizer step add `step_gradients`."""
     shape = shape or model_shape(plan)
-    held = HeldParams.of(plan, shape)
+    held, share = held_with_experts(plan, shape)
     local, layer = held.local, held.layer
     dp, ga, pb = replicas(plan), plan.grad_accum, BYTES[plan.precision]
     if plan.strategy == "ddp":
@@ -502,19 +536,20 @@ def model_states(plan: Plan, shape: ModelShape | None = None) -> ModelStates:
         f = plan.fsdp
         assert f is not None
         shard = fsdp_shard_degree(plan)
-        weights, optim = 4 * local / shard, 8 * local / shard  # fp32 shards and their moments
+        per_shard = shard_params(local, share.local if share else 0.0, shard, share)  # experts over expert_dp
+        weights, optim = 4 * per_shard, 8 * per_shard  # fp32 shards and their moments
         if shard > 1:
             if f.reshards_after_forward:  # gathered in backward: the root, a block and the one prefetched
                 weights += pb * (held.root + layer * (1 + max(1, f.prefetch)))
             else:
                 weights += pb * local  # grad_op: everything stays gathered until backward
             # Reduce-scattered every micro-batch: only shards accumulate (fp32).
-            grads, buffers = (4 * local / shard if ga > 1 else 0.0), 4 * layer  # + the block being reduced
-            step = 4 * local / shard if ga == 1 else 0.0
+            grads, buffers = (4 * per_shard if ga > 1 else 0.0), 4 * layer  # + the block being reduced
+            step = 4 * per_shard if ga == 1 else 0.0
         else:
             grads, buffers, step = 4 * local, 0.0, 0.0
         if f.cpu_offload:  # shards, their gradients and the optimizer live in host memory
-            weights, optim, grads, step = weights - 4 * local / shard, 0.0, 0.0, 0.0
+            weights, optim, grads, step = weights - 4 * per_shard, 0.0, 0.0, 0.0
         return ModelStates(weights, grads, optim, buffers, step)
     z = plan.zero
     assert z is not None
@@ -587,10 +622,14 @@ def construction_bytes(plan: Plan, shape: ModelShape | None = None) -> float:
         return 4 * shape.total + (4 * shape.largest_leaf if plan.num_workers > 1 else 0.0)
     # Without pipeline stages every rank fills every module, one module's fp32 values broadcast
     # at a time through the device (paratune.materialize.ModelInit.shared_values).
-    exchange = 4 * shape.largest_leaf if plan.num_workers > 1 and plan.pp == 1 else 0.0
+    # Under ep a rank builds only its E / ep experts (paratune.parallel.ep), FSDP2 keeps their
+    # expert_dp shard.
+    held, share = held_with_experts(plan, shape)
+    largest = held.largest if share is not None else shape.largest_leaf
+    exchange = 4 * largest if plan.num_workers > 1 and plan.pp == 1 else 0.0
     if plan.strategy == "fsdp":
-        return 4 * local / fsdp_shard_degree(plan) + exchange
-    return 4 * local + exchange
+        return 4 * shard_params(held.local, share.local if share else 0.0, fsdp_shard_degree(plan), share) + exchange
+    return 4 * held.local + exchange
 
 
 def activation_bytes(plan: Plan, model: ActivationModel = "trace", shape: ModelShape | None = None) -> tuple[float, str]:
@@ -603,12 +642,14 @@ def activation_bytes(plan: Plan, model: ActivationModel = "trace", shape: ModelS
     return acts, coeff.method
 
 
-def estimate_memory(plan: Plan, model: ActivationModel = "trace", device: "Device | None" = None) -> MemoryEstimate:
+def estimate_memory(plan: Plan, model: ActivationModel = "trace", device: "Device | None" = None,
+                    imbalance: float = DEFAULT_IMBALANCE) -> MemoryEstimate:
     """Peak memory per rank: the moment of the step that holds the most (`memory_moments`).
     `device`: where the plan runs, when the plan says `auto` (the CPU entry: gloo collectives
-    and torch's single-tensor AdamW; a GPU: NCCL and the multi-tensor AdamW)."""
+    and torch's single-tensor AdamW; a GPU: NCCL and the multi-tensor AdamW). `imbalance`: the
+    routing's max / mean tokens per expert (expert-parallel plans: paratune.moe_costs)."""
     coeff = activation_coefficients(plan, model)
-    moments = memory_moments(plan, model, device, coeff)
+    moments = memory_moments(plan, model, device, coeff, imbalance)
     name = max(moments, key=lambda k: moments[k].total)
     peak = moments[name]
     method = f"{coeff.method}; peak at {PHASE_WHEN[name]}"
