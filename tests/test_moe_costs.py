@@ -170,3 +170,36 @@ def test_moe_spaces_rank_ep_plans_and_reject_naming_the_part(name, device):
                   and e.plan.activation_checkpointing == "full"), key=lambda e: e.plan.ep)
     states = [e.memory.weights + e.memory.optimizer for e in ddp]
     assert states == sorted(states, reverse=True) and states[0] > states[-1]
+
+
+def _moe_profile(seconds_per_byte: float = 1e-9) -> "Profile":  # noqa: F821 - paratune.profile.Profile
+    """A profile of tiny-mixtral's block (every expert local, as the profiler runs it) with linear
+    collective curves for groups of 2 and 4 (no latency: the bytes alone)."""
+    from paratune.profile import BlockShape, BlockTime, Curve, LinearFit, Profile, config_digest
+
+    blocks = [BlockTime(shape=BlockShape(micro_batch=2, seq_len=32), block_s=0.01, embed_s=0.001, head_s=0.02)]
+    curves = [Curve(op=op, size=size, stride=1, latency_s=0.0, seconds_per_byte=seconds_per_byte)
+              for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv") for size in (2, 4)]
+    return Profile(model="tiny-mixtral", config_digest=config_digest("tiny-mixtral"), precision="fp32",
+                   device_type="cpu", device_name="cpu", world_size=4, blocks=blocks, collectives=curves,
+                   optimizer=LinearFit(a=1e-3, b=1e-9))
+
+
+def test_calibrated_model_times_the_all_to_all_and_the_busiest_ranks_experts():
+    from paratune.profile import GroupSpec, plan_groups
+    from paratune.timemodel import compose
+
+    profile = _moe_profile()
+    plan = _plan(ep=2)
+    terms = compose(plan, profile)
+    tokens = plan.micro_batch * plan.seq_len
+    rows = tokens * TOP_K * H * 4  # one exchange's buffer, fp32
+    assert terms["ep_comm"] == pytest.approx(4 * LAYERS * plan.grad_accum * rows * 1e-9)
+    assert compose(_plan(ep=1), profile)["ep_comm"] == 0.0
+    skewed = compose(plan, profile, imbalance=1.5)
+    assert skewed["ep_comm"] == pytest.approx(1.5 * terms["ep_comm"])
+    assert skewed["compute"] == pytest.approx(terms["compute"] * (1 + 0.5 * expert_flops_share(plan)))
+    # the experts' FSDP2 collectives run on their 2 copies; at ep 4 (one copy) there are none, so
+    # the dp term shrinks as ep grows
+    assert compose(_plan(ep=4), profile)["dp_comm"] < terms["dp_comm"] < compose(_plan(ep=1), profile)["dp_comm"]
+    assert GroupSpec(size=2, stride=1) in plan_groups(plan) and GroupSpec(size=2, stride=2) in plan_groups(plan)

@@ -301,11 +301,11 @@ def _print_time_parts(estimates, profiles, console: Console, top: int) -> None:
     from paratune.tables import env_label, strategy_label
 
     table = Table(title="step time from the profile (s): compute, exposed communication, optimizer, overheads")
-    for col in ("#", "plan", "env", "compute", "tp", "pp", "dp", "optimizer", "other", "step s"):
+    for col in ("#", "plan", "env", "compute", "tp", "pp", "dp", "ep", "optimizer", "other", "step s"):
         table.add_column(col, justify="left" if col in ("plan", "env") else "right")
     for i, e in enumerate([e for e in estimates if e.fits][:top], 1):
         parts = e.time_parts
-        known = ("compute", "tp_comm", "pp_comm", "dp_comm", "optimizer")
+        known = ("compute", "tp_comm", "pp_comm", "dp_comm", "ep_comm", "optimizer")
         other = sum(v for k, v in parts.items() if k not in known)
         env = env_label(e.plan.env) or "-"
         table.add_row(str(i), strategy_label(e.plan.to_dict()), env, *(f"{parts.get(k, 0.0):.3f}" for k in known),
