@@ -203,3 +203,21 @@ def test_calibrated_model_times_the_all_to_all_and_the_busiest_ranks_experts():
     # the dp term shrinks as ep grows
     assert compose(_plan(ep=4), profile)["dp_comm"] < terms["dp_comm"] < compose(_plan(ep=1), profile)["dp_comm"]
     assert GroupSpec(size=2, stride=1) in plan_groups(plan) and GroupSpec(size=2, stride=2) in plan_groups(plan)
+
+
+def test_plan_command_shows_the_expert_layout_and_takes_a_measured_balance(tmp_path, capsys):
+    from paratune.cli import main
+
+    space = str(ROOT / "search_spaces" / "mixtral-8x7b-2x8xh100.yaml")
+    out = tmp_path / "plans.json"
+    assert main(["plan", space, "--formula", "--routing-balance", "1.3", "--json", str(out)]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "expert parallelism: experts per rank, their copies, the all-to-all" in said
+    assert "1 of 8" in said and "one node (NVLink)" in said
+    assert "routing balance (max / mean tokens per expert): 1.3 (measured, --routing-balance)" in said
+    import json
+
+    rows = json.loads(out.read_text())
+    assert any(r["fits"] and r["plan"]["ep"] == 8 for r in rows)
+    assert main(["plan", space, "--formula", "--routing-balance", "0.5"]) == 2
+    assert "routing_balance: got 0.5; allowed: a number >= 1" in " ".join(capsys.readouterr().out.split())
