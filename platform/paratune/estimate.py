@@ -11,7 +11,9 @@ Time is a roofline: compute = model FLOPs x (1 + the recomputed share: `recomput
 the device's dense peak, float8's converted matmuls over its FP8 peak (`compute_seconds`),
 compile an assumed share off it (COMPILE_COMPUTE_SAVING); communication = ring-collective bytes over the slowest link the group spans; the DP part
 overlaps with backward, TP's does not (async TP: ASYNC_TP_OVERLAP of it hidden); PP adds its
-bubble. Three constants (compute efficiency,
+bubble; expert parallelism (paratune.moe_costs) adds its all-to-all, exposed, on the node's links
+while an ep group fits in a node, else the network's, and scales the routed experts' compute by
+the routing's imbalance (a measured `routing_balance`, else DEFAULT_IMBALANCE). Three constants (compute efficiency,
 communication efficiency, a fixed per-step overhead) are fitted from measured trials
 (`fit_time_constants`); until then DESIGN.md's reference MFU (~40%) and 70% of link bandwidth.
 """

@@ -22,6 +22,13 @@ block's all-gather output in forward, nothing prefetched on one rank; ZeRO's buc
 first gradient (ZeRO-1 until the boundary, ZeRO-3 for good), ZeRO-3's persistent (small) tensors
 never fetched, the others released after their backward; on CPU (gloo, torch's single-tensor
 AdamW) and on GPUs (NCCL, the multi-tensor AdamW) where they differ.
+Expert parallelism (paratune.moe_costs): a rank holds E / ep of each layer's routed experts
+(`held_with_experts`: the parameter counts above with the experts cut), which FSDP2 shards over
+their expert_dp = dp / ep copies and the dense rest over dp (`shard_params`; under fsdp full the
+expert shard is p_e / dp whatever ep: ep saves the gathered block, E / ep experts unsharded at a
+time), and DDP keeps whole; the activations are the trace's of a rank's own blocks (its tokens'
+top_k rows through E / ep experts: paratune.activations `_rank_experts`) plus the busiest rank's
+extra received rows (routing imbalance) and one layer's all-to-all buffers (`_add_dispatch`).
 Construction is checked apart (`construction_bytes`): the model is built in fp32 before any
 optimizer exists, and a plan that cannot even be built is rejected like one that cannot train.
 
