@@ -227,7 +227,7 @@ def test_a_ranks_blocks_are_traced_as_moe_blocks_with_its_own_experts():
     """The activation trace under ep holds E / ep experts (at least top_k) and MoE blocks only."""
     import json
 
-    from paratune.activations import _rank_experts
+    from paratune.moe_costs import rank_trace_config as _rank_experts
     from paratune.shapes import model_config_key
 
     key = model_config_key(_plan())

@@ -494,33 +494,6 @@ def _trace(config_json: str, checkpointing: str, plan: Plan, layer_counts: tuple
                              max(1, plan.seq_len // plan.cp), layer_counts)
 
 
-def _rank_experts(config_json: str, ep: int) -> str:
-    """The config a rank's blocks are traced with in a mixture-of-experts model: every traced block
-    an MoE block (DeepSeek-V3's first_k_dense_replace dense blocks are 3 of 61: the 1- and 2-layer
-    copies would otherwise trace only dense blocks, and the MoE block's backward sets the peak),
-    and under ep the experts a rank holds, E / ep (at least top_k, so that each token still has
-    top_k rows: the rows a rank's experts receive on average, as under ep), with one routing
-    group (grouped routing only picks among them; it changes no tensor's size). What the trace
-    then holds is a rank's: its tokens' top_k rows through its own experts' weights, their
-    gradients (and autocast copies) for E / ep experts, not E (with E / ep < top_k: top_k
-    experts' weights, a slight overcount)."""
-    from paratune.degrees import EXPERT_COUNT_KEYS
-
-    data = json.loads(config_json)
-    count_key = next((k for k in EXPERT_COUNT_KEYS if isinstance(data.get(k), int) and data[k] >= 2), None)
-    if count_key is None:
-        return config_json
-    changes: dict = {}
-    if data.get("first_k_dense_replace"):
-        changes["first_k_dense_replace"] = 0
-    if ep > 1:
-        top_k = data.get("num_experts_per_tok") or 1
-        changes[count_key] = max(data[count_key] // ep, top_k)
-        if data.get("n_group", 1) > 1:
-            changes.update(n_group=1, topk_group=1)
-    return json.dumps({**data, **changes}, sort_keys=True) if changes else config_json
-
-
 def _with_vocab(config_json: str, vocab: int) -> str:
     return json.dumps({**json.loads(config_json), "vocab_size": vocab})
 
@@ -623,7 +596,9 @@ def activation_coefficients(plan: Plan, model: ActivationModel = "trace") -> Act
         return formula_coeff
     from paratune.shapes import model_config_key
 
-    key = _rank_experts(model_config_key(plan), plan.ep)
+    from paratune.moe_costs import rank_trace_config
+
+    key = rank_trace_config(model_config_key(plan), plan.ep)
     traced = shaped(lambda mode, vocab: _trace(_with_vocab(key, vocab), mode, plan, (1,)) if vocab
                     else _trace(key, mode, plan))
     if isinstance(traced, str):

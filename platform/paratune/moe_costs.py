@@ -234,3 +234,49 @@ def held_with_experts(plan: Plan, shape=None):  # noqa: ANN001, ANN201 - (HeldPa
     largest = max(float(layout.largest_dense_leaf), (shape.largest_leaf or shape.block) / share.ep)
     return replace(held, local=held.local - share.local * cut, layer=held.layer - share.layer * cut,
                    first=held.first - share.first * cut, largest=largest), share
+
+
+# Moments at which the blocks' saved activations are alive (the backward has not passed them yet),
+# and those at which an MoE layer's all-to-all buffers are in flight (a block's forward or backward).
+_BLOCKS_SAVED = ("gather", "block_forward", "forward", "logits", "loss", "head", "first_grad", "after_head", "blocks",
+                 "next_block", "block_end", "block_reduced", "block_reduce")
+_DISPATCHING = ("gather", "block_forward", "forward", "blocks", "next_block", "last_block")
+
+
+def add_dispatch(plan: Plan, moments: dict, imbalance: float) -> None:
+    """Expert parallelism's activations beyond the trace of a rank's blocks, added to the moments
+    of paratune.memory (phase -> its _Moment): the busiest rank's extra received rows while the
+    blocks' saved activations live, one layer's all-to-all buffers while a block runs
+    (`expert_activation_bytes`)."""
+    saved, in_flight = expert_activation_bytes(plan, imbalance)
+    for phase, m in moments.items():
+        m.activations += (saved if phase in _BLOCKS_SAVED else 0.0) + (in_flight if phase in _DISPATCHING else 0.0)
+
+
+def rank_trace_config(config_json: str, ep: int) -> str:
+    """The config a rank's blocks are traced with in a mixture-of-experts model: every traced block
+    an MoE block (DeepSeek-V3's first_k_dense_replace dense blocks are 3 of 61: the 1- and 2-layer
+    copies would otherwise trace only dense blocks, and the MoE block's backward sets the peak),
+    and under ep the experts a rank holds, E / ep (at least top_k, so that each token still has
+    top_k rows: the rows a rank's experts receive on average, as under ep), with one routing
+    group (grouped routing only picks among them; it changes no tensor's size). What the trace
+    then holds is a rank's: its tokens' top_k rows through its own experts' weights, their
+    gradients (and autocast copies) for E / ep experts, not E (with E / ep < top_k: top_k
+    experts' weights, a slight overcount)."""
+    import json
+
+    from paratune.degrees import EXPERT_COUNT_KEYS
+
+    data = json.loads(config_json)
+    count_key = next((k for k in EXPERT_COUNT_KEYS if isinstance(data.get(k), int) and data[k] >= 2), None)
+    if count_key is None:
+        return config_json
+    changes: dict = {}
+    if data.get("first_k_dense_replace"):
+        changes["first_k_dense_replace"] = 0
+    if ep > 1:
+        top_k = data.get("num_experts_per_tok") or 1
+        changes[count_key] = max(data[count_key] // ep, top_k)
+        if data.get("n_group", 1) > 1:
+            changes.update(n_group=1, topk_group=1)
+    return json.dumps({**data, **changes}, sort_keys=True) if changes else config_json
