@@ -72,7 +72,6 @@ from paratune.shapes import (
     float8_cast_bytes,
     fsdp_shard_degree,
     fully_sharded,
-    local_params,
     model_shape,
     replicas,
 )
