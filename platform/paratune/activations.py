@@ -596,7 +596,9 @@ def activation_coefficients(plan: Plan, model: ActivationModel = "trace") -> Act
         return formula_coeff
     from paratune.shapes import model_config_key
 
-    key = model_config_key(plan)
+    from paratune.moe_costs import rank_trace_config
+
+    key = rank_trace_config(model_config_key(plan), plan.ep)
     traced = shaped(lambda mode, vocab: _trace(_with_vocab(key, vocab), mode, plan, (1,)) if vocab
                     else _trace(key, mode, plan))
     if isinstance(traced, str):

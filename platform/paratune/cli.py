@@ -213,8 +213,13 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
         return 2
     budget = space.spec.objective.memory_budget_gb
     capacity = min(device.memory_gib, budget) if budget else None  # the budget is per rank, in GiB
-    estimates = estimate_space(space, device, capacity_gib=capacity, margin=args.margin,
-                               activation_model="formula" if args.formula else "trace")
+    try:
+        estimates = estimate_space(space, device, capacity_gib=capacity, margin=args.margin,
+                                   activation_model="formula" if args.formula else "trace",
+                                   routing_balance=args.routing_balance)
+    except ValueError as err:  # a routing balance below 1
+        console.print(f"[red]cannot plan[/red]\n{escape(str(err))}")
+        return 2
     notes: list[str] = []
     if profiles:
         from paratune.timemodel import StepTimeModel
@@ -230,6 +235,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
                        if profiles else {}))
     _print_construction(estimates, console, args.top)
     _print_levers(estimates, device, console, args.top)
+    _print_experts(estimates, device, console, args.top, args.routing_balance)
     if profiles:
         _print_time_parts(estimates, profiles, console, args.top)
         for note in notes:
@@ -241,6 +247,33 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
               **({"predicted_step_parts_s": e.time_parts} if profiles else {})} for e in estimates],
             indent=1))
     return 0 if any(e.fits for e in estimates) else 1
+
+
+def _print_experts(estimates, device, console: Console, top: int, routing_balance: float | None) -> None:
+    """`paratune plan` of an expert-parallel space: each fitting ep plan's expert layout, its
+    all-to-all and where it runs (paratune.moe_costs)."""
+    from rich.table import Table
+
+    from paratune.moe_costs import DEFAULT_IMBALANCE, all_to_all_crosses_nodes, expert_layout, expert_share
+    from paratune.tables import strategy_label
+
+    shown = [e for e in estimates if e.fits and e.plan.ep > 1][:top]
+    if not shown:
+        return
+    table = Table(title="expert parallelism: experts per rank, their copies, the all-to-all")
+    for col in ("#", "plan", "experts/rank", "expert_dp", "expert params/rank (M)", "all-to-all GB/step", "all-to-all over"):
+        table.add_column(col, justify="left" if col in ("plan", "all-to-all over") else "right")
+    for i, e in enumerate(shown, 1):
+        layout, share = expert_layout(e.plan), expert_share(e.plan)
+        per_node = e.plan.gpus_per_node or device.gpus_per_node
+        table.add_row(str(i), strategy_label(e.plan.to_dict()), f"{layout.experts // e.plan.ep} of {layout.experts}",
+                      str(share.expert_dp), f"{share.local / 1e6:,.0f}", f"{e.comm.ep / 1e9:.1f}",
+                      "nodes (inter-node links)" if all_to_all_crosses_nodes(e.plan, per_node) else "one node (NVLink)")
+    console.print(table)
+    balance = routing_balance or DEFAULT_IMBALANCE
+    console.print(f"routing balance (max / mean tokens per expert): {balance:g}"
+                  + (" (measured, --routing-balance)" if routing_balance else
+                     " assumed (ideal; a trial's routing_balance, --routing-balance X, replaces it)"))
 
 
 def _times_from_profiles(estimates, space, predictor) -> tuple[list, list[str]]:
@@ -268,11 +301,11 @@ def _print_time_parts(estimates, profiles, console: Console, top: int) -> None:
     from paratune.tables import env_label, strategy_label
 
     table = Table(title="step time from the profile (s): compute, exposed communication, optimizer, overheads")
-    for col in ("#", "plan", "env", "compute", "tp", "pp", "dp", "optimizer", "other", "step s"):
+    for col in ("#", "plan", "env", "compute", "tp", "pp", "dp", "ep", "optimizer", "other", "step s"):
         table.add_column(col, justify="left" if col in ("plan", "env") else "right")
     for i, e in enumerate([e for e in estimates if e.fits][:top], 1):
         parts = e.time_parts
-        known = ("compute", "tp_comm", "pp_comm", "dp_comm", "optimizer")
+        known = ("compute", "tp_comm", "pp_comm", "dp_comm", "ep_comm", "optimizer")
         other = sum(v for k, v in parts.items() if k not in known)
         env = env_label(e.plan.env) or "-"
         table.add_row(str(i), strategy_label(e.plan.to_dict()), env, *(f"{parts.get(k, 0.0):.3f}" for k in known),
@@ -531,6 +564,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the device's)")
     p.add_argument("--margin", type=float, default=0.0, help="fraction over capacity tolerated before rejecting")
     p.add_argument("--formula", action="store_true", help="activations from DESIGN.md's formula, not a trace")
+    p.add_argument("--routing-balance", type=float, help="MoE routing's max / mean tokens per expert (a trial's "
+                   "measured routing_balance; default 1.0, ideal): scales the busiest rank's expert compute, "
+                   "all-to-all and received activations under ep")
     p.add_argument("--top", type=int, default=20, help="rows of fitting plans to print")
     p.add_argument("--json", help="write every estimate to this JSON file")
     p.add_argument("--profile", help="step times from this stored profile (paratune profile --out FILE), not the roofline")

@@ -11,7 +11,9 @@ Time is a roofline: compute = model FLOPs x (1 + the recomputed share: `recomput
 the device's dense peak, float8's converted matmuls over its FP8 peak (`compute_seconds`),
 compile an assumed share off it (COMPILE_COMPUTE_SAVING); communication = ring-collective bytes over the slowest link the group spans; the DP part
 overlaps with backward, TP's does not (async TP: ASYNC_TP_OVERLAP of it hidden); PP adds its
-bubble. Three constants (compute efficiency,
+bubble; expert parallelism (paratune.moe_costs) adds its all-to-all, exposed, on the node's links
+while an ep group fits in a node, else the network's, and scales the routed experts' compute by
+the routing's imbalance (a measured `routing_balance`, else DEFAULT_IMBALANCE). Three constants (compute efficiency,
 communication efficiency, a fixed per-step overhead) are fitted from measured trials
 (`fit_time_constants`); until then DESIGN.md's reference MFU (~40%) and 70% of link bandwidth.
 """
@@ -25,8 +27,16 @@ from typing import Literal
 from paratune.activations import ActivationModel
 from paratune.devices import Device
 from paratune.memory import MemoryEstimate, construction_bytes, estimate_memory
+from paratune.moe_costs import (
+    DEFAULT_IMBALANCE,
+    all_to_all_bytes,
+    all_to_all_crosses_nodes,
+    expert_flops_share,
+    expert_layout,
+    held_with_experts,
+)
 from paratune.plan import Plan
-from paratune.shapes import BYTES, GiB, HeldParams, local_params, model_shape, offload_bytes, replicas
+from paratune.shapes import BYTES, GiB, model_shape, offload_bytes, replicas
 
 # The cost model's public names, importable from here as before the split (paratune.devices,
 # .shapes, .activations, .memory hold them; paratune's own modules import them from there).
@@ -62,6 +72,17 @@ from paratune.shapes import (  # noqa: E402, F401
 )
 
 
+def checked_imbalance(routing_balance: float | None) -> float:
+    """The routing's max / mean tokens per expert to predict with: a measured one, else
+    DEFAULT_IMBALANCE; it cannot be below 1 (the busiest expert gets at least the mean)."""
+    if routing_balance is None:
+        return DEFAULT_IMBALANCE
+    if not isinstance(routing_balance, (int, float)) or not math.isfinite(routing_balance) or routing_balance < 1.0:
+        raise ValueError(f"routing_balance: got {routing_balance!r}; allowed: a number >= 1 (max / mean tokens per "
+                         "expert: 1 is perfect balance)")
+    return float(routing_balance)
+
+
 # --------------------------------------------------------------------------- communication
 @dataclass
 class CommVolume:
@@ -71,10 +92,11 @@ class CommVolume:
     tp: float
     pp: float
     cp: float = 0.0
+    ep: float = 0.0  # expert parallelism's all-to-all (dispatch and combine; paratune.moe_costs)
 
     @property
     def total(self) -> float:
-        return self.dp + self.tp + self.pp + self.cp
+        return self.dp + self.tp + self.pp + self.cp + self.ep
 
 
 @dataclass(frozen=True)
@@ -120,24 +142,34 @@ def data_parallel_comm(plan: Plan) -> DataParallelComm:
                             gathers_per_step=1 if stage in (1, 2) else 0, stage=stage)
 
 
-def comm_volume(plan: Plan) -> CommVolume:
-    """Ring-collective volume per rank (DESIGN.md "Communication model")."""
+def comm_volume(plan: Plan, imbalance: float = DEFAULT_IMBALANCE) -> CommVolume:
+    """Ring-collective volume per rank (DESIGN.md "Communication model"). Under ep the routed
+    experts (E / ep on a rank) are reduced (and, under FSDP2, gathered) over their expert_dp ranks,
+    the dense rest over dp, and each MoE layer's tokens travel by all-to-all (`imbalance`: the
+    routing's max / mean tokens per expert, paratune.moe_costs)."""
     shape = model_shape(plan)
-    local, _ = local_params(plan, shape)
-    dp, ga, pb = replicas(plan), plan.grad_accum, BYTES[plan.precision]
-    ring = 2 * (dp - 1) / dp if dp > 1 else 0.0  # all-reduce; half of it for a reduce-scatter or all-gather
+    held, share = held_with_experts(plan, shape)
+    local = held.local
+    experts = share.local if share else 0.0
+    ga, pb = plan.grad_accum, BYTES[plan.precision]
     d = data_parallel_comm(plan)
-    if d.gradients == "all_reduce":
-        dp_bytes = ring * d.grad_bytes * local
-    elif d.gathers_per_micro_batch:  # gathers and reduce-scatters every micro-batch
-        gathered = d.param_bytes * local
-        if plan.float8_all_gather:  # the blocks' linears gathered as float8 (1 byte), the root in bf16
-            root = HeldParams.of(plan, shape).root
-            gathered = (local - root) + d.param_bytes * root
-        dp_bytes = ring / 2 * ga * (d.gathers_per_micro_batch * gathered + d.grad_bytes * local)
-    else:  # reduce-scatters (every micro-batch or at the boundary), the partition gathered once
+
+    def ring_bytes(params: float, ranks: int, root: float) -> float:
+        ring = 2 * (ranks - 1) / ranks if ranks > 1 else 0.0  # all-reduce; half of it for a reduce-scatter or all-gather
+        if d.gradients == "all_reduce":
+            return ring * d.grad_bytes * params
+        if d.gathers_per_micro_batch:  # gathers and reduce-scatters every micro-batch
+            gathered = d.param_bytes * params
+            if plan.float8_all_gather:  # the blocks' linears gathered as float8 (1 byte), the root in bf16
+                gathered = (params - root) + d.param_bytes * root
+            return ring / 2 * ga * (d.gathers_per_micro_batch * gathered + d.grad_bytes * params)
+        # reduce-scatters (every micro-batch or at the boundary), the partition gathered once
         reduces = ga if d.grads_every_micro_batch else 1
-        dp_bytes = ring / 2 * (reduces * d.grad_bytes * local + d.gathers_per_step * d.param_bytes * local)
+        return ring / 2 * (reduces * d.grad_bytes * params + d.gathers_per_step * d.param_bytes * params)
+
+    dp_bytes = ring_bytes(local - experts, replicas(plan), held.root)
+    if share is not None:  # the experts' copies: expert_dp ranks, ep apart
+        dp_bytes += ring_bytes(experts, share.expert_dp, 0.0)
     tokens = plan.micro_batch * plan.seq_len // plan.cp
     t = plan.tp
     tp_bytes = (4 * math.ceil(shape.layers / plan.pp) * 2 * (t - 1) / t * tokens * shape.hidden * pb * ga) if t > 1 else 0.0
@@ -151,7 +183,12 @@ def comm_volume(plan: Plan) -> CommVolume:
     if plan.cp > 1:
         kv = 2 * plan.micro_batch * plan.seq_len * shape.kv_heads * shape.head_dim / t  # K and V elements
         cp_bytes = math.ceil(shape.layers / plan.pp) * ga * (plan.cp - 1) / plan.cp * kv * (2 * pb + 4)
-    return CommVolume(dp_bytes, tp_bytes, pp_bytes, cp_bytes)
+    ep_bytes = 0.0
+    if share is not None:
+        layout = expert_layout(plan)
+        moe_here = min(math.ceil(shape.layers / plan.pp), layout.moe_layers)
+        ep_bytes = ga * all_to_all_bytes(tokens, layout.top_k, shape.hidden, pb, plan.ep, moe_here, imbalance)
+    return CommVolume(dp_bytes, tp_bytes, pp_bytes, cp_bytes, ep_bytes)
 
 
 # --------------------------------------------------------------------------- time
@@ -233,25 +270,31 @@ def float8_flops_share(plan: Plan, shape: ModelShape | None = None) -> float:
     return converted / flops_per_token(shape.compute, shape.layers, shape.heads, shape.head_dim, plan.seq_len)
 
 
-def compute_seconds(plan: Plan, device: Device, shape: ModelShape | None = None) -> float:
+def compute_seconds(plan: Plan, device: Device, shape: ModelShape | None = None,
+                    imbalance: float = DEFAULT_IMBALANCE) -> float:
     """Ideal compute time per step of one rank: model FLOPs x (1 + recomputed share), the float8
-    matmuls at the device's FP8 peak (where it has one), the rest at the plan's precision's."""
+    matmuls at the device's FP8 peak (where it has one), the rest at the plan's precision's.
+    Under ep the busiest rank's experts compute `imbalance` x the mean tokens (the routed
+    experts' FLOPs share, paratune.moe_costs.expert_flops_share, scaled by it); with ep 1 every
+    rank runs all its tokens' experts itself, whatever the balance."""
     from paratune.measure import flops_per_token
 
     shape = shape or model_shape(plan)
     flops = flops_per_token(shape.compute, shape.layers, shape.heads, shape.head_dim, plan.seq_len)
     flops *= plan.tokens_per_step / plan.num_workers * (1 + recompute_share(plan, shape))
+    if plan.ep > 1:
+        flops *= 1 + expert_flops_share(plan) * max(0.0, imbalance - 1.0)
     peak = device.tflops.get(plan.precision, device.tflops.get("fp32", 1.0)) * 1e12
     f8 = float8_flops_share(plan, shape) if "fp8" in device.tflops else 0.0
     seconds = flops * ((1 - f8) / peak + f8 / (device.tflops.get("fp8", 1.0) * 1e12))
     return seconds * (1 - COMPILE_COMPUTE_SAVING if plan.compile else 1.0)
 
 
-def _time_terms(plan: Plan, device: Device) -> tuple[float, float, float, float]:
-    """(ideal compute s, ideal DP comm s, ideal TP+PP comm s, pipeline bubble fraction)."""
+def _time_terms(plan: Plan, device: Device, imbalance: float = DEFAULT_IMBALANCE) -> tuple[float, float, float, float]:
+    """(ideal compute s, ideal DP comm s, ideal TP+PP+CP+EP comm s, pipeline bubble fraction)."""
     shape = model_shape(plan)
-    compute = compute_seconds(plan, device, shape)
-    vol = comm_volume(plan)
+    compute = compute_seconds(plan, device, shape, imbalance)
+    vol = comm_volume(plan, imbalance)
     per_node = plan.gpus_per_node or device.gpus_per_node
     dp_span = plan.num_workers > per_node  # the dp ring crosses nodes once dp x tp x pp does
     tp_span = plan.tp > per_node
@@ -260,6 +303,8 @@ def _time_terms(plan: Plan, device: Device) -> tuple[float, float, float, float]
     tp_exposed = 1 - ASYNC_TP_OVERLAP if plan.async_tp else 1.0
     mp_s = vol.tp / bw(tp_span) * tp_exposed + vol.pp / bw(plan.num_workers > per_node)
     mp_s += vol.cp / bw(plan.tp * plan.cp > per_node)  # counted as exposed: the ring waits on its peers
+    # The all-to-all, exposed: the experts wait on their tokens, the next layer on their results.
+    mp_s += vol.ep / bw(all_to_all_crosses_nodes(plan, per_node)) if vol.ep else 0.0
     mp_s += offload_bytes(plan, shape) / (device.host_link_gbps * 1e9)  # not overlapped either
     m = plan.grad_accum
     # Interleaving gives each rank v = 2 stages, which divides the fill/drain time by v (Megatron).
@@ -268,9 +313,10 @@ def _time_terms(plan: Plan, device: Device) -> tuple[float, float, float, float]
     return compute, dp_s, mp_s, bubble
 
 
-def estimate_time(plan: Plan, device: Device, constants: TimeConstants | None = None) -> TimeEstimate:
+def estimate_time(plan: Plan, device: Device, constants: TimeConstants | None = None,
+                  imbalance: float = DEFAULT_IMBALANCE) -> TimeEstimate:
     c = constants or TimeConstants()
-    compute, dp_s, mp_s, bubble = _time_terms(plan, device)
+    compute, dp_s, mp_s, bubble = _time_terms(plan, device, imbalance)
     compute /= c.compute_efficiency
     comm = (dp_s + mp_s) / c.comm_efficiency
     # DP collectives overlap with backward (about two thirds of compute); TP/PP ones do not.
@@ -379,16 +425,20 @@ class Estimate:
 
 
 def estimate(plan: Plan, device: Device, constants: TimeConstants | None = None, capacity_gib: float | None = None,
-             margin: float = 0.0, activation_model: ActivationModel = "trace") -> Estimate:
+             margin: float = 0.0, activation_model: ActivationModel = "trace",
+             routing_balance: float | None = None) -> Estimate:
     """Memory, communication and time for one plan; `overflow` says why it would not fit in
-    min(device memory, capacity_gib) x (1 + margin): at construction, in training, or both."""
-    memory = estimate_memory(plan, activation_model, device)
+    min(device memory, capacity_gib) x (1 + margin): at construction, in training, or both.
+    `routing_balance`: the routing's max / mean tokens per expert a trial measured (its
+    TrialResult's `routing_balance` max); None: paratune.moe_costs.DEFAULT_IMBALANCE."""
+    imbalance = checked_imbalance(routing_balance)
+    memory = estimate_memory(plan, activation_model, device, imbalance)
     capacity = min(device.memory_bytes, capacity_gib * GiB if capacity_gib else math.inf)
     from paratune.devices import device_refusal_for
     from paratune.measure import flops_per_token
 
-    result = Estimate(plan, memory, comm_volume(plan), estimate_time(plan, device, constants), capacity,
-                      construction=construction_bytes(plan), refusal=device_refusal_for(plan, device))
+    result = Estimate(plan, memory, comm_volume(plan, imbalance), estimate_time(plan, device, constants, imbalance),
+                      capacity, construction=construction_bytes(plan), refusal=device_refusal_for(plan, device))
     shape = model_shape(plan)
     if device.tflops.get("bf16"):
         flops = flops_per_token(shape.compute, shape.layers, shape.heads, shape.head_dim, plan.seq_len)
@@ -406,10 +456,12 @@ def estimate(plan: Plan, device: Device, constants: TimeConstants | None = None,
 
 
 def estimate_space(space, device: Device, capacity_gib: float | None = None, margin: float = 0.0,
-                   constants: TimeConstants | None = None, activation_model: ActivationModel = "trace") -> list[Estimate]:
+                   constants: TimeConstants | None = None, activation_model: ActivationModel = "trace",
+                   routing_balance: float | None = None) -> list[Estimate]:
     """Every valid plan of a space (env choices aside: they change neither memory nor volume),
     those that fit first, fastest first; then those that do not, smallest first."""
-    results = [estimate(c.plan, device, constants, capacity_gib, margin, activation_model) for c in space.candidates]
+    results = [estimate(c.plan, device, constants, capacity_gib, margin, activation_model, routing_balance)
+               for c in space.candidates]
     return sorted(results, key=lambda e: (not e.fits, -e.time.tokens_per_s_per_gpu if e.fits else e.memory.total))
 
 
@@ -424,16 +476,25 @@ class Roofline:
 
     def __init__(self, device: Device, capacity_gib: float | None, activation_model: ActivationModel = "trace"):
         self.device, self.capacity_gib, self.activation_model = device, capacity_gib, activation_model
+        # The routing's max / mean tokens per expert, once a trial has measured it (`observe`).
+        self.routing_balance: float | None = None
         self.samples: list[tuple[Plan, float]] = []
         self.constants = TimeConstants()
         self.errors: list[dict[str, float]] = []
 
     def predict(self, plan: Plan, margin: float = 0.0) -> Estimate:
-        return estimate(plan, self.device, self.constants, self.capacity_gib, margin, self.activation_model)
+        return estimate(plan, self.device, self.constants, self.capacity_gib, margin, self.activation_model,
+                        self.routing_balance)
 
-    def observe(self, plan: Plan, measured_peak_bytes: float | None, measured_step_s: float | None) -> dict[str, float]:
-        """Record a measured trial: predicted beside measured, relative errors; then refit."""
+    def observe(self, plan: Plan, measured_peak_bytes: float | None, measured_step_s: float | None,
+                routing_balance: float | None = None) -> dict[str, float]:
+        """Record a measured trial: predicted beside measured, relative errors; then refit.
+        `routing_balance` (the trial's measured max / mean tokens per expert): used from the
+        next prediction on (the largest seen: the busiest rank sets the step)."""
         predicted = self.predict(plan)
+        if routing_balance is not None:
+            checked_imbalance(routing_balance)
+            self.routing_balance = max(routing_balance, self.routing_balance or 0.0)
         out = predicted.summary()
         out["time_constants_fitted_on"] = float(self.constants.fitted_on)
         if measured_peak_bytes:

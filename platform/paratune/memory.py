@@ -22,7 +22,14 @@ block's all-gather output in forward, nothing prefetched on one rank; ZeRO's buc
 first gradient (ZeRO-1 until the boundary, ZeRO-3 for good), ZeRO-3's persistent (small) tensors
 never fetched, the others released after their backward; on CPU (gloo, torch's single-tensor
 AdamW) and on GPUs (NCCL, the multi-tensor AdamW) where they differ.
-Construction is checked apart (`construction_bytes`): the model is built in fp32 before any
+Expert parallelism (paratune.moe_costs): a rank holds E / ep of each layer's routed experts
+(`held_with_experts`: the parameter counts above with the experts cut), which FSDP2 shards over
+their expert_dp = dp / ep copies and the dense rest over dp (`shard_params`; under fsdp full the
+expert shard is p_e / dp whatever ep: ep saves the gathered block, E / ep experts unsharded at a
+time), and DDP keeps whole; the activations are the trace's of a rank's own blocks (its tokens'
+top_k rows through E / ep experts: paratune.activations `_rank_experts`) plus the busiest rank's
+extra received rows (routing imbalance) and one layer's all-to-all buffers (`add_dispatch`).
+Construction is checked apart (paratune.construction `construction_bytes`): the model is built in fp32 before any
 optimizer exists, and a plan that cannot even be built is rejected like one that cannot train.
 
 Where this differs from DeepSpeed's own estimators (`estimate_zero2_model_states_mem_needs`,
@@ -53,6 +60,8 @@ from paratune.activations import (
     activation_coefficients,
 )
 from paratune.devices import Device
+from paratune.construction import construction_bytes  # noqa: F401 - its home before the split
+from paratune.moe_costs import DEFAULT_IMBALANCE, ExpertShare, add_dispatch, held_with_experts, shard_params
 from paratune.plan import Plan
 from paratune.shapes import (
     BYTES,
@@ -63,7 +72,6 @@ from paratune.shapes import (
     float8_cast_bytes,
     fsdp_shard_degree,
     fully_sharded,
-    local_params,
     model_shape,
     replicas,
 )
@@ -226,7 +234,8 @@ def _ddp_moments(plan: Plan, shape: ModelShape, held: HeldParams, model: dict[st
     return moments
 
 
-def _fsdp_moments(plan: Plan, shape: ModelShape, held: HeldParams, model: dict[str, tuple[float, float]], host: bool) -> dict[str, _Moment]:
+def _fsdp_moments(plan: Plan, shape: ModelShape, held: HeldParams, model: dict[str, tuple[float, float]], host: bool,
+                  share: ExpertShare | None = None) -> dict[str, _Moment]:
     """FSDP2 (`fully_shard` per block and the root; `replicate` for no_shard).
 
     Sharded: fp32 shards, their moments and (once reduced) gradient shards, 4 + 8 + 4 bytes per
@@ -255,6 +264,13 @@ def _fsdp_moments(plan: Plan, shape: ModelShape, held: HeldParams, model: dict[s
     assert f is not None
     s, ga, pb = fsdp_shard_degree(plan), plan.grad_accum, BYTES[plan.precision]
     p, blk, root = held.local, held.layer, held.root
+    # Under ep the routed experts (E / ep of them, in `held` already) shard over expert_dp, the rest
+    # over dp (`shard_params`; with ep 1 everything over s).
+    e_local, e_layer, e_first = (share.local, share.layer, share.first) if share else (0.0, 0.0, 0.0)
+
+    def per_rank(params: float, experts: float) -> float:
+        return shard_params(params, experts, s, share)
+
     layers_here = math.ceil(shape.layers / plan.pp)
     compute, reduce = pb, 4  # unsharded parameters and gradients in the compute dtype; reduce-scatter in fp32
     # The float8 all-gather (torchao's WeightWithDynamicFloat8CastTensor: fsdp_pre_all_gather casts
@@ -272,14 +288,15 @@ def _fsdp_moments(plan: Plan, shape: ModelShape, held: HeldParams, model: dict[s
         for phase, (acts, forming) in model.items():
             moments[phase] = _Moment(weights, (4 * p if ga > 1 else 0.0) + forming, 8 * p, acts, reduce * blk)
         moments["step"] = _Moment(4 * p, 4 * p, 8 * p + _adamw_temporaries(p, held.largest, host))
-        return _fsdp_offloaded(plan, moments, p, s)
+        return _fsdp_offloaded(plan, moments, p / s)
     alone = s == 1  # a one-rank mesh: no all-gather, no reduce-scatter
-    shards, optim = 4 * p / s, 8 * p / s
+    ps = per_rank(p, e_local)
+    shards, optim = 4 * ps, 8 * ps
     if ga > 1:  # gradient shards accumulated from the earlier micro-batches
-        reduced = {phase: 4 * p / s for phase in (*PHASES, *_BLOCK_END, "next_block", "last_block", "reduce")}
+        reduced = {phase: 4 * ps for phase in (*PHASES, *_BLOCK_END, "next_block", "last_block", "reduce")}
     else:  # the blocks' shards appear as their reduce-scatters finish
-        reduced = {"next_block": 4 * blk / s, "last_block": 4 * (p - root - held.first) / s,
-                   "embedding": 4 * (p - root) / s, "reduce": 4 * (p - root) / s}
+        reduced = {"next_block": 4 * per_rank(blk, e_layer), "last_block": 4 * per_rank(p - root - held.first, e_local - e_first),
+                   "embedding": 4 * per_rank(p - root, e_local), "reduce": 4 * per_rank(p - root, e_local)}
     blocks_whole = layers_here * blk if not f.reshards_after_forward else 0.0
     ahead = 0 if alone else max(1, f.prefetch)  # blocks gathered ahead of the one in use
     in_backward = layers_here * blk if not f.reshards_after_forward else blk * (1 + ahead)
@@ -320,24 +337,25 @@ def _fsdp_moments(plan: Plan, shape: ModelShape, held: HeldParams, model: dict[s
         # freed, the output (a shard; the whole block on one rank) and gloo's copy of the input.
         copy_in = _Moment(after, reduced.get("blocks", 0.0) + grads, optim, acts, reduce * blk)
         scatter = _Moment(after, reduced.get("blocks", 0.0) + grads_after, optim, acts_after,
-                          reduce * blk + reduce * blk / s + (reduce * blk if host and not alone else 0.0))
+                          reduce * blk + reduce * per_rank(blk, e_layer) + (reduce * blk if host and not alone else 0.0))
         moments["block_reduce"] = max(copy_in, scatter, key=lambda m: m.total)
     gloo_copy = reduce * root if host and not alone else 0.0
     copy_in = _Moment(shards, reduced["reduce"] + compute * root, optim, 0.0, reduce * root)
     scatter = _Moment(shards, reduced["reduce"] + compute * held.head + reduce * root / s, optim, 0.0,
                       reduce * root + gloo_copy)
     moments["reduce"] = max(copy_in, scatter, key=lambda m: m.total)
-    moments["step"] = _Moment(shards, 4 * p / s, optim + _adamw_temporaries(p / s, held.largest / s, host))
-    return _fsdp_offloaded(plan, moments, p, s)
+    moments["step"] = _Moment(shards, 4 * ps, optim + _adamw_temporaries(ps, held.largest / s, host))
+    return _fsdp_offloaded(plan, moments, ps)
 
 
-def _fsdp_offloaded(plan: Plan, moments: dict[str, _Moment], p: float, s: int) -> dict[str, _Moment]:
-    """Under CPU offload the shards, their gradients and the optimizer live in host memory."""
+def _fsdp_offloaded(plan: Plan, moments: dict[str, _Moment], per_shard: float) -> dict[str, _Moment]:
+    """Under CPU offload the shards (`per_shard` parameters), their gradients and the optimizer
+    live in host memory."""
     if plan.fsdp is None or not plan.fsdp.cpu_offload:
         return moments
     for m in moments.values():
-        m.weights = max(0.0, m.weights - 4 * p / s)
-        m.gradients = max(0.0, m.gradients - 4 * p / s)
+        m.weights = max(0.0, m.weights - 4 * per_shard)
+        m.gradients = max(0.0, m.gradients - 4 * per_shard)
         m.optimizer = 0.0
     return moments
 
@@ -460,15 +478,22 @@ def _step(weights: float, grads: float, step_grads: float, optim: float, temps: 
 
 
 def memory_moments(plan: Plan, model: ActivationModel = "trace", device: "Device | None" = None,
-                   coeff: ActivationCoefficients | None = None) -> dict[str, _Moment]:
-    """Bytes per part at every moment of the step the model considers (PHASE_WHEN), per rank."""
+                   coeff: ActivationCoefficients | None = None, imbalance: float = DEFAULT_IMBALANCE) -> dict[str, _Moment]:
+    """Bytes per part at every moment of the step the model considers (PHASE_WHEN), per rank.
+    `imbalance`: max / mean tokens per expert (expert-parallel plans; paratune.moe_costs)."""
     shape = model_shape(plan)
     coeff = coeff or activation_coefficients(plan, model)
-    held = HeldParams.of(plan, shape)
+    held, share = held_with_experts(plan, shape)
     per_phase = _model_phase_bytes(plan, shape, coeff, keeps_weight_copies=compute_precision(plan) == "bf16",
                                    held=fully_sharded(plan))
-    build = {"ddp": _ddp_moments, "fsdp": _fsdp_moments, "zero": _zero_moments}[plan.strategy]
-    return build(plan, shape, held, per_phase, _on_host(plan, device))
+    host = _on_host(plan, device)
+    if plan.strategy == "fsdp":
+        moments = _fsdp_moments(plan, shape, held, per_phase, host, share)
+    else:
+        moments = {"ddp": _ddp_moments, "zero": _zero_moments}[plan.strategy](plan, shape, held, per_phase, host)
+    if share is not None:
+        add_dispatch(plan, moments, imbalance)
+    return moments
 
 
 @dataclass
@@ -491,7 +516,7 @@ def model_states(plan: Plan, shape: ModelShape | None = None) -> ModelStates:
     home; FSDP: shards; ZeRO-1: whole, in param.grad; ZeRO-2/3: the rank's partition); at the
     optimizer step add `step_gradients`."""
     shape = shape or model_shape(plan)
-    held = HeldParams.of(plan, shape)
+    held, share = held_with_experts(plan, shape)
     local, layer = held.local, held.layer
     dp, ga, pb = replicas(plan), plan.grad_accum, BYTES[plan.precision]
     if plan.strategy == "ddp":
@@ -502,19 +527,20 @@ def model_states(plan: Plan, shape: ModelShape | None = None) -> ModelStates:
         f = plan.fsdp
         assert f is not None
         shard = fsdp_shard_degree(plan)
-        weights, optim = 4 * local / shard, 8 * local / shard  # fp32 shards and their moments
+        per_shard = shard_params(local, share.local if share else 0.0, shard, share)  # experts over expert_dp
+        weights, optim = 4 * per_shard, 8 * per_shard  # fp32 shards and their moments
         if shard > 1:
             if f.reshards_after_forward:  # gathered in backward: the root, a block and the one prefetched
                 weights += pb * (held.root + layer * (1 + max(1, f.prefetch)))
             else:
                 weights += pb * local  # grad_op: everything stays gathered until backward
             # Reduce-scattered every micro-batch: only shards accumulate (fp32).
-            grads, buffers = (4 * local / shard if ga > 1 else 0.0), 4 * layer  # + the block being reduced
-            step = 4 * local / shard if ga == 1 else 0.0
+            grads, buffers = (4 * per_shard if ga > 1 else 0.0), 4 * layer  # + the block being reduced
+            step = 4 * per_shard if ga == 1 else 0.0
         else:
             grads, buffers, step = 4 * local, 0.0, 0.0
         if f.cpu_offload:  # shards, their gradients and the optimizer live in host memory
-            weights, optim, grads, step = weights - 4 * local / shard, 0.0, 0.0, 0.0
+            weights, optim, grads, step = weights - 4 * per_shard, 0.0, 0.0, 0.0
         return ModelStates(weights, grads, optim, buffers, step)
     z = plan.zero
     assert z is not None
@@ -552,47 +578,6 @@ def model_states(plan: Plan, shape: ModelShape | None = None) -> ModelStates:
     return ModelStates(weights, grads, optim, buffers, step)
 
 
-def construction_bytes(plan: Plan, shape: ModelShape | None = None) -> float:
-    """Device bytes per rank while the model is built, before the optimizer exists: the model is
-    built on the meta device and each rank materializes in fp32 only what it holds.
-
-    - ddp, fsdp no_shard, ZeRO 0-2: every rank holds the whole model (its tp/pp slice), 4 bytes
-      a parameter (DeepSpeed's bf16 cast then happens in place, one tensor at a time);
-    - fsdp full/grad_op/hybrid: its shard of that slice (values are made on the host, only the
-      shard is kept on the device);
-    - plus, without pipeline stages and with more than one rank, one module's full fp32 values
-      on the device for a moment (ranks take turns computing modules and broadcast them);
-    - ZeRO-3: under `deepspeed.zero.Init` each module's parameters are partitioned as soon as the
-      module is built, in the dtype of the DeepSpeed config (bf16 with bf16 enabled), so: the
-      partition (params/dp) in that dtype, plus the largest single module built whole on the
-      device. Its tensors are created in fp32 and then cast (zero_wrapper_for_fp_tensor_constructor
-      in deepspeed/runtime/zero/partition_parameters.py), so for a moment both copies exist:
-      4 + 2 bytes a parameter in bf16, 4 in fp32. Under parameter offload the partitions go to
-      the host (zero.Init's remote_device) and only that module is on the device.
-    - ZeRO with tp (DeepSpeed's AutoTP): AutoTP shards inside `deepspeed.initialize`, after the
-      model exists: at ZeRO 0-2 every rank first builds the whole model in fp32 (4 bytes x all
-      parameters); at ZeRO-3 zero.Init partitions the whole model over every rank, and AutoTP
-      gathers one module whole (fp32) at a time to cut its slice.
-    """
-    shape = shape or model_shape(plan)
-    local, _ = local_params(plan, shape)
-    if plan.strategy == "zero" and plan.zero is not None and plan.zero.stage == 3:
-        pb = BYTES[plan.precision]
-        if plan.tp > 1:
-            partition = 0.0 if plan.zero.offload_param else pb * shape.total / plan.num_workers
-            return partition + (4 + (pb if pb != 4 else 0)) * shape.largest_leaf + 4 * shape.largest_leaf
-        partition = 0.0 if plan.zero.offload_param else pb * local / plan.dp_degree
-        return partition + (4 + (pb if pb != 4 else 0)) * shape.largest_leaf
-    if plan.strategy == "zero" and plan.tp > 1:
-        return 4 * shape.total + (4 * shape.largest_leaf if plan.num_workers > 1 else 0.0)
-    # Without pipeline stages every rank fills every module, one module's fp32 values broadcast
-    # at a time through the device (paratune.materialize.ModelInit.shared_values).
-    exchange = 4 * shape.largest_leaf if plan.num_workers > 1 and plan.pp == 1 else 0.0
-    if plan.strategy == "fsdp":
-        return 4 * local / fsdp_shard_degree(plan) + exchange
-    return 4 * local + exchange
-
-
 def activation_bytes(plan: Plan, model: ActivationModel = "trace", shape: ModelShape | None = None) -> tuple[float, str]:
     """Activation bytes a rank holds at the start of its last micro-batch's backward (the saved
     activations of the micro-batches it holds at once and the loss's buffers; the head's gradient
@@ -603,12 +588,14 @@ def activation_bytes(plan: Plan, model: ActivationModel = "trace", shape: ModelS
     return acts, coeff.method
 
 
-def estimate_memory(plan: Plan, model: ActivationModel = "trace", device: "Device | None" = None) -> MemoryEstimate:
+def estimate_memory(plan: Plan, model: ActivationModel = "trace", device: "Device | None" = None,
+                    imbalance: float = DEFAULT_IMBALANCE) -> MemoryEstimate:
     """Peak memory per rank: the moment of the step that holds the most (`memory_moments`).
     `device`: where the plan runs, when the plan says `auto` (the CPU entry: gloo collectives
-    and torch's single-tensor AdamW; a GPU: NCCL and the multi-tensor AdamW)."""
+    and torch's single-tensor AdamW; a GPU: NCCL and the multi-tensor AdamW). `imbalance`: the
+    routing's max / mean tokens per expert (expert-parallel plans: paratune.moe_costs)."""
     coeff = activation_coefficients(plan, model)
-    moments = memory_moments(plan, model, device, coeff)
+    moments = memory_moments(plan, model, device, coeff, imbalance)
     name = max(moments, key=lambda k: moments[k].total)
     peak = moments[name]
     method = f"{coeff.method}; peak at {PHASE_WHEN[name]}"

@@ -211,6 +211,10 @@ def plan_groups(plan: Plan) -> list[GroupSpec]:
         out.append(GroupSpec(size=dp, stride=plan.tp))
     if plan.pp > 1:
         out.append(GroupSpec(size=plan.pp, stride=plan.num_workers // plan.pp))
+    if plan.ep > 1:  # an ep group: ep consecutive dp ranks; an expert's copies: ranks ep apart
+        out.append(GroupSpec(size=plan.ep, stride=plan.tp))
+        if plan.expert_dp_degree > 1:
+            out.append(GroupSpec(size=plan.expert_dp_degree, stride=plan.tp * plan.ep))
     return out
 
 
@@ -247,7 +251,15 @@ def optimizer_params(plan: Plan) -> int:
     """Parameter elements one rank's optimizer steps under a plan (sharded by ZeRO/FSDP)."""
     from paratune.shapes import fsdp_shard_degree, local_params, model_shape, replicas
 
-    local, _ = local_params(plan, model_shape(plan))
+    from paratune.moe_costs import held_with_experts, shard_params
+
+    shape = model_shape(plan)
+    local, _ = local_params(plan, shape)
+    if plan.ep > 1:  # E / ep experts, FSDP2-sharded over expert_dp (paratune.moe_costs)
+        held, share = held_with_experts(plan, shape)
+        local = held.local
+        if plan.strategy == "fsdp" and share is not None:
+            return max(1, int(shard_params(local, share.local, fsdp_shard_degree(plan), share)))
     if plan.strategy == "fsdp" and plan.fsdp is not None:
         local /= fsdp_shard_degree(plan)
     elif plan.strategy == "zero" and plan.zero is not None and plan.zero.stage >= 1:

@@ -29,6 +29,8 @@ real workers (paratune.profile), composed the way each framework schedules its w
   the last bucket under backward; FSDP2: prefetch hides all but the first gather); on CPU compute
   and communication share the cores, so everything counts and the exposed fraction is a refit
   coefficient;
+- ep: each MoE layer's all-to-all (dispatch and combine, forward and backward) on the ep group's
+  curve, exposed; the experts' own data-parallel collectives on their expert_dp group (`compose`);
 - optimizer: the measured clip + AdamW + zero_grad line at the rank's local parameter count;
 - offload: shapes.offload_bytes over the measured host link.
 
@@ -46,11 +48,12 @@ import math
 import statistics
 from functools import lru_cache
 
+from paratune.moe_costs import DEFAULT_IMBALANCE
 from paratune.plan import Plan
 from paratune.predict import StepPrediction
 from paratune.profile import BlockTime, Profile, head_loss
 
-MULTIPLIERS = ("compute", "tp_comm", "pp_comm", "dp_comm", "optimizer", "offload")
+MULTIPLIERS = ("compute", "tp_comm", "pp_comm", "dp_comm", "optimizer", "offload", "ep_comm")
 FAMILIES = ("ddp", "fsdp", "deepspeed", "zero3", "dtensor_tp", "autotp", "pipeline")
 OVERHEAD_UNIT_S = 0.01  # an overhead coefficient of 1 = 10 ms
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
@@ -210,10 +213,22 @@ def compile_seconds(plan: Plan, profile: Profile) -> float | None:
     return total
 
 
-def compose(plan: Plan, profile: Profile) -> dict[str, float]:
+def compose(plan: Plan, profile: Profile, imbalance: float = DEFAULT_IMBALANCE) -> dict[str, float]:
     """The plan's terms in seconds (MULTIPLIERS, each at multiplier 1) and its overhead features
-    (micro-batches, steps, per-framework micro-batches; in OVERHEAD_UNIT_S units)."""
+    (micro-batches, steps, per-framework micro-batches; in OVERHEAD_UNIT_S units).
+
+    Expert parallelism (paratune.moe_costs): the profiled block has every expert local and runs
+    each token's top_k rows itself, which is the mean rank's expert work under ep; the busiest
+    rank's is `imbalance` x that, so the block time grows by the routed experts' FLOPs share x
+    (imbalance - 1) (the profile times the block whole, not its experts apart: a rate of their
+    own would need the profiler to time the experts module alone). The all-to-all (ep_comm,
+    exposed: 4 exchanges per MoE layer and micro-batch) is timed on the ep group's all-gather
+    curve (an all-gather of an S-byte output moves what an all-to-all of an S-byte buffer does,
+    (n-1)/n of it over each rank's link; the profile has no all-to-all curve); the experts'
+    gathers and reduce-scatters (FSDP2) or their all-reduce (DDP, once per step) run on the
+    expert_dp group (ranks ep apart), the dense part's on dp as without ep."""
     from paratune.estimate import data_parallel_comm
+    from paratune.moe_costs import expert_flops_share, expert_layout, held_with_experts
     from paratune.shapes import fsdp_shard_degree, local_params, model_shape, offload_bytes, replicas
 
     shape = model_shape(plan)
@@ -231,6 +246,8 @@ def compose(plan: Plan, profile: Profile) -> dict[str, float]:
     per_rank = [(n - k) * bt.block_s + k * recomputed_bt.block_s + (bt.embed_s if emb else 0.0)
                 + (head_s if head else 0.0) for (n, emb, head), k in zip(stages, recomputed)]
     t_mb = max(per_rank)
+    if plan.ep > 1 and imbalance > 1.0:  # the busiest rank's experts (see above)
+        t_mb *= 1 + expert_flops_share(plan) * (imbalance - 1.0)
     v = 2 if plan.pp_schedule == "interleaved_1f1b" else 1
     slots = m + (p - 1) / v  # (m + p - 1) stage slots; interleaving halves the fill and drain
     compute = t_mb * slots
@@ -262,6 +279,17 @@ def compose(plan: Plan, profile: Profile) -> dict[str, float]:
 
     # ---- data parallel: the collectives estimate.data_parallel_comm describes, on the measured curves
     local, layer = local_params(plan, shape)
+    held, share = held_with_experts(plan, shape)
+    expert_local = expert_layer = 0.0
+    ep_comm = 0.0
+    if share is not None:  # the dense part on dp below; the experts (E / ep) on expert_dp after it
+        layout = expert_layout(plan)
+        expert_local = share.local
+        expert_layer = layout.total / max(1, len(layout.per_layer)) / share.ep  # the mean block's
+        local, layer = held.local - expert_local, layer - expert_layer * share.ep
+        moe_here = min(max(n for n, _, _ in stages), layout.moe_layers)
+        rows = mb * seq * layout.top_k * shape.hidden * act * imbalance  # one exchange's buffer, busiest rank
+        ep_comm = 4 * moe_here * m * profile.comm_seconds("all_gather", plan.ep, rows, t)
     dp = replicas(plan)
     d = data_parallel_comm(plan)
     stride = t
@@ -280,6 +308,8 @@ def compose(plan: Plan, profile: Profile) -> dict[str, float]:
                 buckets = [d.grad_bytes * layer] * blocks_here + [d.grad_bytes * max(0.0, local - blocks_here * layer)]
             times = [AR(b) for b in buckets if b > 0]
             dp_comm = (times[-1] + max(0.0, sum(times[:-1]) - backward_last)) if gpu else sum(times)
+            if share is not None and share.expert_dp > 1:  # the experts all-reduced once per step, after backward
+                dp_comm += profile.comm_seconds("all_reduce", share.expert_dp, d.grad_bytes * expert_local, stride * share.ep)
         elif d.scheme == "fsdp":
             shard = fsdp_shard_degree(plan)
             pb = d.param_bytes  # FSDP2 gathers in its param dtype (bf16 under mixed precision)
@@ -288,6 +318,10 @@ def compose(plan: Plan, profile: Profile) -> dict[str, float]:
             block_pb = 1 if plan.float8_all_gather else pb  # float8 weights gathered as bytes
             ag_block, ag_root = AG(block_pb * layer, shard), AG(pb * root, shard)
             rs = blocks_here * RS(d.grad_bytes * layer, shard) + RS(d.grad_bytes * root, shard)
+            if share is not None and share.expert_dp > 1:  # each block's experts over their copies
+                edp, estride = share.expert_dp, stride * share.ep
+                ag_block += profile.comm_seconds("all_gather", edp, block_pb * expert_layer, estride)
+                rs += blocks_here * profile.comm_seconds("reduce_scatter", edp, d.grad_bytes * expert_layer, estride)
             per_mb = d.gathers_per_micro_batch * blocks_here * ag_block + ag_root + rs
             if shard < dp:  # hybrid: the shards' gradients all-reduced across replicas once per step
                 extra = AR(4 * local / shard, dp // shard)
@@ -327,7 +361,7 @@ def compose(plan: Plan, profile: Profile) -> dict[str, float]:
     host = profile.host_link_bytes_per_s or 25e9
     offload = offload_bytes(plan, shape) / host
     terms = {"compute": compute, "tp_comm": tp_comm, "pp_comm": pp_comm, "dp_comm": dp_comm,
-             "optimizer": optimizer, "offload": offload,
+             "optimizer": optimizer, "offload": offload, "ep_comm": ep_comm,
              "overhead:step": 1.0, "overhead:micro_batch": float(m)}
     for fam in FAMILIES:
         terms[f"overhead:{fam}"] = float(m) if fam in families(plan) else 0.0
@@ -409,6 +443,9 @@ class StepTimeModel:
         self.prior = list(PRIOR) + [0.0] * len(self.env_keys)
         self.weights = prior_weights() + [MULTIPLIER_WEIGHT] * len(self.env_keys)
         self.coef = list(self.prior)
+        # MoE routing's max / mean tokens per expert (expert-parallel plans, `compose`): the
+        # assumption until the sweep sets a trial's measured `routing_balance` here.
+        self.imbalance = DEFAULT_IMBALANCE
         self.samples: list[tuple[Plan, float, list[float]]] = []  # plan, measured s, feature row
         self.errors: list[float] = []  # pre-refit relative errors, in order
 
@@ -442,7 +479,7 @@ class StepTimeModel:
 
     def _features(self, plan: Plan) -> tuple[list[float], dict[str, float], Profile, str | None]:
         profile, note = self.profile_for(plan)
-        terms = compose(plan, profile)
+        terms = compose(plan, profile, self.imbalance)
         env = _env_key(profile.env)
         row = _row(terms) + [terms["compute"] if k == env else 0.0 for k in self.env_keys]
         return row, terms, profile, note
