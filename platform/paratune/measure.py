@@ -24,8 +24,7 @@ class ProfileEvent(NamedTuple):
 
 # Host-side spans of collectives under gloo (c10d's record_function labels and op names).
 _CPU_COLLECTIVE_NAMES = ("nccl:", "gloo:", "c10d::", "allreduce", "all_reduce", "allgather", "all_gather",
-                         "reduce_scatter", "_reduce_scatter", "broadcast", "record_param_comms", "all_to_all",
-                         "alltoall")
+                         "reduce_scatter", "_reduce_scatter", "broadcast", "record_param_comms")
 
 
 def _is_nccl_kernel(name: str) -> bool:
@@ -63,32 +62,6 @@ def comm_share_from_events(events: Iterable[tuple[str, float, float, bool]], ste
     elif device_type == "cpu":
         spans = [(s, e) for name, s, e, on_device in events
                  if not on_device and any(n in name.lower() for n in _CPU_COLLECTIVE_NAMES)]
-    else:
-        raise ValueError(f"device_type: got '{device_type}'; allowed: 'cpu', 'cuda'")
-    if step_seconds <= 0:
-        return 0.0
-    return min(1.0, _union_us(spans) / 1e6 / step_seconds)
-
-
-# The all-to-all part of the collectives (expert parallelism's dispatch and combine). gloo (read from
-# a profile of all_to_all_single and the functional all_to_all_single_autograd, torch 2.13):
-# "gloo:all_to_all", "c10d::alltoall_base_", "_c10d_functional::all_to_all_single". NCCL runs an
-# all-to-all as grouped send/recv: its kernels are ncclDevKernel_SendRecv (NCCL >= 2.19), which
-# pipeline stages' p2p also launch: under pp the share includes the stages' sends.
-_CPU_ALL_TO_ALL_NAMES = ("all_to_all", "alltoall")
-_NCCL_ALL_TO_ALL_NAMES = ("sendrecv", "alltoall", "all_to_all")
-
-
-def all_to_all_share_from_events(events: Iterable[tuple[str, float, float, bool]], step_seconds: float,
-                                 device_type: str) -> float:
-    """Fraction of a step with an all-to-all in flight (the union of its intervals / step), read
-    like `comm_share_from_events`: NCCL kernels on "cuda", gloo's host spans on "cpu"."""
-    if device_type == "cuda":
-        spans = [(s, e) for name, s, e, on_device in events if on_device and _is_nccl_kernel(name)
-                 and any(n in name.lower() for n in _NCCL_ALL_TO_ALL_NAMES)]
-    elif device_type == "cpu":
-        spans = [(s, e) for name, s, e, on_device in events
-                 if not on_device and any(n in name.lower() for n in _CPU_ALL_TO_ALL_NAMES)]
     else:
         raise ValueError(f"device_type: got '{device_type}'; allowed: 'cpu', 'cuda'")
     if step_seconds <= 0:

@@ -43,12 +43,6 @@ class TrialResult(BaseModel):
     optimizer_class: str | None = None  # what stepped: AdamW, DeepSpeedCPUAdam, ...
     comm_share: float | None = None
     comm_method: str | None = None
-    # Mixture of experts: the all-to-all part of the step (expert parallelism's dispatch and combine,
-    # same profiled step), and the routing's balance over the measured steps: max / mean tokens per
-    # expert of each MoE layer (1.0: even) and of the worst layer (paratune.routing).
-    all_to_all_share: float | None = None
-    routing_balance: float | None = None
-    routing_balance_per_layer: list[float | None] = Field(default_factory=list)
     losses: list[float] = Field(default_factory=list)  # every step, warm-up included
     step_times_s: list[float] = Field(default_factory=list)  # measured steps (slowest rank)
     launch_s: float | None = None  # trial start to first step

@@ -93,10 +93,6 @@ def results_table(rows: list[tuple[str, TrialResult, float | None]], title: str 
                          ("MFU", "right"), ("peak MiB/rank", "right"), ("comm", "right"),
                          ("last loss", "right"), ("parity Δ", "right")]:
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
-    moe = any(r.routing_balance is not None for _, r, _ in rows)
-    if moe:  # mixture of experts: the all-to-all part of the step, the worst layer's max / mean tokens per expert
-        table.add_column("all-to-all", justify="right")
-        table.add_column("routing max/mean", justify="right")
     for name, r, diff in rows:
         peak = max(r.peak_memory_bytes) if r.peak_memory_bytes else None
         status = "ok" if r.ok else f"[red]{r.reason}[/red]"
@@ -107,7 +103,6 @@ def results_table(rows: list[tuple[str, TrialResult, float | None]], title: str 
             f"{r.step_time_median_s * 1e3:.1f} ({r.step_time_p10_s * 1e3:.1f}-{r.step_time_p90_s * 1e3:.1f})",
             _fmt(r.step_time_spread, ".0%"), _fmt(r.mfu, ".1%"), _fmt(peak, ",.1f", 1 / 2**20),
             _fmt(r.comm_share, ".0%"), _fmt(r.losses[-1] if r.losses else None, ".4f"), _fmt(diff, ".1e"),
-            *((_fmt(r.all_to_all_share, ".0%"), _fmt(r.routing_balance, ".2f")) if moe else ()),
         )
     return table
 

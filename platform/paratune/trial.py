@@ -191,24 +191,6 @@ def _local_parameter_count(runner) -> int:
     return sum(held(p) for p in params)
 
 
-def _routing_balance(routing, device: torch.device) -> dict[str, Any]:
-    """The measured steps' routing balance (paratune.routing) summed over all ranks, for a MoE
-    model; nothing for a dense one. A collective: every rank calls it."""
-    import torch.distributed as dist
-
-    from paratune.routing import balance
-
-    any_experts = torch.tensor([int(routing.has_experts)], device=device)
-    dist.all_reduce(any_experts, op=dist.ReduceOp.MAX)  # a pipeline stage may hold no MoE layer
-    if not int(any_experts):
-        return {}
-    layers, counts = routing.reduce(device)
-    per_layer = [b if b == b else None for b in (balance(c) for c in counts)]  # nan: no token reached it
-    seen = [b for b in per_layer if b is not None]
-    return {"routing_balance": max(seen) if seen else None, "routing_balance_per_layer": per_layer,
-            "routing_layers": layers}
-
-
 def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, device: torch.device,
                       stop_rule: measure.TrialStopRule | None = None) -> dict[str, Any]:
     """Everything a worker does. Returns the same dict on every rank (reduced across ranks).
@@ -226,7 +208,6 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     from paratune.parallel.dims import ParallelDims
     from paratune.parallel.float8 import quiet_torchao_import
     from paratune.precision import LinearMatmulDtypes
-    from paratune.routing import RoutingCounter
 
     from paratune.placement import place_and_check
 
@@ -254,7 +235,6 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     stopped = False
     first_step_at = None
     dtypes = LinearMatmulDtypes()
-    routing = RoutingCounter(runner.micro_batch_roots(), config.num_hidden_layers)  # MoE: tokens per expert
     watch = watch_compiled(runner.model, plan)  # compiled plans: one graph per block class, none measured
     compile_graphs = None
     for step in range(plan.total_steps):
@@ -262,7 +242,6 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         micro = batches(step)
         if step == plan.warmup_steps and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        routing.counting = step >= plan.warmup_steps  # the measured steps' routing
         sync_device(device)
         t0 = time.perf_counter()
         first_step_at = first_step_at or time.time()
@@ -286,7 +265,6 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
                 stopped = True
                 break
 
-    routing.counting = False
     if watch is not None:
         on_every_rank(watch.measured, device)
     all_losses, all_times = reduce_losses_and_times(losses, times, device)
@@ -321,17 +299,10 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
             runner.train_step(micro)
             sync_device(device)
             seconds = time.perf_counter() - t0
-        events = measure.profile_events(prof)
-        shares = torch.tensor([measure.comm_share_from_events(events, seconds, device.type),
-                               measure.all_to_all_share_from_events(events, seconds, device.type)],
-                              dtype=torch.float64, device=device)
-        dist.all_reduce(shares, op=dist.ReduceOp.SUM)
-        out["comm_share"] = float(shares[0]) / world
+        share = torch.tensor([measure.comm_share_from_profile(prof, seconds, device.type)], dtype=torch.float64, device=device)
+        dist.all_reduce(share, op=dist.ReduceOp.SUM)
+        out["comm_share"] = float(share) / world
         out["comm_method"] = "profiler: collectives in flight / step time (one extra step, rank mean)"
-        if plan.ep > 1:  # the experts' dispatch and combine (0 without ep: nothing is exchanged)
-            out["all_to_all_share"] = float(shares[1]) / world
-    out.update(_routing_balance(routing, device))
-    routing.remove()
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
         method = "torch.cuda.max_memory_allocated over the measured steps"
@@ -581,8 +552,6 @@ def summarize(plan: Plan, out: dict[str, Any], flops_tok: float, wall_s: float |
         peak_memory_bytes=out.get("peak_memory_bytes", []), memory_method=out.get("memory_method"),
         local_parameter_counts=out.get("local_parameter_counts", []),
         comm_share=out.get("comm_share"), comm_method=out.get("comm_method"),
-        all_to_all_share=out.get("all_to_all_share"), routing_balance=out.get("routing_balance"),
-        routing_balance_per_layer=out.get("routing_balance_per_layer", []),
         construction_peak_bytes=out.get("construction_peak_bytes", []),
         construction_method=out.get("construction_method"), construction_s=out.get("construction_s"),
         linear_matmul_dtypes=out.get("linear_matmul_dtypes", {}), optimizer_class=out.get("optimizer_class"),
