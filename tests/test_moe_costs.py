@@ -237,3 +237,25 @@ def test_a_ranks_blocks_are_traced_as_moe_blocks_with_its_own_experts():
     assert (deepseek["n_routed_experts"], deepseek["first_k_dense_replace"], deepseek["n_group"]) == (8, 0, 1)
     dense = model_config_key(_plan(model="tiny-llama", ep=1))
     assert _rank_experts(dense, 4) == dense
+
+
+def test_with_tp_a_rank_holds_its_ep_ranks_experts_whole():
+    """tp x ep (paratune.parallel.ep): tp splits the dense part, the routed experts are ep's, whole on
+    every tp rank, so a rank holds E / ep of them (not E / tp), and FSDP2 shards them over their
+    expert_dp x tp copies; each tp rank dispatches 1 / tp of the shared tokens."""
+    from paratune.estimate import comm_volume
+    from paratune.moe_costs import held_with_experts
+    from paratune.shapes import model_shape
+
+    def held(**kw):
+        plan = _plan(num_workers=8, global_batch=8, micro_batch=1, strategy="ddp", tp=2, **kw)
+        return held_with_experts(plan, model_shape(plan))
+
+    (dense_tp, _), (ep4, share) = held(), held(ep=4)
+    assert ep4.local == pytest.approx(dense_tp.local - EXPERT_PARAMS / 2 + EXPERT_PARAMS / 4)
+    assert share.expert_dp == 4 // 4 * 2  # dp 4 / ep 4 copies on each tp rank: 2 ranks hold the same experts
+    # dp 4 and 2 micro-batches of 1 both ways: with tp 2 each rank dispatches half the tokens
+    plan_tp = _plan(num_workers=8, global_batch=8, micro_batch=1, strategy="ddp", tp=2, ep=2)
+    plan_no_tp = _plan(num_workers=4, global_batch=8, micro_batch=1, strategy="ddp", ep=2)
+    assert comm_volume(plan_no_tp).ep > 0
+    assert comm_volume(plan_tp).ep == pytest.approx(comm_volume(plan_no_tp).ep / 2)

@@ -187,7 +187,8 @@ def comm_volume(plan: Plan, imbalance: float = DEFAULT_IMBALANCE) -> CommVolume:
     if share is not None:
         layout = expert_layout(plan)
         moe_here = min(math.ceil(shape.layers / plan.pp), layout.moe_layers)
-        ep_bytes = ga * all_to_all_bytes(tokens, layout.top_k, shape.hidden, pb, plan.ep, moe_here, imbalance)
+        # with tp, the tp ranks share their tokens and each dispatches 1 / tp of them (paratune.parallel.ep)
+        ep_bytes = ga * all_to_all_bytes(tokens / plan.tp, layout.top_k, shape.hidden, pb, plan.ep, moe_here, imbalance)
     return CommVolume(dp_bytes, tp_bytes, pp_bytes, cp_bytes, ep_bytes)
 
 

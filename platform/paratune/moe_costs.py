@@ -134,8 +134,10 @@ def expert_share(plan: Plan, layout: ExpertLayout | None = None) -> ExpertShare:
         stage = float(layout.total)
     else:
         stage = min(math.ceil(len(layout.per_layer) / plan.pp), layout.moe_layers) * float(layout.largest_layer)
+    # The ranks holding the same experts: expert_dp, x tp (with tp the routed experts are ep's, whole
+    # on every tp rank; FSDP2 shards them over the flattened expert_dp x tp mesh: paratune.parallel.ep).
     return ExpertShare(local=stage / ep, layer=layout.largest_layer / ep, first=layout.first_layer / ep, ep=ep,
-                       expert_dp=max(1, plan.dp_degree // ep))
+                       expert_dp=max(1, plan.dp_degree // ep) * plan.tp)
 
 
 def shard_params(params: float, experts: float, shard: int, share: ExpertShare | None) -> float:
@@ -230,7 +232,10 @@ def held_with_experts(plan: Plan, shape=None):  # noqa: ANN001, ANN201 - (HeldPa
     if not layout.total:
         return held, None
     share = expert_share(plan, layout)
-    cut = share.ep - 1  # a rank holds 1 / ep of the experts: (ep - 1) / ep of them are elsewhere
+    # HeldParams counts the experts over tp like the rest (E / tp of them); a rank holds E / ep,
+    # whole (with tp they are ep's, not tp's): (ep / tp - 1) x its share less than HeldParams says
+    # (tp 1: (ep - 1) / ep of them are elsewhere).
+    cut = share.ep / plan.tp - 1
     largest = max(float(layout.largest_dense_leaf), (shape.largest_leaf or shape.block) / share.ep)
     return replace(held, local=held.local - share.local * cut, layer=held.layer - share.layer * cut,
                    first=held.first - share.first * cut, largest=largest), share
