@@ -144,8 +144,8 @@ def test_imbalance_scales_expert_compute_all_to_all_and_received_activations():
         estimate(plan, cpu, routing_balance=0.5, activation_model="formula")
 
 
-SPACES = [("qwen3-30b-a3b-8xh100", "h100-80gb"), ("mixtral-8x7b-2x8xh100", "h100-80gb"),
-          ("deepseek-v3-671b-32x8xh200", "h200-141gb")]
+SPACES = [("qwen3_30b_a3b_1x8", "h100-80gb"), ("mixtral_8x7b_2x8", "h100-80gb"),
+          ("deepseek_v3_671b_32x8", "h200-141gb")]
 
 
 @pytest.mark.parametrize("name,device", SPACES)
@@ -208,7 +208,7 @@ def test_calibrated_model_times_the_all_to_all_and_the_busiest_ranks_experts():
 def test_plan_command_shows_the_expert_layout_and_takes_a_measured_balance(tmp_path, capsys):
     from paratune.cli import main
 
-    space = str(ROOT / "search_spaces" / "mixtral-8x7b-2x8xh100.yaml")
+    space = str(ROOT / "search_spaces" / "mixtral_8x7b_2x8.yaml")
     out = tmp_path / "plans.json"
     assert main(["plan", space, "--formula", "--routing-balance", "1.3", "--json", str(out)]) == 0
     said = " ".join(capsys.readouterr().out.split())
