@@ -171,6 +171,68 @@ def _tensors_held_by(obj: object) -> list[torch.Tensor]:
     return list(found.values())
 
 
+class RoutingCounter:
+    """Tokens routed to each expert of every routed-experts module, while `counting` is on.
+
+    A forward pre-hook on each experts module (transformers 5.2x calls every family's as
+    experts(hidden_states, top_k_index, top_k_weights)) adds up top_k_index with bincount. Under
+    expert parallelism the module's forward is the dispatch (an instance attribute), and its
+    pre-hooks still run before it, on the router's global expert ids. Activation checkpointing's
+    recompute runs the forward again inside backward (the autograd engine is executing a node
+    then): such a call is not counted, so each routed token counts once."""
+
+    def __init__(self, model: torch.nn.Module, ep: int, counts_tokens: bool) -> None:
+        from paratune.models import routed_experts
+
+        self.counting = False
+        self.counts_tokens = counts_tokens  # tp ranks share their tokens: one of them counts
+        self.counts: dict[str, torch.Tensor] = {}
+        self.handles = []
+        for path, module, count in routed_experts(model):
+            # ep's experts module keeps E / ep local experts (`_ep_rows` marks it): the router's ids span all E.
+            experts = count * ep if getattr(module, "_ep_rows", None) else count
+            self.counts[path] = torch.zeros(experts, dtype=torch.int64)
+            self.handles.append(module.register_forward_pre_hook(self._hook(path, experts), with_kwargs=True))
+
+    def _hook(self, path: str, experts: int):
+        def count_routed(module, args, kwargs):
+            if not self.counting or not self.counts_tokens or torch._C._current_autograd_node() is not None:
+                return None  # off, a tp rank that does not count, or a recompute inside backward
+            index = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
+            if index is None:
+                return None
+            flat = index.detach().reshape(-1).to("cpu", torch.int64)
+            self.counts[path] += torch.bincount(flat, minlength=experts)[:experts]
+            return None
+
+        return count_routed
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def summed_over_ranks(self, world: int) -> list[list[int]]:
+        """Every MoE layer's tokens per expert, summed over the ranks (pipeline stages hold
+        different layers; each layer's by its path), layers in the model's order."""
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, {p: c.tolist() for p, c in self.counts.items()})
+        total: dict[str, list[int]] = {}
+        for per_rank in gathered:
+            for path, counts in per_rank.items():
+                acc = total.setdefault(path, [0] * len(counts))
+                total[path] = [a + b for a, b in zip(acc, counts)]
+        return [total[p] for p in sorted(total, key=_natural_key)]
+
+
+def _natural_key(path: str) -> list:
+    """model.layers.10 after model.layers.9."""
+    import re
+
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
+
+
 def _local_parameter_count(runner) -> int:
     """Parameter elements this rank optimizes (sharded by FSDP/TP/ZeRO, split by PP).
 
@@ -230,6 +292,9 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     def batches(step: int) -> list[torch.Tensor]:
         return [m.to(device) for m in data.micro_batches(step, dp_rank, dims.dp, plan.micro_batch)]
 
+    # Tokens per expert over the measured steps; a compiled plan's blocks would trace the hook, so
+    # it counts in its extra eager step instead (see below).
+    routing = RoutingCounter(runner.model, plan.ep, counts_tokens=dims.coords(rank)[2] == 0)
     losses, times = [], []
     slowest: list[float] = []  # measured steps, slowest rank (only with a stop rule)
     stopped = False
@@ -242,6 +307,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         micro = batches(step)
         if step == plan.warmup_steps and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        routing.counting = step >= plan.warmup_steps and watch is None
         sync_device(device)
         t0 = time.perf_counter()
         first_step_at = first_step_at or time.time()
@@ -265,6 +331,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
                 stopped = True
                 break
 
+    routing.counting = False
     if watch is not None:
         on_every_rank(watch.measured, device)
     all_losses, all_times = reduce_losses_and_times(losses, times, device)
@@ -283,10 +350,18 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         "compile_graphs": compile_graphs,
     }
     extra_step = plan.total_steps
+    routing_method = "forward pre-hook on the experts: top_k_index per expert over the measured steps, all ranks"
     if watch is not None and not stopped:  # the compute dtypes of a compiled plan: one eager step
+        routing.counting = True
         with eager_blocks(), dtypes:
             runner.train_step(batches(extra_step))
+        routing.counting = False
+        routing_method = "forward pre-hook on the experts: top_k_index per expert over one eager step, all ranks"
         extra_step += 1
+    routing.remove()
+    if routing.counts:
+        out["expert_tokens"] = routing.summed_over_ranks(world)
+        out["routing_method"] = routing_method
     if plan.profile_comm and world > 1 and not stopped:
         from torch.profiler import ProfilerActivity, profile
 
@@ -299,9 +374,13 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
             runner.train_step(micro)
             sync_device(device)
             seconds = time.perf_counter() - t0
-        share = torch.tensor([measure.comm_share_from_profile(prof, seconds, device.type)], dtype=torch.float64, device=device)
+        events = measure.profile_events(prof)
+        share = torch.tensor([measure.comm_share_from_events(events, seconds, device.type),
+                              measure.all_to_all_share_from_events(events, seconds, device.type)],
+                             dtype=torch.float64, device=device)
         dist.all_reduce(share, op=dist.ReduceOp.SUM)
-        out["comm_share"] = float(share) / world
+        out["comm_share"] = float(share[0]) / world
+        out["all_to_all_share"] = float(share[1]) / world
         out["comm_method"] = "profiler: collectives in flight / step time (one extra step, rank mean)"
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
@@ -541,6 +620,8 @@ def summarize(plan: Plan, out: dict[str, Any], flops_tok: float, wall_s: float |
     message = stop_rule.explain(plan.tokens_per_step, step_times, plan.num_workers, plan.measure_steps) \
         if stopped and stop_rule is not None else ("stopped early" if stopped else None)
     stats = measure.step_stats(step_times)
+    expert_tokens = out.get("expert_tokens") or []
+    worst_balance, layer_balance = measure.routing_summary(expert_tokens)
     tps = measure.tokens_per_second_per_gpu(plan.tokens_per_step, step_times, plan.num_workers)
     peak = devices.device_peak_flops(out.get("device", "cpu"), plan.precision)
     return TrialResult(
@@ -552,6 +633,8 @@ def summarize(plan: Plan, out: dict[str, Any], flops_tok: float, wall_s: float |
         peak_memory_bytes=out.get("peak_memory_bytes", []), memory_method=out.get("memory_method"),
         local_parameter_counts=out.get("local_parameter_counts", []),
         comm_share=out.get("comm_share"), comm_method=out.get("comm_method"),
+        all_to_all_share=out.get("all_to_all_share"), routing_balance=worst_balance,
+        routing_balance_per_layer=layer_balance, expert_tokens=expert_tokens, routing_method=out.get("routing_method"),
         construction_peak_bytes=out.get("construction_peak_bytes", []),
         construction_method=out.get("construction_method"), construction_s=out.get("construction_s"),
         linear_matmul_dtypes=out.get("linear_matmul_dtypes", {}), optimizer_class=out.get("optimizer_class"),
