@@ -7,8 +7,13 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from rich.console import Console
+
 from paratune.space import load_space
 from paratune.sweep import Ledger, run_sweep
+from paratune.sweep.folder import read_sweep
+from paratune.sweep.page import _experts_html
+from paratune.tables import results_table
 
 pytestmark = pytest.mark.integration
 
@@ -17,7 +22,8 @@ SPACE = Path(__file__).resolve().parents[1] / "search_spaces" / "tiny_moe_cpu.ya
 
 def test_tiny_moe_sweep_records_routing_balance_and_all_to_all_share(ray_local, tmp_path, mlflow_uri):
     out = tmp_path / "sweep"
-    report = run_sweep(load_space(SPACE), out, tracking_uri=mlflow_uri)  # what `paratune tune` calls
+    # What `paratune tune` calls; the page's plots skipped (a minute here), its experts table read below.
+    report = run_sweep(load_space(SPACE), out, tracking_uri=mlflow_uri, report_page=False)
     results = [e.result for e in Ledger(out / "ledger.jsonl").entries if e.phase == "search"]
     layouts = {(r.plan["strategy"], r.plan.get("ep", 1)) for r in results if r.ok}
     assert layouts == {("ddp", 1), ("ddp", 2), ("fsdp", 1), ("fsdp", 2)}, [(r.status, r.message) for r in results]
@@ -39,5 +45,9 @@ def test_tiny_moe_sweep_records_routing_balance_and_all_to_all_share(ray_local, 
         assert run.data.metrics["all_to_all_share"] > 0
         assert run.data.metrics["routing_balance"] >= 1.0
         assert {"routing_balance_moe_layer_0", "routing_balance_moe_layer_1"} <= set(run.data.metrics)
-    page = (out / "report" / "report.html").read_text()
-    assert '<table id="experts">' in page and page.count("ep2") >= 2
+    page = _experts_html(read_sweep(out))
+    assert page.startswith("<h2>Experts</h2>") and page.count("<tr>") == 1 + len(results) and page.count("ep2") >= 2
+    console = Console(width=250, record=True)
+    console.print(results_table([(f"t{i}", r, None) for i, r in enumerate(results)]))
+    text = console.export_text()
+    assert "routing max/mean" in text and f"{results[0].routing_balance:.2f}" in text
