@@ -14,17 +14,36 @@ from typing import Iterable, NamedTuple
 # --------------------------------------------------------------------------- communication share
 class ProfileEvent(NamedTuple):
     """One profiler event: times in microseconds on the profile's clock. `on_device`: it ran on
-    the accelerator (a kernel or copy), not a host-side span (an op, a launch, an annotation)."""
+    the accelerator (a kernel or copy), not a host-side span (an op, a launch, an annotation).
+    `device_annotation`: a host label's copy on the device's timeline (c10d's "nccl:all_to_all"
+    as a gpu_user_annotation): it spans the kernels launched inside that label."""
 
     name: str
     start_us: float
     end_us: float
     on_device: bool
+    device_annotation: bool = False
 
 
 # Host-side spans of collectives under gloo (c10d's record_function labels and op names).
 _CPU_COLLECTIVE_NAMES = ("nccl:", "gloo:", "c10d::", "allreduce", "all_reduce", "allgather", "all_gather",
-                         "reduce_scatter", "_reduce_scatter", "broadcast", "record_param_comms")
+                         "reduce_scatter", "_reduce_scatter", "broadcast", "record_param_comms", "all_to_all",
+                         "alltoall")
+# The all-to-all's names, lowered, as torch 2.13 records them (read from a gloo profile of
+# dist.all_to_all_single and _functional_collectives.all_to_all_single_autograd, the calls
+# transformers' AllToAllEP makes): "c10d::alltoall_base_" (the op), "gloo:all_to_all" (the work),
+# "_c10d_functional::all_to_all_single" and its autograd backward
+# ("GeneratedBackwardFor__c10d_functional_all_to_all_single_default..."). Under NCCL c10d labels
+# the work "nccl:all_to_all" (its profilingTitle), on the host and as a GPU user annotation, and
+# NCCL runs it as grouped send/recv kernels (ncclDevKernel_SendRecv, the kernels a pipeline's p2p
+# runs too): a device kernel is the all-to-all's when its name says so or when it lies inside a
+# GPU-side all-to-all annotation.
+_ALL_TO_ALL_NAMES = ("all_to_all", "alltoall")
+
+
+def _is_all_to_all(name: str) -> bool:
+    lowered = name.lower()
+    return any(n in lowered for n in _ALL_TO_ALL_NAMES)
 
 
 def _is_nccl_kernel(name: str) -> bool:
@@ -57,11 +76,33 @@ def comm_share_from_events(events: Iterable[tuple[str, float, float, bool]], ste
     On "cuda" only NCCL kernels on the device count: the host-side spans (c10d's `nccl:*` ranges,
     `record_param_comms`, FSDP's `all_gather_copy_in`) are launches and copies, and a launch
     returns long before its kernel ends. On "cpu" (gloo) the collective runs in the host spans."""
+    events = [ProfileEvent(*e) for e in events]
     if device_type == "cuda":
-        spans = [(s, e) for name, s, e, on_device in events if on_device and _is_nccl_kernel(name)]
+        spans = [(e.start_us, e.end_us) for e in events if e.on_device and _is_nccl_kernel(e.name)]
     elif device_type == "cpu":
-        spans = [(s, e) for name, s, e, on_device in events
-                 if not on_device and any(n in name.lower() for n in _CPU_COLLECTIVE_NAMES)]
+        spans = [(e.start_us, e.end_us) for e in events
+                 if not e.on_device and any(n in e.name.lower() for n in _CPU_COLLECTIVE_NAMES)]
+    else:
+        raise ValueError(f"device_type: got '{device_type}'; allowed: 'cpu', 'cuda'")
+    if step_seconds <= 0:
+        return 0.0
+    return min(1.0, _union_us(spans) / 1e6 / step_seconds)
+
+
+def all_to_all_share_from_events(events: Iterable[tuple], step_seconds: float, device_type: str) -> float:
+    """Fraction of a step with an all-to-all in flight (expert parallelism's dispatch and combine):
+    a part of the communication share (`comm_share_from_events`), by the all-to-all's own names.
+
+    On "cuda": NCCL kernels named as all-to-alls, or inside a GPU-side all-to-all annotation
+    (NCCL's all-to-all is grouped send/recv, whose kernels are named as a pipeline's p2p). On
+    "cpu" (gloo): the host spans named as all-to-alls."""
+    events = [ProfileEvent(*e) for e in events]
+    if device_type == "cuda":
+        windows = [(e.start_us, e.end_us) for e in events if e.device_annotation and _is_all_to_all(e.name)]
+        spans = [(e.start_us, e.end_us) for e in events if e.on_device and _is_nccl_kernel(e.name)
+                 and (_is_all_to_all(e.name) or any(ws <= e.start_us and e.end_us <= we for ws, we in windows))]
+    elif device_type == "cpu":
+        spans = [(e.start_us, e.end_us) for e in events if not e.on_device and _is_all_to_all(e.name)]
     else:
         raise ValueError(f"device_type: got '{device_type}'; allowed: 'cpu', 'cuda'")
     if step_seconds <= 0:
@@ -75,14 +116,35 @@ def profile_events(prof) -> list[ProfileEvent]:
     (`is_user_annotation`, e.g. "nccl:all_reduce" on the GPU row) span launches, not kernels."""
     from torch.autograd import DeviceType
 
-    return [ProfileEvent(evt.name, evt.time_range.start, evt.time_range.end,
-                         evt.device_type != DeviceType.CPU and not getattr(evt, "is_user_annotation", False))
-            for evt in prof.events()]
+    events = []
+    for evt in prof.events():
+        on_accelerator = evt.device_type != DeviceType.CPU
+        annotation = bool(getattr(evt, "is_user_annotation", False))
+        events.append(ProfileEvent(evt.name, evt.time_range.start, evt.time_range.end,
+                                   on_accelerator and not annotation, on_accelerator and annotation))
+    return events
 
 
 def comm_share_from_profile(prof, step_seconds: float, device_type: str) -> float:
     """Communication share of one profiled step (see `comm_share_from_events`)."""
     return comm_share_from_events(profile_events(prof), step_seconds, device_type)
+
+
+# --------------------------------------------------------------------------- routing balance
+def routing_balance(tokens_per_expert: list[int]) -> float | None:
+    """One MoE layer's balance: its busiest expert's routed tokens over the mean (1.0: perfectly
+    balanced; E: every token to one expert). None when the layer routed nothing."""
+    total = sum(tokens_per_expert)
+    if not tokens_per_expert or total == 0:
+        return None
+    return max(tokens_per_expert) / (total / len(tokens_per_expert))
+
+
+def routing_summary(per_layer_tokens: list[list[int]]) -> tuple[float | None, list[float | None]]:
+    """(the worst layer's balance, every layer's), layers in the model's order."""
+    per_layer = [routing_balance(counts) for counts in per_layer_tokens]
+    measured = [b for b in per_layer if b is not None]
+    return (max(measured) if measured else None), per_layer
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,16 @@ class TrialResult(BaseModel):
     optimizer_class: str | None = None  # what stepped: AdamW, DeepSpeedCPUAdam, ...
     comm_share: float | None = None
     comm_method: str | None = None
+    # The part of comm_share with an all-to-all in flight (expert parallelism's dispatch and
+    # combine; 0 without ep), from the same profiled step.
+    all_to_all_share: float | None = None
+    # Mixture-of-experts models: tokens routed to each expert, per MoE layer (model order), summed
+    # over all ranks; each layer's balance is its busiest expert over the mean (1.0: perfect), and
+    # routing_balance is the worst layer's. None / empty for dense models (and older ledgers).
+    routing_balance: float | None = None
+    routing_balance_per_layer: list[float | None] = Field(default_factory=list)
+    expert_tokens: list[list[int]] = Field(default_factory=list)
+    routing_method: str | None = None
     losses: list[float] = Field(default_factory=list)  # every step, warm-up included
     step_times_s: list[float] = Field(default_factory=list)  # measured steps (slowest rank)
     launch_s: float | None = None  # trial start to first step

@@ -88,9 +88,11 @@ def _label(plan: dict) -> str:
 def results_table(rows: list[tuple[str, TrialResult, float | None]], title: str = "paratune trials") -> Table:
     """rows: (name, result, max loss difference vs the single-process reference or None)."""
     table = Table(title=title)
+    moe = any(r.routing_balance is not None for _, r, _ in rows)  # MoE trials: routing and all-to-all columns
     for col, justify in [("plan", "left"), ("strategy", "left"), ("status", "left"),
                          ("tokens/s/GPU", "right"), ("step ms (p10-p90)", "right"), ("spread", "right"),
                          ("MFU", "right"), ("peak MiB/rank", "right"), ("comm", "right"),
+                         *([("a2a", "right"), ("routing max/mean", "right")] if moe else []),
                          ("last loss", "right"), ("parity Δ", "right")]:
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for name, r, diff in rows:
@@ -102,7 +104,9 @@ def results_table(rows: list[tuple[str, TrialResult, float | None]], title: str 
             "-" if r.step_time_median_s is None else
             f"{r.step_time_median_s * 1e3:.1f} ({r.step_time_p10_s * 1e3:.1f}-{r.step_time_p90_s * 1e3:.1f})",
             _fmt(r.step_time_spread, ".0%"), _fmt(r.mfu, ".1%"), _fmt(peak, ",.1f", 1 / 2**20),
-            _fmt(r.comm_share, ".0%"), _fmt(r.losses[-1] if r.losses else None, ".4f"), _fmt(diff, ".1e"),
+            _fmt(r.comm_share, ".0%"),
+            *([_fmt(r.all_to_all_share, ".0%"), _fmt(r.routing_balance, ".2f")] if moe else []),
+            _fmt(r.losses[-1] if r.losses else None, ".4f"), _fmt(diff, ".1e"),
         )
     return table
 

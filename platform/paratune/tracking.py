@@ -34,7 +34,8 @@ NOTE_TAG = "mlflow.note.content"  # a run's Description in the UI (markdown)
 
 # The metrics every child run carries (when measured), so the compare view lines them up.
 SCALAR_METRICS = ("tokens_per_s_per_gpu", "mfu", "step_time_median_s", "step_time_p10_s", "step_time_p90_s",
-                  "step_time_spread", "comm_share", "launch_s", "compile_s", "wall_s", "flops_per_token")
+                  "step_time_spread", "comm_share", "all_to_all_share", "routing_balance", "launch_s", "compile_s",
+                  "wall_s", "flops_per_token")
 
 
 def redact(text: str) -> str:
@@ -70,6 +71,9 @@ def trial_metrics(result: TrialResult) -> dict[str, float]:
     metrics["stopped_early"] = 1.0 if result.stopped_early else 0.0
     if result.losses:
         metrics["final_loss"] = result.losses[-1]
+    for layer, balance in enumerate(result.routing_balance_per_layer):  # MoE layers, model order
+        if balance is not None:
+            metrics[f"routing_balance_moe_layer_{layer}"] = balance
     return metrics
 
 

@@ -32,6 +32,7 @@ from paratune.launch import (Deadline, WorkerDemand, build_trainer, ensure_ray, 
                              process_group_backend, remove_leaked_placement_groups, wants_gpu, worker_demand)
 from paratune.plan import Plan, PlanError, load_plan_dict
 from paratune.results import TrialResult
+from paratune.routing import RoutingCounter
 
 # Public here too (users import them from paratune.trial): TrialResult (paratune.results) and
 # TrialTimeout (paratune.failures).
@@ -230,6 +231,10 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     def batches(step: int) -> list[torch.Tensor]:
         return [m.to(device) for m in data.micro_batches(step, dp_rank, dims.dp, plan.micro_batch)]
 
+    # Tokens per expert over the measured steps; a compiled plan's blocks would trace the hook, so
+    # it counts in its extra eager step instead (see below).
+    stages = runner.model if isinstance(runner.model, torch.nn.Module) else torch.nn.ModuleList(runner.model)  # pp: a list
+    routing = RoutingCounter(stages, plan.ep, counts_tokens=dims.coords(rank)[2] == 0)
     losses, times = [], []
     slowest: list[float] = []  # measured steps, slowest rank (only with a stop rule)
     stopped = False
@@ -242,6 +247,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         micro = batches(step)
         if step == plan.warmup_steps and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        routing.counting = step >= plan.warmup_steps and watch is None
         sync_device(device)
         t0 = time.perf_counter()
         first_step_at = first_step_at or time.time()
@@ -265,6 +271,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
                 stopped = True
                 break
 
+    routing.counting = False
     if watch is not None:
         on_every_rank(watch.measured, device)
     all_losses, all_times = reduce_losses_and_times(losses, times, device)
@@ -283,10 +290,18 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         "compile_graphs": compile_graphs,
     }
     extra_step = plan.total_steps
+    routing_method = "forward pre-hook on the experts: top_k_index per expert over the measured steps, all ranks"
     if watch is not None and not stopped:  # the compute dtypes of a compiled plan: one eager step
+        routing.counting = True
         with eager_blocks(), dtypes:
             runner.train_step(batches(extra_step))
+        routing.counting = False
+        routing_method = "forward pre-hook on the experts: top_k_index per expert over one eager step, all ranks"
         extra_step += 1
+    routing.remove()
+    if routing.counts:
+        out["expert_tokens"] = routing.summed_over_ranks(world)
+        out["routing_method"] = routing_method
     if plan.profile_comm and world > 1 and not stopped:
         from torch.profiler import ProfilerActivity, profile
 
@@ -299,9 +314,13 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
             runner.train_step(micro)
             sync_device(device)
             seconds = time.perf_counter() - t0
-        share = torch.tensor([measure.comm_share_from_profile(prof, seconds, device.type)], dtype=torch.float64, device=device)
+        events = measure.profile_events(prof)
+        share = torch.tensor([measure.comm_share_from_events(events, seconds, device.type),
+                              measure.all_to_all_share_from_events(events, seconds, device.type)],
+                             dtype=torch.float64, device=device)
         dist.all_reduce(share, op=dist.ReduceOp.SUM)
-        out["comm_share"] = float(share) / world
+        out["comm_share"] = float(share[0]) / world
+        out["all_to_all_share"] = float(share[1]) / world
         out["comm_method"] = "profiler: collectives in flight / step time (one extra step, rank mean)"
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
@@ -541,6 +560,8 @@ def summarize(plan: Plan, out: dict[str, Any], flops_tok: float, wall_s: float |
     message = stop_rule.explain(plan.tokens_per_step, step_times, plan.num_workers, plan.measure_steps) \
         if stopped and stop_rule is not None else ("stopped early" if stopped else None)
     stats = measure.step_stats(step_times)
+    expert_tokens = out.get("expert_tokens") or []
+    worst_balance, layer_balance = measure.routing_summary(expert_tokens)
     tps = measure.tokens_per_second_per_gpu(plan.tokens_per_step, step_times, plan.num_workers)
     peak = devices.device_peak_flops(out.get("device", "cpu"), plan.precision)
     return TrialResult(
@@ -552,6 +573,8 @@ def summarize(plan: Plan, out: dict[str, Any], flops_tok: float, wall_s: float |
         peak_memory_bytes=out.get("peak_memory_bytes", []), memory_method=out.get("memory_method"),
         local_parameter_counts=out.get("local_parameter_counts", []),
         comm_share=out.get("comm_share"), comm_method=out.get("comm_method"),
+        all_to_all_share=out.get("all_to_all_share"), routing_balance=worst_balance,
+        routing_balance_per_layer=layer_balance, expert_tokens=expert_tokens, routing_method=out.get("routing_method"),
         construction_peak_bytes=out.get("construction_peak_bytes", []),
         construction_method=out.get("construction_method"), construction_s=out.get("construction_s"),
         linear_matmul_dtypes=out.get("linear_matmul_dtypes", {}), optimizer_class=out.get("optimizer_class"),

@@ -109,6 +109,10 @@ def finish_sweep(space: Space, outcome: SweepOutcome, ledger: Ledger, tracker, b
                    "parity_failed_above": outcome.parity_failures,
                    "tied_with": [s.label for s in verdict.tied_with_best],
                    "mfu": winner.results[0].mfu, "peak_memory_bytes": winner.results[0].peak_memory_bytes}
+        if winner.results[0].routing_balance is not None:  # a mixture-of-experts winner: how it routed
+            summary.update(routing_balance=winner.results[0].routing_balance,
+                           routing_balance_per_layer=winner.results[0].routing_balance_per_layer,
+                           all_to_all_share=winner.results[0].all_to_all_share)
         outcome.winner_dir = out_dir_winner = outcome.out_dir / "winner"
         export_winner(plan, out_dir_winner, summary)
         # The child runs' names with best_ before them, so the parent lines up with its trials.
@@ -117,7 +121,9 @@ def finish_sweep(space: Space, outcome: SweepOutcome, ledger: Ledger, tracker, b
                         "parity_max_abs_loss_diff": parity.max_abs_loss_diff,
                         **({"mfu": first.mfu} if first.mfu is not None else {}),
                         **({"step_time_spread": first.step_time_spread} if first.step_time_spread is not None else {}),
-                        **({"peak_memory_gib": max(first.peak_memory_bytes) / 2**30} if first.peak_memory_bytes else {})}
+                        **({"peak_memory_gib": max(first.peak_memory_bytes) / 2**30} if first.peak_memory_bytes else {}),
+                        **({"routing_balance": first.routing_balance} if first.routing_balance is not None else {}),
+                        **({"all_to_all_share": first.all_to_all_share} if first.all_to_all_share is not None else {})}
     if calibration is not None:
         outcome.calibration = {"device": calibration.device.name, **calibration.summary()}
     from paratune.tracking import sweep_note

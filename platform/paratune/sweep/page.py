@@ -17,6 +17,7 @@ from pathlib import Path
 from paratune.sweep.figures import (FIGURE_NAMES, FIGURE_PIXELS, Figure, plot_importance, plot_losses, plot_predicted,
                                     plot_throughput_memory, plot_time_split)
 from paratune.sweep.folder import Row, SweepFolder, leaderboard, read_sweep
+from paratune.tables import strategy_label
 
 REPORT_DIR = "report"
 HTML_NAME = "report.html"
@@ -64,6 +65,29 @@ def _rows_html(rows: list[Row]) -> str:
                     f'<td class="num">{_num(r.peak_memory_bytes / 2**20 if r.peak_memory_bytes else None, ",.1f")}</td>'
                     f"<td>{html.escape(verdict)}</td></tr>")
     return f'<table id="leaderboard">{head}{"".join(body)}</table>'
+
+
+def _experts_html(folder: SweepFolder) -> str:
+    """Mixture-of-experts trials: each one's routing balance (busiest expert / mean, worst MoE
+    layer and every layer's) and all-to-all share beside its communication share. Empty for
+    sweeps without routed experts."""
+    moe = [e for e in folder.entries if e.result.ok and e.result.routing_balance is not None]
+    if not moe:
+        return ""
+    head = ("<tr><th>trial</th><th>plan</th><th>routing balance (worst layer)</th><th>per MoE layer</th>"
+            "<th>comm share</th><th>all-to-all share</th></tr>")
+    body = []
+    for e in moe:
+        r = e.result
+        layers = ", ".join(_num(b, ".2f") for b in r.routing_balance_per_layer)
+        body.append(f'<tr><td class="num">{e.number}</td><td>{html.escape(strategy_label(r.plan))}</td>'
+                    f'<td class="num">{_num(r.routing_balance, ".2f")}</td><td>{html.escape(layers)}</td>'
+                    f'<td class="num">{_num(r.comm_share, ".1%")}</td>'
+                    f'<td class="num">{_num(r.all_to_all_share, ".1%")}</td></tr>')
+    return ('<h2>Experts</h2><p>Routing balance: the busiest expert\'s routed tokens over the mean, per MoE layer, '
+            "over the measured steps and all ranks (1.00: perfectly balanced). All-to-all share: the part of the "
+            "profiled step with expert parallelism's all-to-all in flight.</p>"
+            f'<table id="experts">{head}{"".join(body)}</table>')
 
 
 def _figure_html(fig: Figure) -> str:
@@ -125,6 +149,7 @@ def build_report(sweep_dir: Path, memory_budget_gb: float | None = None) -> Swee
             "re-measure); the noise band is median ± the half-width the verdict judges ties with (the larger of "
             "the step-time spread and the across-run range).</p>"
             + (_rows_html(rows) if rows else '<p class="note">The ledger holds no trials.</p>')
+            + _experts_html(folder)
             + "".join(_figure_html(f) for f in figures) + "</body></html>")
     html_path = out_dir / HTML_NAME
     html_path.write_text(page)

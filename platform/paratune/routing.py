@@ -1,0 +1,72 @@
+"""Routing balance of a mixture-of-experts trial: tokens routed to each expert, per MoE layer.
+
+Worker side (torch); the trial (paratune.trial) turns it on for its measured steps, and
+paratune.measure.routing_summary makes each layer's busiest-expert / mean of the sums.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+
+class RoutingCounter:
+    """Tokens routed to each expert of every routed-experts module, while `counting` is on.
+
+    A forward pre-hook on each experts module (transformers 5.2x calls every family's as
+    experts(hidden_states, top_k_index, top_k_weights)) adds up top_k_index with bincount. Under
+    expert parallelism the module's forward is the dispatch (an instance attribute), and its
+    pre-hooks still run before it, on the router's global expert ids. Activation checkpointing's
+    recompute runs the forward again inside backward (the autograd engine is executing a node
+    then): such a call is not counted, so each routed token counts once."""
+
+    def __init__(self, model: torch.nn.Module, ep: int, counts_tokens: bool) -> None:
+        from paratune.models import routed_experts
+
+        self.counting = False
+        self.counts_tokens = counts_tokens  # tp ranks share their tokens: one of them counts
+        self.counts: dict[str, torch.Tensor] = {}
+        self.handles = []
+        for path, module, count in routed_experts(model):
+            # ep's experts module keeps E / ep local experts (`_ep_rows` marks it): the router's ids span all E.
+            experts = count * ep if getattr(module, "_ep_rows", None) else count
+            self.counts[path] = torch.zeros(experts, dtype=torch.int64)
+            self.handles.append(module.register_forward_pre_hook(self._hook(path, experts), with_kwargs=True))
+
+    def _hook(self, path: str, experts: int):
+        def count_routed(module, args, kwargs):
+            if not self.counting or not self.counts_tokens or torch._C._current_autograd_node() is not None:
+                return None  # off, a tp rank that does not count, or a recompute inside backward
+            index = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
+            if index is None:
+                return None
+            flat = index.detach().reshape(-1).to("cpu", torch.int64)
+            self.counts[path] += torch.bincount(flat, minlength=experts)[:experts]
+            return None
+
+        return count_routed
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def summed_over_ranks(self, world: int) -> list[list[int]]:
+        """Every MoE layer's tokens per expert, summed over the ranks (pipeline stages hold
+        different layers; each layer's by its path), layers in the model's order."""
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, {p: c.tolist() for p, c in self.counts.items()})
+        total: dict[str, list[int]] = {}
+        for per_rank in gathered:
+            for path, counts in per_rank.items():
+                acc = total.setdefault(path, [0] * len(counts))
+                total[path] = [a + b for a, b in zip(acc, counts)]
+        return [total[p] for p in sorted(total, key=_natural_key)]
+
+
+def _natural_key(path: str) -> list:
+    """model.layers.10 after model.layers.9."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]

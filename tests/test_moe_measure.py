@@ -1,0 +1,90 @@
+"""Measuring mixture-of-experts trials: routing balance per MoE layer and the all-to-all share.
+
+Real tiny-mixtral trials on 2 gloo processes (tests/gloo_harness.py, one process set for all
+cases): tokens per expert summed over the ranks add up to every routed (token, expert) pair of
+the measured steps, once each under activation checkpointing's recompute and under ep's
+dispatch; the all-to-all share is found by the names gloo really records, 0 without ep.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from paratune import measure
+from paratune.plan import load_plan_dict
+from paratune.results import TrialResult
+from paratune.trial import summarize
+from tests.gloo_harness import batch_result, run_named_batch
+
+TOP_K = 2  # tiny-mixtral: num_experts_per_tok
+EXPERTS = 8
+
+
+def _plan(**fields):
+    base = dict(model="tiny-mixtral", num_workers=2, seq_len=16, global_batch=4, micro_batch=1, warmup_steps=1,
+                measure_steps=2, profile_comm=True, track_memory=False, device="cpu")
+    return load_plan_dict({**base, **fields})
+
+
+CASES = {
+    "ddp": _plan(strategy="ddp"),
+    "ddp-ep2": _plan(strategy="ddp", ep=2),
+    "fsdp-ep2-full-checkpointing": _plan(strategy="fsdp", ep=2, activation_checkpointing="full"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_named_batch(CASES)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_routed_pair_of_the_measured_steps_counted_once(runs, case):
+    plan, out = batch_result(runs[case])
+    tokens = out["expert_tokens"]
+    assert len(tokens) == 2, "tiny-mixtral has 2 MoE layers"
+    pairs = plan.tokens_per_step * plan.measure_steps * TOP_K  # every rank's tokens, top-2 each
+    for layer in tokens:
+        assert len(layer) == EXPERTS
+        assert sum(layer) == pairs, (case, layer)
+    result = summarize(plan, out, 1.0)
+    assert len(result.routing_balance_per_layer) == 2
+    assert result.routing_balance == max(result.routing_balance_per_layer)
+    assert 1.0 <= result.routing_balance <= EXPERTS / TOP_K
+
+
+def test_all_to_all_share_only_with_ep(runs):
+    _, dense = batch_result(runs["ddp"])
+    assert dense["all_to_all_share"] == 0.0
+    for case in ("ddp-ep2", "fsdp-ep2-full-checkpointing"):
+        _, out = batch_result(runs[case])
+        assert 0.0 < out["all_to_all_share"] <= out["comm_share"], case
+
+
+def test_routing_balance_arithmetic():
+    assert measure.routing_balance([5, 5, 5, 5]) == 1.0
+    assert measure.routing_balance([8, 0, 0, 0]) == 4.0
+    assert measure.routing_balance([0, 0]) is None
+    worst, per_layer = measure.routing_summary([[3, 1], [2, 2], [0, 0]])
+    assert per_layer == [1.5, 1.0, None] and worst == 1.5
+
+
+def test_cuda_all_to_all_kernels_by_their_annotation():
+    """NCCL's all-to-all runs as ncclDevKernel_SendRecv kernels, as a pipeline's p2p does: only
+    those inside the GPU-side "nccl:all_to_all" annotation are the all-to-all's."""
+    E = measure.ProfileEvent
+    events = [E("nccl:all_to_all", 100.0, 400.0, False, True),
+              E("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 150.0, 350.0, True),
+              E("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 600.0, 700.0, True),  # pp's p2p
+              E("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 800.0, 900.0, True),
+              E("nccl:all_to_all", 1000.0, 1100.0, False, False)]  # host label: a launch, not the work
+    assert measure.all_to_all_share_from_events(events, 0.001, "cuda") == pytest.approx(0.2)
+    assert measure.comm_share_from_events(events, 0.001, "cuda") == pytest.approx(0.4)
+    with pytest.raises(ValueError, match="device_type"):
+        measure.all_to_all_share_from_events(events, 0.001, "tpu")
+
+
+def test_a_ledger_written_before_routing_fields_still_reads():
+    old = {"status": "ok", "plan": {"model": "tiny-llama"}, "world_size": 2, "comm_share": 0.3}
+    result = TrialResult.model_validate(old)
+    assert result.routing_balance is None and result.all_to_all_share is None and result.expert_tokens == []
