@@ -32,6 +32,7 @@ class RoutingCounter:
         for path, module, count in routed_experts(model):
             # ep's experts module keeps E / ep local experts (`_ep_rows` marks it): the router's ids span all E.
             experts = count * ep if getattr(module, "_ep_rows", None) else count
+            path = _model_path(model, path)
             self.counts[path] = torch.zeros(experts, dtype=torch.int64)
             self.handles.append(module.register_forward_pre_hook(self._hook(path, experts), with_kwargs=True))
 
@@ -65,6 +66,20 @@ class RoutingCounter:
                 acc = total.setdefault(path, [0] * len(counts))
                 total[path] = [a + b for a, b in zip(acc, counts)]
         return [total[p] for p in sorted(total, key=_natural_key)]
+
+
+def _model_path(model: torch.nn.Module, path: str) -> str:
+    """A pipeline rank's stages (a ModuleList of paratune.parallel.pp.StageModule) number their
+    blocks from 0 ("0.layers.0.mlp.experts" on every stage): the path by the block's index in the
+    whole model instead ("layers.5.mlp.experts"), so stages' layers do not collide when summed."""
+    stage, _, rest = path.partition(".")
+    if not (isinstance(model, torch.nn.ModuleList) and stage.isdigit() and rest.startswith("layers.")):
+        return path
+    offset = getattr(model[int(stage)], "layer_offset", None)
+    if offset is None:
+        return path
+    index, _, tail = rest.removeprefix("layers.").partition(".")
+    return f"layers.{offset + int(index)}.{tail}" if index.isdigit() else path
 
 
 def _natural_key(path: str) -> list:
