@@ -1,7 +1,6 @@
 """Measuring mixture-of-experts trials: routing balance per MoE layer and the all-to-all share.
 
-Real tiny-mixtral trials on 2 gloo processes (tests/gloo_harness.py, one process set for all
-cases): tokens per expert summed over the ranks add up to every routed (token, expert) pair of
+Real tiny-mixtral trials on 2 gloo processes (test_parity_gloo's shared process set): tokens per expert summed over the ranks add up to every routed (token, expert) pair of
 the measured steps, once each under activation checkpointing's recompute and under ep's
 dispatch; the all-to-all share is found by the names gloo really records, 0 without ep.
 """
@@ -14,7 +13,7 @@ from paratune import measure
 from paratune.plan import load_plan_dict
 from paratune.results import TrialResult
 from paratune.trial import summarize
-from tests.gloo_harness import batch_result, run_named_batch
+from gloo_harness import batch_result
 
 TOP_K = 2  # tiny-mixtral: num_experts_per_tok
 EXPERTS = 8
@@ -35,7 +34,10 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def runs():
-    return run_named_batch(CASES)
+    """The cases' outputs from test_parity_gloo's shared batch of 2 processes (one spawn for all)."""
+    from test_parity_gloo import _runs
+
+    return {name: run for (kind, name), run in _runs(2).items() if kind == "moe-measure"}
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -20,13 +20,26 @@ pytestmark = pytest.mark.integration
 SPACE = Path(__file__).resolve().parents[1] / "search_spaces" / "tiny_moe_cpu.yaml"
 
 
+def _ddp_only(tmp_path: Path) -> Path:
+    """The shipped space with its strategies cut to ddp: ep 1 against ep 2, two trials (the suite's
+    time; fsdp with ep trains like the reference in test_expert_parallel)."""
+    import yaml
+
+    data = yaml.safe_load(SPACE.read_text())
+    data["space"]["strategy"] = {"ddp": {}}
+    data["search"]["trials"] = 2
+    path = tmp_path / "tiny_moe_cpu_ddp.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
 def test_tiny_moe_sweep_records_routing_balance_and_all_to_all_share(ray_local, tmp_path, mlflow_uri):
     out = tmp_path / "sweep"
     # What `paratune tune` calls; the page's plots skipped (a minute here), its experts table read below.
-    report = run_sweep(load_space(SPACE), out, tracking_uri=mlflow_uri, report_page=False)
+    report = run_sweep(load_space(_ddp_only(tmp_path)), out, tracking_uri=mlflow_uri, report_page=False)
     results = [e.result for e in Ledger(out / "ledger.jsonl").entries if e.phase == "search"]
     layouts = {(r.plan["strategy"], r.plan.get("ep", 1)) for r in results if r.ok}
-    assert layouts == {("ddp", 1), ("ddp", 2), ("fsdp", 1), ("fsdp", 2)}, [(r.status, r.message) for r in results]
+    assert layouts == {("ddp", 1), ("ddp", 2)}, [(r.status, r.message) for r in results]
     for r in results:
         assert r.routing_balance is not None and len(r.routing_balance_per_layer) == 2, r.plan
         assert r.routing_balance == max(r.routing_balance_per_layer) >= 1.0
@@ -40,13 +53,13 @@ def test_tiny_moe_sweep_records_routing_balance_and_all_to_all_share(ray_local, 
     runs = client.search_runs([client.get_run(report.parent_run_id).info.experiment_id],
                               f"tags.mlflow.parentRunId = '{report.parent_run_id}'")
     ep2 = [run for run in runs if run.data.params.get("ep") == "2"]
-    assert len(ep2) >= 2
+    assert len(ep2) >= 1
     for run in ep2:
         assert run.data.metrics["all_to_all_share"] > 0
         assert run.data.metrics["routing_balance"] >= 1.0
         assert {"routing_balance_moe_layer_0", "routing_balance_moe_layer_1"} <= set(run.data.metrics)
     page = _experts_html(read_sweep(out))
-    assert page.startswith("<h2>Experts</h2>") and page.count("<tr>") == 1 + len(results) and page.count("ep2") >= 2
+    assert page.startswith("<h2>Experts</h2>") and page.count("<tr>") == 1 + len(results) and page.count("ep2") >= 1
     console = Console(width=250, record=True)
     console.print(results_table([(f"t{i}", r, None) for i, r in enumerate(results)]))
     text = console.export_text()

@@ -13,6 +13,7 @@ from conftest import BASE_PLAN, expected_parameter_share
 from test_loss_forms import loss_form_plans
 from test_expert_parallel import ep_plans
 from test_moe_families import moe_family_plans
+from test_moe_measure import CASES as MOE_MEASURE_CASES
 
 from paratune.plan import load_plan_dict
 from paratune.parity import max_loss_difference
@@ -106,7 +107,8 @@ def _all_plans() -> dict:
             | {("model-parallel", n): load_plan_dict({**BASE_PLAN, **case}) for n, case in MODEL_PARALLEL.items()}
             | {("loss-form", n): plan for n, plan in loss_form_plans().items()}  # test_loss_forms' cases
             | {("ep", n): plan for n, plan in ep_plans().items()}  # test_expert_parallel's cases
-            | {("moe-family", n): plan for n, plan in moe_family_plans().items()})  # test_moe_families' cases
+            | {("moe-family", n): plan for n, plan in moe_family_plans().items()}  # test_moe_families' cases
+            | {("moe-measure", n): plan for n, plan in MOE_MEASURE_CASES.items()})  # test_moe_measure's
 
 
 @functools.lru_cache(maxsize=None)
