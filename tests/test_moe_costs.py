@@ -259,3 +259,22 @@ def test_with_tp_a_rank_holds_its_ep_ranks_experts_whole():
     plan_no_tp = _plan(num_workers=4, global_batch=8, micro_batch=1, strategy="ddp", ep=2)
     assert comm_volume(plan_no_tp).ep > 0
     assert comm_volume(plan_tp).ep == pytest.approx(comm_volume(plan_no_tp).ep / 2)
+
+
+def test_a_sweep_passes_the_measured_routing_balance_to_its_time_model():
+    """The ledger's calibration and the calibrated model take each trial's routing_balance: later
+    ep predictions use the largest seen (the busiest rank sets the step)."""
+    from paratune.estimate import Roofline
+    from paratune.results import TrialResult
+    from paratune.sweep.ledger import observe_calibration
+
+    cpu = get_device("cpu")
+    roofline = Roofline(cpu, None, activation_model="formula")
+    plan = _plan(ep=2)
+    before = roofline.predict(plan).time.step_s
+    result = TrialResult(status="ok", plan=plan.to_dict(), world_size=4, step_time_median_s=before,
+                         routing_balance=1.8)
+    observe_calibration(roofline, result)
+    assert roofline.routing_balance == 1.8
+    observe_calibration(roofline, result.model_copy(update={"routing_balance": 1.2}))
+    assert roofline.routing_balance == 1.8  # not lowered by a better-balanced trial

@@ -47,9 +47,10 @@ class TimePredictor(Protocol):
         """The plan's step time, tokens/s/GPU and its parts, from what was observed so far."""
         ...
 
-    def observe(self, plan: Plan, measured_step_s: float) -> dict[str, float]:
+    def observe(self, plan: Plan, measured_step_s: float, routing_balance: float | None = None) -> dict[str, float]:
         """The prediction made before this trial beside its measured step (at least
-        `predicted_step_time_s` and `step_time_prediction_error`), then refit on it."""
+        `predicted_step_time_s` and `step_time_prediction_error`), then refit on it; a MoE trial's
+        measured `routing_balance` (max / mean tokens per expert) prices ep plans from then on."""
         ...
 
     def error_band(self) -> float:
@@ -83,8 +84,8 @@ class RooflinePredictor:
         return StepPrediction(step_s=t.step_s, tokens_per_s_per_gpu=t.tokens_per_s_per_gpu,
                               parts={k: v for k, v in parts.items() if v != 0.0})
 
-    def observe(self, plan: Plan, measured_step_s: float) -> dict[str, float]:
-        out = self.roofline.observe(plan, None, measured_step_s)
+    def observe(self, plan: Plan, measured_step_s: float, routing_balance: float | None = None) -> dict[str, float]:
+        out = self.roofline.observe(plan, None, measured_step_s, routing_balance=routing_balance)
         self.errors.append(abs(out["step_time_prediction_error"]))
         return {"predicted_step_time_s": out["predicted_step_time_s"],
                 "step_time_prediction_error": out["step_time_prediction_error"]}

@@ -497,11 +497,14 @@ class StepTimeModel:
         """The plan's first-step compile time from its profile (paratune.timemodel.compile_seconds)."""
         return compile_seconds(plan, self.profile_for(plan)[0])
 
-    def observe(self, plan: Plan, measured_step_s: float) -> dict[str, float]:
-        """The prediction made before this trial (and its relative error), then refit on it."""
+    def observe(self, plan: Plan, measured_step_s: float, routing_balance: float | None = None) -> dict[str, float]:
+        """The prediction made before this trial (and its relative error), then refit on it; a
+        measured routing balance becomes the imbalance of later predictions (the largest seen)."""
         if not measured_step_s or measured_step_s <= 0 or not math.isfinite(measured_step_s):
             raise ValueError(f"measured_step_s: got {measured_step_s!r}; allowed: a positive number of seconds")
         before = self.predict(plan)
+        if routing_balance is not None and routing_balance >= 1.0:
+            self.imbalance = max(self.imbalance, float(routing_balance))
         error = before.step_s / measured_step_s - 1
         row, _, _, _ = self._features(plan)
         self.samples.append((plan, float(measured_step_s), row))

@@ -147,7 +147,8 @@ def observe_calibration(calibration, result: TrialResult) -> dict[str, float]:
         return {}
     plan = load_plan_dict(result.plan)
     peak = max(result.peak_memory_bytes) if result.ok and result.peak_memory_bytes else None
-    return calibration.observe(plan, peak, result.step_time_median_s if result.ok else None)
+    return calibration.observe(plan, peak, result.step_time_median_s if result.ok else None,
+                               routing_balance=result.routing_balance if result.ok else None)
 
 
 def log_trial_or_say(tracker, parent: str, number: int, result: TrialResult, console: Console,

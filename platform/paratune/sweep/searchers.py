@@ -202,7 +202,8 @@ class TimePredictions:
             return self.observed.get(key, {})
         out: dict[str, float] = {}
         if (result.ok or result.stopped_early) and result.step_time_median_s:
-            out = dict(self.model.observe(self.plans[key], result.step_time_median_s))
+            out = dict(self.model.observe(self.plans[key], result.step_time_median_s,
+                                          routing_balance=result.routing_balance))  # MoE: measured imbalance
         self.observed[key] = out
         return out
 
