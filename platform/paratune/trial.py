@@ -299,8 +299,9 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         routing_method = "forward pre-hook on the experts: top_k_index per expert over one eager step, all ranks"
         extra_step += 1
     routing.remove()
-    if routing.counts:
-        out["expert_tokens"] = routing.summed_over_ranks(world)
+    expert_tokens = routing.summed_over_ranks(world)  # every rank: a pipeline stage may hold no MoE layer
+    if expert_tokens:
+        out["expert_tokens"] = expert_tokens
         out["routing_method"] = routing_method
     if plan.profile_comm and world > 1 and not stopped:
         from torch.profiler import ProfilerActivity, profile
