@@ -40,7 +40,7 @@ def _check_proxy(plan: Plan, max_params: int = PROXY_MAX_PARAMS) -> Plan:
     assert config["model_type"] == load_config_dict(plan.model, plan.model_overrides)["model_type"]
     built = build_config(proxy.model, proxy.model_overrides)
     assert built.hidden_size == built.num_attention_heads * PROXY_HEAD_DIM
-    assert getattr(built, "head_dim", PROXY_HEAD_DIM) == PROXY_HEAD_DIM
+    assert (getattr(built, "head_dim", None) or built.hidden_size // built.num_attention_heads) == PROXY_HEAD_DIM  # None: derived
     assert parameter_counts(built)["total"] <= max_params
     return proxy
 

@@ -136,13 +136,19 @@ def proxy_shape(plan: Plan) -> dict[str, Any]:
 # still divide them, and the routing is the family's): expert and shared-expert widths, DeepSeek's
 # multi-head latent attention ranks and head dims.
 MOE_WIDTH_KEYS = ("moe_intermediate_size", "shared_expert_intermediate_size")
-MLA_PROXY = {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16}
+MLA_PROXY = {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": PROXY_HEAD_DIM, "qk_nope_head_dim": 8,
+             "v_head_dim": 16}  # DeepSeek derives head_dim from the rope head dim: the proxy's 16 too
 
 
 def _moe_proxy_shape(config: dict[str, Any], hidden: int, proxy_layers: int) -> dict[str, Any]:
     """The MoE part of a proxy: small experts, and at least one MoE layer among the proxy's
     (DeepSeek's first_k_dense_replace dense layers, Qwen-MoE's mlp_only_layers, cut to fit)."""
-    shape: dict[str, Any] = {key: 2 * hidden for key in MOE_WIDTH_KEYS if config.get(key)}
+    from paratune.degrees import routed_expert_count
+
+    # many experts (DeepSeek-V3's 256, Qwen3-MoE's 128) keep their count: each one narrower instead
+    experts = routed_expert_count(config) or 1
+    width = max(16, 2 * hidden * min(16, experts) // experts)
+    shape: dict[str, Any] = {key: width for key in MOE_WIDTH_KEYS if config.get(key)}
     if isinstance(config.get("first_k_dense_replace"), int):
         shape["first_k_dense_replace"] = min(config["first_k_dense_replace"], proxy_layers - 1)
     if isinstance(config.get("mlp_only_layers"), list):
