@@ -196,7 +196,6 @@ def shard_experts(model: nn.Module, meshes: ExpertMeshes) -> list[ExpertEntry]:
             module._parameters[attr] = part
             module._ep_rows[attr] = rows
         module.num_experts = local  # the experts' own forward runs local ids 0 .. E/ep - 1
-        module._ep_global_experts = entry.experts  # what the routers choose from (paratune.routing counts it)
         module._ep_checkpoint_suffix = f"@ep{rank}of{ep}"  # see checkpoint_renames
         _install_dispatch(module, AllToAllEP(module, meshes.ep, meshes.mesh["etp"]))
     return entries
