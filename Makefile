@@ -13,12 +13,14 @@ STAMP   = $(VENV)/.installed
 # everything (pip compiles torch and its dependencies, uv the rest): this environment sets
 # PYTHONDONTWRITEBYTECODE, so a module without a .pyc is compiled again in every process that
 # imports it (torch and sympy uncompiled: +1.5 CPU-s for every `import torch`, in every Ray worker).
-# The last line: the GPU image's transformers (bench/gpu_image.txt) beside the venv, not in it, for
+# torchtitan without its dependencies (its pins would downgrade huggingface-hub under transformers;
+# only its config parser is used, to check the winner's torchtitan export). The last line: the GPU image's transformers (bench/gpu_image.txt) beside the venv, not in it, for
 # the test that runs the GPU acceptance script as that image would (tests/test_gpu_acceptance.py).
 $(STAMP): pyproject.toml constraints.txt bench/gpu_image.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -c constraints.txt uv torch==2.13.0
 	$(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode -c constraints.txt -e '.[test]'
+	$(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode --no-deps -c constraints.txt torchtitan
 	$(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode --target $(VENV)/gpu-image-site -r bench/gpu_image.txt
 	touch $(STAMP)
 

@@ -33,6 +33,10 @@ SHARDED = {
     "pp2": {"pp": 2},
 }
 FP32 = 4
+# fp32 parity of the expert-parallel builds: the all-to-all regroups tokens, so sums run in another
+# order than the reference's. 9.5e-7 seen on an AMD EPYC, 1.05e-5 (ddp ep2) on an Intel Xeon
+# (2026-12-02): the CPU's kernels round differently. A wrong layout is off by > 1e-2.
+MOE_EP_TOLERANCE = 1e-4
 # Expert parallelism: each rank builds its E / ep experts only (the experts are most of a MoE).
 EP_SHARDED = {
     "ddp-ep2": {"strategy": "ddp", "ep": 2},
@@ -126,4 +130,4 @@ def test_expert_parallel_plans_build_only_their_experts(name, measured):
         assert peak <= share + block + host_module, f"rank {rank}: construction peak {peak} B > share {share} + " \
             f"block {block} + host module {host_module}"
         assert peak < full - experts / 4, f"rank {rank}: {peak} B: most of the experts were built ({experts} B)"
-    assert max_loss_difference(out["losses"], reference_for(plan)) < 1e-5
+    assert max_loss_difference(out["losses"], reference_for(plan)) < MOE_EP_TOLERANCE

@@ -87,7 +87,8 @@ def _expected_local_parameters(plan) -> float:
 def test_expert_parallel_trains_like_the_reference(name):
     plan, out = batch_result(_runs(EP_CASES[name]["num_workers"])[("ep", name)])
     reference = reference_for(plan)
-    assert max_loss_difference(out["losses"], reference) < 1e-5, (out["losses"], reference)
+    # 1e-4: the all-to-all reorders fp32 sums (9.5e-7 on AMD EPYC, up to 1.05e-5 on an Intel Xeon; wrong layouts > 1e-2)
+    assert max_loss_difference(out["losses"], reference) < 1e-4, (out["losses"], reference)
     assert out["losses"][-1] < out["losses"][0]
     assert_groups_use_plan_timeout(plan, out)  # the expert mesh's groups (ep, expert-dp) too
     # the routing, summed over ranks (and stages): every MoE layer, each routed token counted once

@@ -59,7 +59,7 @@ PP_CASES: dict[str, dict] = {
 
 # 2 processes x micro_batch 2 = global_batch 4 (no accumulation): one warm-up step, two measured.
 CASE = {**BASE_PLAN, "global_batch": 4, "micro_batch": 2, "warmup_steps": 1, "measure_steps": 2}
-PARITY_TOLERANCE = 1e-5  # fp32; the dense families' parity cases see ~5e-7
+PARITY_TOLERANCE = 1e-4  # fp32: ep's all-to-all reorders sums (1.05e-5 seen on an Intel Xeon); wrong layouts > 1e-2
 
 
 def _case_name(family: str, strategy: str) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -38,6 +38,12 @@ class InitTarget:
     kind: str  # "param" | "buffer"
     owner: str  # name of the module whose `_init_weights` defines the value (tied: the first owner)
     owner_attr: str  # the attribute of `owner` that holds the value
+
+
+# Where a module's values may come from before its family's `_init_weights`: (owner name, the
+# template's module on meta) -> {attribute: full host tensor} for the attributes it knows, or None.
+# A pretrained checkpoint is one source (its tensors for the module's parameters), adapters another.
+ValueSource = Callable[[str, nn.Module], "dict[str, torch.Tensor] | None"]
 
 
 class ModelInit:
@@ -70,11 +76,19 @@ class ModelInit:
         # Where ranks exchange module values (the compute device: NCCL needs GPU tensors); None:
         # every rank computes every value itself (no process group, e.g. the reference).
         self.comm_device: torch.device | None = None
+        # Values tried in order before `_init_weights` (what no source gives, e.g. rotary buffers
+        # absent from a checkpoint, still comes from the family's init).
+        self.sources: list[ValueSource] = []
+        # Applied to the host template after it is built, so it has the live model's structure
+        # (modules the plan adds on the meta model, such as LoRA adapters, exist in both).
+        self.template_hooks: list[Callable[[nn.Module], None]] = []
 
     # ---- values on the host ---------------------------------------------------------------
     def _template_model(self) -> nn.Module:
         if self._template is None:
             self._template = build_meta(self.config, self.dtype)
+            for hook in self.template_hooks:
+                hook(self._template)
         return self._template
 
     def _init_fn(self, owner: str):
@@ -89,13 +103,20 @@ class ModelInit:
         """Full values of one module's own parameters and buffers, on the CPU, as the reference has
         them. Deterministic: a fresh CPU generator state seeded by (seed, module name)."""
         module = self._template_model().get_submodule(owner)
+        slots = [k for k, v in [*module._parameters.items(), *module._buffers.items()] if v is not None]
+        given: dict[str, torch.Tensor] = {}
+        for source in self.sources:
+            for k, v in (source(owner, module) or {}).items():
+                given.setdefault(k, v)
+        if all(k in given for k in slots):
+            return {k: given[k].detach() for k in slots}
         module.to_empty(device="cpu", recurse=False)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(module_seed(self.seed, owner))
             self._init_fn(owner)(module)
         values = {k: v for k, v in [*module._parameters.items(), *module._buffers.items()] if v is not None}
         module.to_empty(device="meta", recurse=False)  # give the host memory back
-        return {k: v.detach() for k, v in values.items()}
+        return {k: (given[k] if k in given else v).detach() for k, v in values.items()}
 
     def shared_values(self, owner: str, src: int) -> dict[str, torch.Tensor]:
         """`host_values(owner)` computed by rank `src` only and broadcast to every rank, on
