@@ -97,3 +97,21 @@ def test_jsonl_file_and_its_errors(tmp_path):
         TokenBatches(DataSpec(kind="text", path=path), 128, 8, 2, 0)
     with pytest.raises(DataError, match="fewer than one row"):
         pack_rows(torch.arange(5), 8)
+
+
+def test_parquet_column_packs_like_the_same_jsonl(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = ["a b c d e f g h", "ijklmnopqrstuvwxyz", "paratune " * 5]
+    pq.write_table(pa.table({"id": [1, 2, 3], "body": docs}), tmp_path / "docs.parquet")
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
+    parquet = TokenBatches(DataSpec(kind="parquet", path=tmp_path / "docs.parquet", text_field="body"), 300, 8, 2, 0)
+    jsonl = TokenBatches(DataSpec(kind="jsonl", path=tmp_path / "docs.jsonl", text_field="body"), 300, 8, 2, 0)
+    assert torch.equal(parquet.global_batch(3), jsonl.global_batch(3))
+    with pytest.raises(DataError, match="'text' is not a column .* columns: id, body"):
+        TokenBatches(DataSpec(kind="parquet", path=tmp_path / "docs.parquet"), 300, 8, 2, 0)
+    with pytest.raises(DataError, match="row 0 of column 'id' is int"):
+        TokenBatches(DataSpec(kind="parquet", path=tmp_path / "docs.parquet", text_field="id"), 300, 8, 2, 0)
+    with pytest.raises(DataError, match="not a Parquet file"):
+        TokenBatches(DataSpec(kind="parquet", path=tmp_path / "docs.jsonl", text_field="body"), 300, 8, 2, 0)

@@ -1,4 +1,4 @@
-"""Token batches: synthetic by default, or a local text/JSONL file packed into fixed-length rows.
+"""Token batches: synthetic by default, or a local text / JSONL / Parquet file packed into fixed-length rows.
 
 Every step has one global batch, a pure function of (seed, step). Data-parallel rank r trains
 on its own slice of it, so data differs per rank, is deterministic, and the single-process
@@ -63,6 +63,8 @@ def _read_texts(spec: DataSpec) -> list[str]:
     path = Path(spec.path)  # type: ignore[arg-type]
     if not path.is_file():
         raise DataError(f"data.path: '{path}' is not a file")
+    if spec.kind == "parquet":
+        return _read_parquet_texts(path, spec.text_field)
     raw = path.read_text(encoding="utf-8", errors="replace")
     if spec.kind == "text":
         return [raw]
@@ -77,6 +79,26 @@ def _read_texts(spec: DataSpec) -> list[str]:
         if not isinstance(record, dict) or not isinstance(record.get(spec.text_field), str):
             raise DataError(f"data.text_field: {path}:{number} has no string field '{spec.text_field}'")
         texts.append(record[spec.text_field])
+    return texts
+
+
+def _read_parquet_texts(path: Path, field: str) -> list[str]:
+    """One column of a Parquet file (the layout HF datasets and most corpora ship in), read
+    column-only: the other columns never leave the file."""
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.read_schema(path)
+    except Exception as err:  # noqa: BLE001 - pyarrow raises ArrowInvalid and OSError subclasses
+        raise DataError(f"data.path: '{path}' is not a Parquet file ({type(err).__name__}: {err})") from None
+    if field not in schema.names:
+        raise DataError(f"data.text_field: '{field}' is not a column of {path}; columns: {', '.join(schema.names)}")
+    column = pq.read_table(path, columns=[field]).column(field)
+    texts = column.to_pylist()
+    bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+    if bad is not None:
+        raise DataError(f"data.text_field: {path} row {bad} of column '{field}' is {type(texts[bad]).__name__}, "
+                        "not a string; allowed: a string column")
     return texts
 
 

@@ -139,9 +139,9 @@ class ZeroOptions(_Strict):
 
 
 class DataSpec(_Strict):
-    """Where token batches come from: synthetic (default) or a local text/JSONL file."""
+    """Where token batches come from: synthetic (default) or a local text / JSONL / Parquet file."""
 
-    kind: Literal["synthetic", "text", "jsonl"] = "synthetic"
+    kind: Literal["synthetic", "text", "jsonl", "parquet"] = "synthetic"
     path: Path | None = None
     # A local tokenizer directory (never a hub name); None = byte-level tokens (ids 0..255).
     tokenizer: Path | None = None
@@ -152,7 +152,7 @@ class DataSpec(_Strict):
         if self.kind != "synthetic" and self.path is None:
             raise ValueError(f"data.path: required when data.kind is '{self.kind}'; got none")
         if self.kind == "synthetic" and (self.path is not None or self.tokenizer is not None):
-            raise ValueError("data.path/data.tokenizer: only allowed when data.kind is 'text' or 'jsonl'")
+            raise ValueError("data.path/data.tokenizer: only allowed when data.kind is 'text', 'jsonl' or 'parquet'")
         return self
 
 
