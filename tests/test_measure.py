@@ -29,6 +29,9 @@ def test_summarize_uses_only_measured_steps_and_every_worker():
     assert result.tokens_per_s_per_gpu == pytest.approx(3 * 8 * 64 / (1.0 * 2))
     assert result.step_time_median_s == 0.25
     assert result.mfu == pytest.approx(result.tokens_per_s_per_gpu * 1e9 / 67e12)  # fp32 peak of an H100
+    assert result.data_wait_share is None  # not measured: not invented
+    waited = summarize(plan, {**raw, "data_wait_s": [0.05, 0.05, 0.25]}, flops_tok=1e9)
+    assert waited.data_wait_s == 0.05 and waited.data_wait_share == pytest.approx(0.35 / 1.0)
 
 
 def test_parameter_counts_match_published_sizes():

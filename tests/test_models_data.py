@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from paratune.data import DataError, TokenBatches, pack_rows
+from paratune.data import DataError, TokenBatches, pack_rows, step_loader
 from paratune.models import ModelError, build_config, build_model, parameter_counts, preset_names
 from paratune.plan import DataSpec
 
@@ -115,3 +115,18 @@ def test_parquet_column_packs_like_the_same_jsonl(tmp_path):
         TokenBatches(DataSpec(kind="parquet", path=tmp_path / "docs.parquet", text_field="id"), 300, 8, 2, 0)
     with pytest.raises(DataError, match="not a Parquet file"):
         TokenBatches(DataSpec(kind="parquet", path=tmp_path / "docs.jsonl", text_field="body"), 300, 8, 2, 0)
+
+
+def test_the_loader_with_workers_gives_each_rank_its_steps_in_order(tmp_path):
+    """loader_workers: steps built in a spawned worker process equal the in-process slices (the
+    reference's), in step order, for a file source too."""
+    (tmp_path / "c.txt").write_text("the quick brown fox jumps over the lazy dog " * 40)
+    spec = DataSpec(kind="text", path=tmp_path / "c.txt", loader_workers=1, prefetch=3)
+    data = TokenBatches(spec, vocab_size=300, seq_len=16, global_batch=8, seed=3)
+    got = list(step_loader(data, 2, 4, dp_rank=1, dp_degree=2, micro_batch=2))
+    assert len(got) == 4
+    for i, micro in enumerate(got):
+        want = data.micro_batches(2 + i, 1, 2, 2)
+        assert len(micro) == len(want) == 2 and all(torch.equal(a, b) for a, b in zip(micro, want))
+    in_process = TokenBatches(DataSpec(), 300, 16, 8, 3)
+    assert [m.shape for m in next(step_loader(in_process, 0, 1, 0, 2, 2))] == [(2, 16), (2, 16)]

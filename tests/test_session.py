@@ -101,6 +101,8 @@ def test_a_reused_group_measures_a_plan_as_a_fresh_one_does(pool):
     assert_same_measurement(fresh, fsdp)  # run_trial's figures, after ZeRO-2 ran in its processes
     assert_same_measurement(zero_first, zero_again, ZERO_PEAK_SPREAD)  # after FSDP2 and DDP, as in its group's fresh processes
     assert 0 < fsdp.comm_share <= 1
+    # The wait for data is inside each measured step's clock: a part of it, never more.
+    assert 0 < fsdp.data_wait_share < 0.5 and 0 < fsdp.data_wait_s < fsdp.step_time_median_s, fsdp
     # ZeRO-2 and DDP under Ray Train train what the single-process reference trains (FSDP2: above).
     for request, plan_dict in ((zero_first, ZERO2), (ddp, DDP)):
         assert max_loss_difference(request.losses, reference_losses(load_plan_dict(plan_dict))) < 1e-5

@@ -252,3 +252,22 @@ def test_fixed_fields_and_env_are_still_checked_alone(tmp_path):
         space_from_dict({**SPACE, "fixed": {**SPACE["fixed"], "env": {"HOME": "/x"}}})
     with pytest.raises(SpaceError, match=r"space: fixed.data: .*data.path: required when data.kind is 'text'"):
         space_from_dict({**SPACE, "fixed": {**SPACE["fixed"], "data": {"kind": "text"}}})
+
+
+def test_the_data_loader_is_a_knob_a_space_sweeps(tmp_path):
+    from paratune.tables import strategy_label
+
+    (tmp_path / "c.txt").write_text("paratune " * 400)
+    fixed = {"model": "tiny-llama", "num_workers": 2, "global_batch": 8, "data": {"kind": "text", "path": str(tmp_path / "c.txt")}}
+    space = space_from_dict({"name": "loader", "fixed": fixed,
+                             "space": {"data": {"loader_workers": [0, 2], "prefetch": [2, 4]}}})
+    datas = sorted((c.plan.data.loader_workers, c.plan.data.prefetch) for c in space.candidates)
+    assert datas == [(0, 2), (2, 2), (2, 4)]  # a prefetch without workers is refused (nothing would keep it)
+    assert all(c.plan.data.kind == "text" for c in space.candidates)  # the fixed data kept
+    labels = {strategy_label(c.plan.to_dict()) for c in space.candidates}
+    assert any(label.endswith("loader2x4") for label in labels) and len(labels) == 3
+    with pytest.raises(SpaceError, match="data.workers"):
+        space_from_dict({"name": "x", "space": {"data": {"workers": [1]}}})
+    with pytest.raises(SpaceError, match="data.prefetch: both fixed and swept"):
+        space_from_dict({"name": "x", "fixed": {**fixed, "data": {**fixed["data"], "prefetch": 2}},
+                         "space": {"data": {"prefetch": [2, 4]}}})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -48,6 +49,35 @@ class TokenBatches:
         per_rank = self.global_batch_size // dp_degree
         mine = batch[dp_rank * per_rank : (dp_rank + 1) * per_rank]
         return list(mine.split(micro_batch))
+
+
+class _RankSteps(torch.utils.data.Dataset):
+    """Item i: one rank's micro-batches of step `first + i` (a DataLoader worker builds whole steps)."""
+
+    def __init__(self, batches: TokenBatches, first: int, steps: int, dp_rank: int, dp_degree: int, micro_batch: int):
+        self.batches, self.first, self.steps = batches, first, steps
+        self.dp_rank, self.dp_degree, self.micro_batch = dp_rank, dp_degree, micro_batch
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, i: int) -> list[torch.Tensor]:
+        return self.batches.micro_batches(self.first + i, self.dp_rank, self.dp_degree, self.micro_batch)
+
+
+def step_loader(batches: TokenBatches, first: int, steps: int, dp_rank: int, dp_degree: int,
+                micro_batch: int) -> Iterator[list[torch.Tensor]]:
+    """This rank's micro-batches of steps first .. first + steps - 1, in order, through a torch
+    DataLoader with the spec's workers and prefetch (the values are those of `micro_batches`:
+    a step's rows are a pure function of (seed, step) whoever builds them)."""
+    spec = batches.spec
+    workers = spec.loader_workers
+    loader = torch.utils.data.DataLoader(
+        _RankSteps(batches, first, steps, dp_rank, dp_degree, micro_batch), batch_size=None, shuffle=False,
+        num_workers=workers, prefetch_factor=spec.prefetch if workers else None,
+        # fork would copy a process that runs gloo / NCCL threads (Ray workers): spawn is the safe start
+        multiprocessing_context="spawn" if workers else None, persistent_workers=False)
+    return iter(loader)
 
 
 def synthetic_rows(gen: torch.Generator, rows: int, seq_len: int, vocab: int) -> torch.Tensor:

@@ -190,6 +190,18 @@ def step_stats(step_times: list[float]) -> StepStats:
     )
 
 
+def median(values: list[float]) -> float:
+    return _quantile(sorted(values), 0.5)
+
+
+def share_of_steps(part_s: list[float] | None, step_times: list[float]) -> float | None:
+    """What part of the measured steps' time went to `part_s` (per step, e.g. the wait for data)."""
+    if not part_s or not step_times or sum(step_times) <= 0:
+        return None
+    n = min(len(part_s), len(step_times))
+    return min(1.0, sum(part_s[:n]) / sum(step_times[:n]))
+
+
 def compile_seconds(first_step_s: float, measured_step_times: list[float]) -> float | None:
     """What the first warm-up step of a compiled plan paid beyond a measured step: its time minus
     the median measured step (slowest rank both), floored at 0 (a cache-served compile can leave

@@ -146,11 +146,18 @@ class DataSpec(_Strict):
     # A local tokenizer directory (never a hub name); None = byte-level tokens (ids 0..255).
     tokenizer: Path | None = None
     text_field: str = "text"
+    # torch DataLoader worker processes that prepare the coming steps' micro-batches (0: in the
+    # training process, between steps) and how many steps each keeps ready; both can be swept.
+    loader_workers: int = Field(0, ge=0, le=64)
+    prefetch: int = Field(2, ge=1, le=64)
 
     @model_validator(mode="after")
     def _path_for_files(self) -> "DataSpec":
         if self.kind != "synthetic" and self.path is None:
             raise ValueError(f"data.path: required when data.kind is '{self.kind}'; got none")
+        if self.loader_workers == 0 and self.prefetch != 2:
+            raise ValueError(f"data.prefetch: got {self.prefetch} with loader_workers 0; allowed: a prefetch "
+                             "only with loader_workers >= 1 (DataLoader workers keep it; the training process does not)")
         if self.kind == "synthetic" and (self.path is not None or self.tokenizer is not None):
             raise ValueError("data.path/data.tokenizer: only allowed when data.kind is 'text', 'jsonl' or 'parquet'")
         return self

@@ -43,6 +43,10 @@ class TrialResult(BaseModel):
     optimizer_class: str | None = None  # what stepped: AdamW, DeepSpeedCPUAdam, ...
     comm_share: float | None = None
     comm_method: str | None = None
+    # Time the measured steps waited for their micro-batches (inside the step's clock: the DataLoader's
+    # next() before the first forward), slowest rank per step: the median, and the share of the steps' time.
+    data_wait_s: float | None = None
+    data_wait_share: float | None = None
     # The part of comm_share with an all-to-all in flight (expert parallelism's dispatch and
     # combine; 0 without ep), from the same profiled step.
     all_to_all_share: float | None = None

@@ -133,6 +133,8 @@ class SpacePart(_Strict):
     loss: list[str] | None = None
     async_tp: list[bool] | None = None
     env: dict[str, list[str]] = Field(default_factory=dict)
+    # The data loader (paratune.data.step_loader): worker processes and steps kept ready per worker.
+    data: dict[Literal["loader_workers", "prefetch"], list[int]] = Field(default_factory=dict)
 
     @field_validator("strategy")
     @classmethod
@@ -153,7 +155,7 @@ class SpacePart(_Strict):
 
     @model_validator(mode="after")
     def _non_empty_lists(self) -> "SpacePart":
-        for name in (*SWEEPABLE, "env"):
+        for name in (*SWEEPABLE, "env", "data"):
             value = getattr(self, name)
             items = value.items() if isinstance(value, dict) else [(None, value)]
             for key, choices in items:
@@ -191,6 +193,9 @@ class SpaceFile(_Strict):
         both = set(self.fixed.get("env") or {}) & set(self.space.env)
         if both:
             raise ValueError(f"env.{sorted(both)[0]}: both fixed and swept; allowed: one of fixed.env or space.env")
+        both = set(self.fixed.get("data") or {}) & set(self.space.data)
+        if both:
+            raise ValueError(f"data.{sorted(both)[0]}: both fixed and swept; allowed: one of fixed.data or space.data")
         return self
 
 
@@ -263,6 +268,7 @@ def enumerate_candidates(spec: SpaceFile, details: dict[str, str] | None = None
     divisors = [d for d in range(1, world + 1) if world % d == 0]
     shared = [(name, divisors if getattr(spec.space, name) == "auto" else getattr(spec.space, name))
               for name in SWEEPABLE if getattr(spec.space, name) is not None]
+    shared += [(f"data.{knob}", choices) for knob, choices in spec.space.data.items()]
     for strategy, knobs in spec.space.strategy.items():
         knob_names = list(knobs)
         for knob_values in itertools.product(*(knobs[k] for k in knob_names)):
@@ -272,7 +278,10 @@ def enumerate_candidates(spec: SpaceFile, details: dict[str, str] | None = None
                 choices.update({f"{strategy}.{k}": v for k, v in zip(knob_names, knob_values)})
                 choices.update({name: v for (name, _), v in zip(shared, shared_values)})
                 plan_dict = {**spec.fixed, "strategy": strategy, strategy: dict(zip(knob_names, knob_values)),
-                             **{name: v for (name, _), v in zip(shared, shared_values)}}
+                             **{name: v for (name, _), v in zip(shared, shared_values) if "." not in name}}
+                data = {name.removeprefix("data."): v for (name, _), v in zip(shared, shared_values) if "." in name}
+                if data:
+                    plan_dict["data"] = {**(spec.fixed.get("data") or {}), **data}
                 try:
                     plan = load_plan_dict(plan_dict)
                     check_plan_against_model(plan)  # the family's rules, on the meta model (cached)

@@ -57,6 +57,9 @@ def strategy_label(plan: dict) -> str:
         extras.append({"vocab_parallel": "vp-loss", "chunked": "chunked-loss"}.get(plan["loss"], plan["loss"]))
     if plan.get("async_tp"):
         extras.append("async-tp")
+    data = plan.get("data") or {}
+    if data.get("loader_workers"):  # DataLoader worker processes x steps each keeps ready
+        extras.append(f"loader{data['loader_workers']}x{data.get('prefetch', 2)}")
     return f"{label} {' '.join(extras)}"
 
 
@@ -91,7 +94,7 @@ def results_table(rows: list[tuple[str, TrialResult, float | None]], title: str 
     moe = any(r.routing_balance is not None for _, r, _ in rows)  # MoE trials: routing and all-to-all columns
     for col, justify in [("plan", "left"), ("strategy", "left"), ("status", "left"),
                          ("tokens/s/GPU", "right"), ("step ms (p10-p90)", "right"), ("spread", "right"),
-                         ("MFU", "right"), ("peak MiB/rank", "right"), ("comm", "right"),
+                         ("MFU", "right"), ("peak MiB/rank", "right"), ("comm", "right"), ("data wait", "right"),
                          *([("a2a", "right"), ("routing max/mean", "right")] if moe else []),
                          ("last loss", "right"), ("parity Δ", "right")]:
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
@@ -104,7 +107,7 @@ def results_table(rows: list[tuple[str, TrialResult, float | None]], title: str 
             "-" if r.step_time_median_s is None else
             f"{r.step_time_median_s * 1e3:.1f} ({r.step_time_p10_s * 1e3:.1f}-{r.step_time_p90_s * 1e3:.1f})",
             _fmt(r.step_time_spread, ".0%"), _fmt(r.mfu, ".1%"), _fmt(peak, ",.1f", 1 / 2**20),
-            _fmt(r.comm_share, ".0%"),
+            _fmt(r.comm_share, ".0%"), _fmt(r.data_wait_share, ".1%"),
             *([_fmt(r.all_to_all_share, ".0%"), _fmt(r.routing_balance, ".2f")] if moe else []),
             _fmt(r.losses[-1] if r.losses else None, ".4f"), _fmt(diff, ".1e"),
         )

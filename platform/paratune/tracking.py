@@ -34,7 +34,7 @@ NOTE_TAG = "mlflow.note.content"  # a run's Description in the UI (markdown)
 
 # The metrics every child run carries (when measured), so the compare view lines them up.
 SCALAR_METRICS = ("tokens_per_s_per_gpu", "mfu", "step_time_median_s", "step_time_p10_s", "step_time_p90_s",
-                  "step_time_spread", "comm_share", "all_to_all_share", "routing_balance", "launch_s", "compile_s",
+                  "step_time_spread", "comm_share", "data_wait_share", "all_to_all_share", "routing_balance", "launch_s", "compile_s",
                   "wall_s", "flops_per_token")
 
 

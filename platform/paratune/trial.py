@@ -201,7 +201,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     cannot reach the incumbent; the extra profiled and memory-tracked steps are then skipped."""
     import torch.distributed as dist
 
-    from paratune.data import TokenBatches
+    from paratune.data import TokenBatches, step_loader
     from paratune.materialize import ConstructionMeter
     from paratune.models import build_config
     from paratune.parallel import build_runner
@@ -231,6 +231,11 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     def batches(step: int) -> list[torch.Tensor]:
         return [m.to(device) for m in data.micro_batches(step, dp_rank, dims.dp, plan.micro_batch)]
 
+    # The timed steps read through the DataLoader (workers and prefetch as the plan's data asks); the
+    # clock runs from before the batch is asked for, so a step that waits for data is a slower step.
+    loader = step_loader(data, 0, plan.total_steps, dp_rank, dims.dp, plan.micro_batch)
+    waits: list[float] = []
+
     # Tokens per expert over the measured steps; a compiled plan's blocks would trace the hook, so
     # it counts in its extra eager step instead (see below).
     stages = runner.model if isinstance(runner.model, torch.nn.Module) else torch.nn.ModuleList(runner.model)  # pp: a list
@@ -244,12 +249,13 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     compile_graphs = None
     for step in range(plan.total_steps):
         maybe_inject_fault(rank, step, plan.seed)
-        micro = batches(step)
         if step == plan.warmup_steps and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         routing.counting = step >= plan.warmup_steps and watch is None
         sync_device(device)
         t0 = time.perf_counter()
+        micro = [m.to(device, non_blocking=True) for m in next(loader)]
+        waits.append(time.perf_counter() - t0)
         first_step_at = first_step_at or time.time()
         # A warm-up step (never timed) records compute dtypes; a compiled plan's first step must compile
         # (a dispatch mode around it would make Dynamo skip the blocks): it records in an extra eager step.
@@ -272,14 +278,19 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
                 break
 
     routing.counting = False
+    del loader  # its workers end here (a trial stopped early leaves steps unread)
     if watch is not None:
         on_every_rank(watch.measured, device)
     all_losses, all_times = reduce_losses_and_times(losses, times, device)
     step_times = all_times[plan.warmup_steps :]
+    wait_t = torch.tensor(waits, dtype=torch.float64, device=device)
+    dist.all_reduce(wait_t, op=dist.ReduceOp.MAX)
+    step_waits = wait_t.tolist()[plan.warmup_steps :]
 
     out: dict[str, Any] = {
         "losses": all_losses,
         "step_times_s": step_times,
+        "data_wait_s": step_waits,
         "first_step_epoch_s": first_step_at,
         "env_seen": env_seen,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -574,6 +585,8 @@ def summarize(plan: Plan, out: dict[str, Any], flops_tok: float, wall_s: float |
         peak_memory_bytes=out.get("peak_memory_bytes", []), memory_method=out.get("memory_method"),
         local_parameter_counts=out.get("local_parameter_counts", []),
         comm_share=out.get("comm_share"), comm_method=out.get("comm_method"),
+        data_wait_s=measure.median(out["data_wait_s"]) if out.get("data_wait_s") else None,
+        data_wait_share=measure.share_of_steps(out.get("data_wait_s"), step_times),
         all_to_all_share=out.get("all_to_all_share"), routing_balance=worst_balance,
         routing_balance_per_layer=layer_balance, expert_tokens=expert_tokens, routing_method=out.get("routing_method"),
         construction_peak_bytes=out.get("construction_peak_bytes", []),
