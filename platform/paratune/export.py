@@ -92,4 +92,7 @@ def export_winner(plan: Plan, out_dir: Path, summary: dict[str, Any]) -> list[Pa
           "# RAY_AUTH_MODE=token and the cluster's token, see README 'On a GPU cluster'):\n"
           + job_command(plan_path, name=f"{out_dir.resolve().parent.name}-train") + "\n")  # one per sweep folder
     write("summary.json", json.dumps(summary, indent=2, default=str) + "\n")
+    from paratune.export_tools import write_tool_configs
+
+    written += write_tool_configs(plan, out_dir)
     return written
