@@ -119,3 +119,19 @@ def test_torchtitan_zero_is_a_note(tmp_path: Path) -> None:
     text = (out / "torchtitan_overrides.txt").read_text()
     assert "ZeRO not expressible" in text
     assert all(line.startswith("#") for line in text.splitlines())
+
+
+def test_hybrid_without_a_group_size_shards_inside_a_node_as_the_runtime_does():
+    """shard_group_size unset: the runtime shards over one node's dp ranks (hybrid_shard_degree), and
+    both exports say the same split."""
+    from paratune.export_tools import accelerate_config, data_parallel_split, torchtitan_overrides
+
+    plan = load_plan_dict({**BASE_PLAN, "strategy": "fsdp", "num_workers": 8, "global_batch": 16,
+                           "gpus_per_node": 4, "fsdp": {"sharding": "hybrid"}})
+    assert data_parallel_split(plan) == (2, 4)
+    cfg, _ = accelerate_config(plan)
+    assert (cfg["parallelism_config"]["parallelism_config_dp_replicate_size"],
+            cfg["parallelism_config"]["parallelism_config_dp_shard_size"]) == (2, 4)
+    titan, _ = torchtitan_overrides(plan)
+    assert "--parallelism.data_parallel_replicate_degree=2" in titan
+    assert "--parallelism.data_parallel_shard_degree=4" in titan

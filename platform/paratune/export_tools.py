@@ -35,6 +35,21 @@ def block_class_name(plan: Plan) -> str | None:
         return None
 
 
+def data_parallel_split(plan: Plan) -> tuple[int, int]:
+    """(replicate, shard) degrees of the dp ranks, as paratune lays them out: ddp and no_shard
+    replicate, full / grad_op shard, hybrid shards inside groups of the runtime's own size (the
+    plan's shard_group_size, else one node's dp ranks: paratune.parallel.dims.hybrid_shard_degree)."""
+    dp = plan.dp_degree
+    if plan.strategy == "ddp" or (plan.fsdp is not None and plan.fsdp.sharding == "no_shard"):
+        return dp, 1
+    if plan.fsdp is not None and plan.fsdp.sharding == "hybrid":
+        from paratune.parallel.dims import hybrid_shard_degree
+
+        shard = hybrid_shard_degree(plan, plan.gpus_per_node or plan.num_workers)
+        return dp // shard, shard
+    return 1, dp
+
+
 def accelerate_config(plan: Plan) -> tuple[dict[str, Any], list[str]]:
     """An `accelerate launch --config_file` config (accelerate 1.15 ClusterConfig keys)."""
     notes = _common_notes(plan, "accelerate")
@@ -79,8 +94,8 @@ def accelerate_config(plan: Plan) -> tuple[dict[str, Any], list[str]]:
         notes.append(f"accelerate: DDP bucket_cap_mb {plan.ddp.bucket_cap_mb} goes in DistributedDataParallelKwargs "
                      "(code, not config)")
     if plan.strategy == "fsdp" and (plan.tp > 1 or plan.cp > 1 or (plan.fsdp and plan.fsdp.sharding == "hybrid")):
-        shard = plan.fsdp.shard_group_size or plan.dp_degree if plan.fsdp.sharding == "hybrid" else plan.dp_degree
-        cfg["parallelism_config"] = {"parallelism_config_dp_replicate_size": plan.dp_degree // shard,
+        replicate, shard = data_parallel_split(plan)
+        cfg["parallelism_config"] = {"parallelism_config_dp_replicate_size": replicate,
                                      "parallelism_config_dp_shard_size": shard,
                                      "parallelism_config_tp_size": plan.tp, "parallelism_config_cp_size": plan.cp}
     elif plan.tp > 1 or plan.cp > 1:
@@ -144,14 +159,7 @@ def torchtitan_overrides(plan: Plan) -> tuple[list[str] | None, list[str]]:
     notes = _common_notes(plan, "torchtitan")
     if plan.strategy == "zero":
         return None, notes + ["torchtitan: DeepSpeed ZeRO not expressible (torchtitan shards with FSDP2); no file"]
-    dp = plan.dp_degree
-    if plan.strategy == "ddp" or plan.fsdp.sharding == "no_shard":
-        replicate, shard = dp, 1
-    elif plan.fsdp.sharding == "hybrid":
-        shard = plan.fsdp.shard_group_size or dp
-        replicate = dp // shard
-    else:
-        replicate, shard = 1, dp
+    replicate, shard = data_parallel_split(plan)
     args = [f"--parallelism.data_parallel_replicate_degree={replicate}",
             f"--parallelism.data_parallel_shard_degree={shard}",
             f"--parallelism.tensor_parallel_degree={plan.tp}",

@@ -254,8 +254,9 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         routing.counting = step >= plan.warmup_steps and watch is None
         sync_device(device)
         t0 = time.perf_counter()
-        micro = [m.to(device, non_blocking=True) for m in next(loader)]
+        ready = next(loader)  # the wait for data: the loader's hand-over only (the copy to the device is the step's)
         waits.append(time.perf_counter() - t0)
+        micro = [m.to(device) for m in ready]
         first_step_at = first_step_at or time.time()
         # A warm-up step (never timed) records compute dtypes; a compiled plan's first step must compile
         # (a dispatch mode around it would make Dynamo skip the blocks): it records in an extra eager step.
