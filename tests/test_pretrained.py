@@ -133,3 +133,26 @@ def test_layouts_train_from_the_pretrained_weights(llama_folder):
     block, host_module = layout["layer"] * FP32, max(layout["embedding"], layout["head"]) * FP32
     for rank, (peak, params) in enumerate(zip(out["construction_peak_bytes"], out["local_parameter_counts"])):
         assert peak <= params * FP32 + block + host_module, (rank, peak, params * FP32, block, host_module)
+
+
+def test_preflight_refuses_a_checkpoint_the_model_cannot_take(llama_folder, tmp_path):
+    """Metadata only (names and shapes), before any worker starts: a converted MoE checkpoint and
+    overrides that change shapes are invalid plans; the folder as saved is fine."""
+    from paratune.plan import PlanError
+    from paratune.preflight import check_plan_against_model
+
+    check_plan_against_model(load_plan_dict({**BASE_PLAN, "model": str(llama_folder)}))
+    with pytest.raises(PlanError, match=r"shapes differ: 'model\.layers\.0\.mlp\.gate_proj\.weight' \(176, 64\)"):
+        check_plan_against_model(load_plan_dict({**BASE_PLAN, "model": str(llama_folder),
+                                                 "model_overrides": {"intermediate_size": 96}}))
+    folder = save_checkpoint(tmp_path, model="tiny-mixtral", max_shard_size="100MB")
+    with pytest.raises(PlanError, match=r"have no tensor \(model\.layers\.0\.mlp\.gate\.weight"):
+        check_plan_against_model(load_plan_dict({**BASE_PLAN, "model": str(folder), "micro_batch": 1}))
+
+
+def test_parity_proxy_of_a_pretrained_model_is_random_init(llama_folder):
+    """The proxy's shapes are not the checkpoint's: it builds from the folder's config.json only."""
+    from paratune.parity import parity_proxy
+
+    proxy = parity_proxy(load_plan_dict({**BASE_PLAN, "model": str(llama_folder)}))
+    assert proxy.model == str(llama_folder / "config.json") and weights_folder(proxy.model) is None

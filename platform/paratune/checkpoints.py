@@ -129,6 +129,43 @@ class CheckpointSource:
         return out
 
 
+def checkpoint_refusal(model: str, config: Any) -> str | None:
+    """Why the plan's `model` folder cannot give the model its weights (missing parameter names,
+    wrong shapes), or None; reads the checkpoint's metadata only (names and shapes, no tensor):
+    a converted family or mismatched overrides are refused before any worker starts."""
+    folder = weights_folder(model)
+    if folder is None:
+        return None
+    from paratune.materialize import build_meta
+
+    try:
+        source = CheckpointSource(folder, config)
+    except CheckpointError as err:
+        return str(err)
+    meta = build_meta(config)
+    missing, wrong = [], []
+    for name, param in meta.named_parameters():  # tied parameters once, under their first name
+        key = source._key(name)
+        if key is None:
+            missing.append(name)
+            continue
+        shape = tuple(source._handle(source.weight_map[key]).get_slice(key).get_shape())
+        if shape != tuple(param.shape):
+            wrong.append(f"'{key}' {shape} (the model's {name}: {tuple(param.shape)})")
+    if not missing and not wrong:
+        return None
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} parameters have no tensor ({', '.join(missing[:6])}"
+                     f"{', ...' if len(missing) > 6 else ''}): its keys are not the model's parameter names "
+                     "(a family whose checkpoint transformers converts on load, such as per-expert MoE "
+                     "weights, or model_overrides that add layers)")
+    if wrong:
+        parts.append(f"shapes differ: {', '.join(wrong[:4])}{', ...' if len(wrong) > 4 else ''} "
+                     "(model_overrides that change the architecture)")
+    return f"model: checkpoint {folder}: " + "; ".join(parts) + "; paratune loads only keys named as the model's parameters"
+
+
 def _embedding_names(config: Any) -> tuple[str | None, str | None]:
     """Module names of the input embedding and the LM head (built on meta: no memory)."""
     from paratune.materialize import build_meta
