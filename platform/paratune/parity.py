@@ -27,7 +27,7 @@ def reference_losses(plan: Plan, steps: int | None = None) -> list[float]:
     """Per-step mean loss of the plan's training run on one CPU process (fp32, no sharding)."""
     steps = plan.total_steps if steps is None else steps
     config = build_config(plan.model, plan.model_overrides)
-    model = build_model(config, seed=plan.seed)
+    model = build_model(config, seed=plan.seed, weights=plan.model)  # a folder's pretrained weights too
     apply_activation_checkpointing(model, plan)
     model.train()
     device = torch.device("cpu")
@@ -164,7 +164,11 @@ def parity_proxy(plan: Plan) -> Plan:
 
     Raises PlanError if even the sized proxy breaks a plan rule (winner_parity turns that into
     a failed check)."""
-    return plan.with_changes(model_overrides={**plan.model_overrides, **proxy_shape(plan)},
+    from paratune.checkpoints import weights_folder
+
+    folder = weights_folder(plan.model)  # the proxy's shapes are not the checkpoint's: random init
+    model = {} if folder is None else {"model": str(folder / "config.json")}
+    return plan.with_changes(**model, model_overrides={**plan.model_overrides, **proxy_shape(plan)},
                              seq_len=min(plan.seq_len, PROXY_SEQ_LEN), warmup_steps=1, measure_steps=2,
                              grad_accum=plan.grad_accum)
 

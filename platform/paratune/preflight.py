@@ -59,6 +59,15 @@ def check_plan_against_model(plan: Plan, config=None) -> None:
     """Raise PlanError (field, value, what is allowed) if the model cannot be laid out as the plan
     asks. `config`: the plan's built config (models.build_config), built here when not given."""
     cp = getattr(plan, "cp", 1)
+    from paratune.checkpoints import checkpoint_refusal, weights_folder
+
+    if weights_folder(plan.model) is not None:  # pretrained weights: every parameter under its own name
+        from paratune.models import build_config
+
+        config = config if config is not None else build_config(plan.model, plan.model_overrides)
+        refusal = checkpoint_refusal(plan.model, config)
+        if refusal is not None:
+            raise PlanError(refusal)
     if plan.loss in ("vocab_parallel", "chunked"):  # an explicit loss form the model may not take
         from paratune.models import build_config
         from paratune.parallel.loss import loss_form_refusal

@@ -135,6 +135,7 @@ def build_zero3(init: ModelInit, ds_config: dict[str, Any], device: torch.device
     if getattr(init.config, "tie_word_embeddings", False):
         model.tie_weights()  # no_init_weights also skipped the tying
     model_init = ModelInit(model, init.config, init.seed, init.dtype)
+    model_init.sources = list(init.sources)  # pretrained weights: read by the rank that makes a module
     by_owner = model_init.targets_by_owner()
     rank, world = dist.get_rank(), dist.get_world_size()
     with torch.no_grad():
