@@ -7,6 +7,7 @@ runs bench/gpu_acceptance.py's smoke mode so, with the image's transformers from
 `make install` builds.)
 """
 
+import importlib.util
 import sys
 
 ABSENT_ON_THE_GPU_IMAGE = frozenset({"ray", "mlflow", "optuna"})
@@ -22,3 +23,17 @@ class _NotOnTheImage:
 
 
 sys.meta_path.insert(0, _NotOnTheImage())
+
+_find_spec = importlib.util.find_spec
+
+
+def _find_spec_as_on_the_image(name, package=None):
+    """`importlib.util.find_spec` answers None for an absent package, as it would there: libraries
+    probe optional packages so (accelerate's `_is_package_available("mlflow")`, which transformers
+    reaches on import) and must read "not installed", not an ImportError."""
+    if name.partition(".")[0] in ABSENT_ON_THE_GPU_IMAGE:
+        return None
+    return _find_spec(name, package)
+
+
+importlib.util.find_spec = _find_spec_as_on_the_image
