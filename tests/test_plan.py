@@ -224,3 +224,19 @@ def test_an_indivisible_batch_says_which_degrees_would_split_it():
     assert "global_batch: 256 is not divisible by micro_batch x dp_degree = 1 x 512 = 512" in msg
     assert "dp_degree = num_workers / (tp x pp x cp) = 512 / 1 = 512 does not divide global_batch 256" in msg
     assert "allowed: tp x pp x cp in [2, 4, 8, 16, 32, 64, 128, 256, 512]" in msg and "[]" not in msg
+
+
+def test_a_plan_files_local_paths_become_absolute(tmp_path, monkeypatch):
+    """Trials run in Ray's processes, whose working directory is not the user's: the model folder
+    and data files a plan file names relative to where the command runs are made absolute."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my-model").mkdir()
+    (tmp_path / "my-model" / "config.json").write_text("{}")
+    (tmp_path / "corpus.txt").write_text("x")
+    (tmp_path / "tiny-llama").mkdir()  # a folder named like a preset: the preset still wins
+    (tmp_path / "p.yaml").write_text("model: ./my-model\ndata: {kind: text, path: corpus.txt}\n")
+    plan = load_plan(tmp_path / "p.yaml")
+    assert plan.model == str(tmp_path / "my-model") and plan.data.path == tmp_path / "corpus.txt"
+    (tmp_path / "q.yaml").write_text("model: tiny-llama\ndata: {kind: text, path: missing.txt}\n")
+    plan = load_plan(tmp_path / "q.yaml")
+    assert plan.model == "tiny-llama" and str(plan.data.path) == "missing.txt"  # left as written

@@ -446,7 +446,30 @@ def read_yaml_mapping(path: Path, what: str, error: type[ValueError]) -> dict[st
     return data
 
 
+def absolute_local_paths(fields: dict[str, Any]) -> dict[str, Any]:
+    """The plan fields that name local files (a `model` folder or config.json, `data.path`,
+    `data.tokenizer`) made absolute against the current directory, where they exist there.
+
+    A file is read where the command runs, but trials check and train in Ray's processes, whose
+    working directory is not the user's: `model: ./my-model` would not be found there."""
+    out = dict(fields)
+    model = out.get("model")
+    preset = Path(__file__).parent / "presets" / f"{model}.json"  # a preset name wins (paratune.models)
+    if isinstance(model, str) and not model.startswith("/") and not preset.is_file() and Path(model).exists():
+        out["model"] = str(Path(model).resolve())
+    data = out.get("data")
+    if isinstance(data, dict):
+        data = dict(data)
+        for key in ("path", "tokenizer"):
+            value = data.get(key)
+            if isinstance(value, str) and not value.startswith("/") and Path(value).exists():
+                data[key] = str(Path(value).resolve())
+        out["data"] = data
+    return out
+
+
 def load_plan(path: str | Path) -> Plan:
-    """Read a plan YAML file; errors name the file, the field, the value and what is allowed."""
+    """Read a plan YAML file; errors name the file, the field, the value and what is allowed.
+    Local paths in it are made absolute (`absolute_local_paths`)."""
     path = Path(path)
-    return load_plan_dict(read_yaml_mapping(path, "plan", PlanError), source=str(path))
+    return load_plan_dict(absolute_local_paths(read_yaml_mapping(path, "plan", PlanError)), source=str(path))

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from paratune.plan import (
+    absolute_local_paths,
     DDPOptions,
     FSDPOptions,
     Plan,
@@ -299,7 +300,10 @@ def enumerate_candidates(spec: SpaceFile, details: dict[str, str] | None = None
 def load_space(path: str | Path) -> Space:
     """Read and validate a space file; every error names the file, the key path and what is allowed."""
     path = Path(path)
-    return space_from_dict(read_yaml_mapping(path, "space", SpaceError), source=path)
+    data = read_yaml_mapping(path, "space", SpaceError)
+    if isinstance(data.get("fixed"), dict):  # the fixed part's local files, as a plan file's
+        data = {**data, "fixed": absolute_local_paths(data["fixed"])}
+    return space_from_dict(data, source=path)
 
 
 def space_from_dict(data: dict[str, Any], source: Path | None = None) -> Space:
