@@ -12,7 +12,7 @@ import torch
 from conftest import BASE_PLAN
 from gloo_harness import one_torch_thread, reference_for, run_plans_on_gloo  # noqa: F401 (fixture)
 
-from paratune.checkpoints import CheckpointError, CheckpointSource, has_weights, weights_folder
+from paratune.checkpoints import CheckpointError, CheckpointSource, build_model_with_weights, has_weights, weights_folder
 from paratune.models import build_config, build_model, parameter_layout
 from paratune.plan import load_plan_dict
 from paratune.parity import max_loss_difference
@@ -43,7 +43,7 @@ def _assert_same_as_from_pretrained(folder: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     expected = AutoModelForCausalLM.from_pretrained(folder).state_dict()
-    got = build_model(build_config(str(folder)), seed=0, weights=str(folder)).state_dict()
+    got = build_model_with_weights(build_config(str(folder)), seed=0, weights=str(folder)).state_dict()
     assert set(got) == set(expected)
     for key, value in expected.items():
         assert torch.equal(got[key], value), key
@@ -54,7 +54,7 @@ def test_build_model_of_a_sharded_folder_is_from_pretrained(llama_folder):
     _assert_same_as_from_pretrained(llama_folder)
     random = build_model(build_config("tiny-llama"), seed=0).state_dict()
     assert not torch.equal(random["model.embed_tokens.weight"],
-                           build_model(build_config(str(llama_folder)), seed=0, weights=str(llama_folder))
+                           build_model_with_weights(build_config(str(llama_folder)), seed=0, weights=str(llama_folder))
                            .state_dict()["model.embed_tokens.weight"])
 
 
@@ -76,14 +76,14 @@ def test_a_shape_the_checkpoint_does_not_have_is_refused_by_name(llama_folder):
     config = build_config(str(llama_folder), {"intermediate_size": 96})
     with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.gate_proj\.weight' has shape \(176, 64\), "
                                               r"the model's .* expects \(96, 64\)"):
-        build_model(config, seed=0, weights=str(llama_folder))
+        build_model_with_weights(config, seed=0, weights=str(llama_folder))
 
 
 def test_layers_the_checkpoint_does_not_have_are_refused(llama_folder):
     layers = build_config(str(llama_folder)).num_hidden_layers
     config = build_config(str(llama_folder), {"num_hidden_layers": layers + 1})
     with pytest.raises(CheckpointError, match=f"no tensor for model\\.layers\\.{layers}\\."):
-        build_model(config, seed=0, weights=str(llama_folder))
+        build_model_with_weights(config, seed=0, weights=str(llama_folder))
 
 
 def test_converted_moe_checkpoint_is_refused_not_filled_at_random(tmp_path):
@@ -91,7 +91,7 @@ def test_converted_moe_checkpoint_is_refused_not_filled_at_random(tmp_path):
     not the module's names, so the build stops, naming the missing ones."""
     folder = save_checkpoint(tmp_path, model="tiny-mixtral", max_shard_size="100MB")
     with pytest.raises(CheckpointError, match=r"no tensor for model\.layers\.0\.mlp\."):
-        build_model(build_config(str(folder)), seed=0, weights=str(folder))
+        build_model_with_weights(build_config(str(folder)), seed=0, weights=str(folder))
 
 
 def test_peft_base_layer_names_map_to_the_checkpoint(llama_folder):

@@ -180,3 +180,17 @@ def checkpoint_sources(model: str, config: Any) -> list[CheckpointSource]:
     """The value sources a plan's `model` brings: its folder's weights, if it has any."""
     folder = weights_folder(model)
     return [] if folder is None else [CheckpointSource(folder, config)]
+
+
+def build_model_with_weights(config: Any, seed: int, weights: str, dtype: torch.dtype = torch.float32,
+                             device: str | torch.device = "cpu") -> nn.Module:
+    """`paratune.models.build_model` with a plan's `model` as the source of values: a folder with
+    safetensors gives its pretrained weights, a preset or config.json random init (same seed, same
+    values). Here, not in models.py, which checkpoints.py reads its names from (no import cycle)."""
+    from paratune.materialize import ModelInit, build_meta, materialize
+
+    model = build_meta(config, dtype)
+    init = ModelInit(model, config, seed, dtype)
+    init.sources += checkpoint_sources(weights, config)
+    materialize(model, init, torch.device(device))
+    return model

@@ -86,19 +86,14 @@ def _checked_attn_implementation(config) -> str:
     return attn_implementation(config)
 
 
-def build_model(config, seed: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                weights: str | None = None) -> nn.Module:
-    """Model from config, whole, on `device`: random init, or `weights` (a plan's `model`: a
-    folder with safetensors gives its pretrained values; a preset or config.json: random). Its
-    values are those every layout reproduces slice by slice (paratune.materialize)."""
-    from paratune.checkpoints import checkpoint_sources
+def build_model(config, seed: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
+    """Model from config, whole, on `device`, randomly initialised: the values every layout
+    reproduces slice by slice (paratune.materialize). A folder's pretrained weights:
+    `paratune.checkpoints.build_model_with_weights`."""
     from paratune.materialize import ModelInit, build_meta, materialize
 
     model = build_meta(config, dtype)
-    init = ModelInit(model, config, seed, dtype)
-    if weights is not None:
-        init.sources += checkpoint_sources(weights, config)
-    materialize(model, init, torch.device(device))
+    materialize(model, ModelInit(model, config, seed, dtype), torch.device(device))
     return model
 
 

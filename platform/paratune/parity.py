@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from paratune.checkpoints import build_model_with_weights
 from paratune.data import TokenBatches
-from paratune.models import build_config, build_model, ffn_width_key, load_config_dict, parameter_counts
+from paratune.models import build_config, ffn_width_key, load_config_dict, parameter_counts
 from paratune.parallel.runner import StepRunner, apply_activation_checkpointing, make_optimizer
 from paratune.plan import Plan, load_plan_dict
 from paratune.results import TrialResult
@@ -27,7 +28,7 @@ def reference_losses(plan: Plan, steps: int | None = None) -> list[float]:
     """Per-step mean loss of the plan's training run on one CPU process (fp32, no sharding)."""
     steps = plan.total_steps if steps is None else steps
     config = build_config(plan.model, plan.model_overrides)
-    model = build_model(config, seed=plan.seed, weights=plan.model)  # a folder's pretrained weights too
+    model = build_model_with_weights(config, seed=plan.seed, weights=plan.model)  # a folder's pretrained values too
     apply_activation_checkpointing(model, plan)
     model.train()
     device = torch.device("cpu")
