@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paratune.models import PRESET_DIR, ModelError
+from paratune.models import PRESET_DIR, ModelError, build_model
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -187,10 +187,4 @@ def build_model_with_weights(config: Any, seed: int, weights: str, dtype: torch.
     """`paratune.models.build_model` with a plan's `model` as the source of values: a folder with
     safetensors gives its pretrained weights, a preset or config.json random init (same seed, same
     values). Here, not in models.py, which checkpoints.py reads its names from (no import cycle)."""
-    from paratune.materialize import ModelInit, build_meta, materialize
-
-    model = build_meta(config, dtype)
-    init = ModelInit(model, config, seed, dtype)
-    init.sources += checkpoint_sources(weights, config)
-    materialize(model, init, torch.device(device))
-    return model
+    return build_model(config, seed, dtype, device, sources=checkpoint_sources(weights, config))

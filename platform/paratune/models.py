@@ -86,14 +86,17 @@ def _checked_attn_implementation(config) -> str:
     return attn_implementation(config)
 
 
-def build_model(config, seed: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
-    """Model from config, whole, on `device`, randomly initialised: the values every layout
-    reproduces slice by slice (paratune.materialize). A folder's pretrained weights:
-    `paratune.checkpoints.build_model_with_weights`."""
+def build_model(config, seed: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                sources: list | None = None) -> nn.Module:
+    """Model from config, whole, on `device`: random init, or the values `sources` give
+    (`ModelInit.sources`; a folder's pretrained weights: `paratune.checkpoints.build_model_with_weights`).
+    Its values are those every layout reproduces slice by slice (paratune.materialize)."""
     from paratune.materialize import ModelInit, build_meta, materialize
 
     model = build_meta(config, dtype)
-    materialize(model, ModelInit(model, config, seed, dtype), torch.device(device))
+    init = ModelInit(model, config, seed, dtype)
+    init.sources += sources or []
+    materialize(model, init, torch.device(device))
     return model
 
 
