@@ -237,7 +237,8 @@ def test_training_job_checkpoints_and_resumes_after_a_worker_is_killed(cluster):
     plan_path.write_text(yaml.safe_dump(plan))
     job, _ = cluster.submit("jobs/train.py", str(plan_path), "--steps", "6", "--checkpoint-every", "2",
                             "--name", "faulty", "--storage", str(cluster.tmp / "checkpoints"),
-                            "--tracking-uri", cluster.tracking_uri, "--json", str(result_path))
+                            "--tracking-uri", cluster.tracking_uri, "--json", str(result_path),
+                            "--hf-out", str(cluster.tmp / "trained-hf"))
     assert cluster.status(job) == "SUCCEEDED", cluster.logs(job)[-4000:]
     result = json.loads(result_path.read_text())
     assert result["status"] == "ok" and result["resumed_at_steps"] == [2]
@@ -245,6 +246,7 @@ def test_training_job_checkpoints_and_resumes_after_a_worker_is_killed(cluster):
     assert len(result["losses"]) == 6
     assert max(abs(a - b) for a, b in zip(result["losses"], uninterrupted)) < 1e-5
     assert Path(result["checkpoint"]).name == "step_00000006"
+    _assert_hf_model_is_the_checkpointed_state(result, cluster.tmp / "trained-hf", plan)
 
     client = MlflowClient(cluster.tracking_uri)
     run = client.get_run(result["mlflow_run_id"])
@@ -253,6 +255,26 @@ def test_training_job_checkpoints_and_resumes_after_a_worker_is_killed(cluster):
     assert sorted(m.step for m in history) == list(range(6))  # each step once, across the restart
     assert [m.value for m in sorted(history, key=lambda m: m.step)] == pytest.approx(result["losses"])
     _no_secret_in(client, [run])
+
+
+def _assert_hf_model_is_the_checkpointed_state(result: dict, hf_out: Path, plan: dict) -> None:
+    """--hf-out: from_pretrained loads exactly the model of the last checkpoint's sharded state
+    (the step-6 weights, after the restart), none of it left at its initial value."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM
+
+    from paratune.models import build_config, build_model
+
+    assert result["hf_model"] == str(hf_out.resolve()) and (hf_out / "config.json").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(hf_out).state_dict()
+    dcp_to_torch_save(Path(result["checkpoint"]) / "state", hf_out.parent / "state.pt")
+    trained = torch.load(hf_out.parent / "state.pt", weights_only=False)["model"]
+    initial = build_model(build_config(plan["model"]), seed=0).state_dict()
+    assert set(loaded) == set(trained)
+    for key, value in trained.items():
+        assert torch.equal(loaded[key], value), key
+        assert not torch.equal(loaded[key], initial[key]), f"{key}: still its initial value"
 
 
 # --------------------------------------------------------------------------- placement on several nodes

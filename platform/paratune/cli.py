@@ -158,12 +158,16 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
         plan = plan.with_changes(num_workers=args.workers)
     result = run_training(plan, steps=args.steps, checkpoint_every=args.checkpoint_every,
                           max_failures=args.max_failures, name=args.name, tracking_uri=args.tracking_uri,
-                          storage_path=args.storage)
+                          storage_path=args.storage, hf_out=args.hf_out)
     if result.ok:
         restarts = f", resumed at step(s) {result.resumed_at_steps}" if result.resumed_at_steps else ""
         console.print(f"trained {result.name}: {result.steps} steps, final loss {result.losses[-1]:.4f}, "
                       f"{result.tokens_per_s_per_gpu or 0:,.0f} tokens/s/GPU{restarts}")
         console.print(f"last checkpoint: {result.checkpoint}")
+        if result.hf_model:
+            console.print(f"trained model (AutoModelForCausalLM.from_pretrained): {result.hf_model}")
+        else:
+            console.print(f"[yellow]no Hugging Face folder[/yellow]: {escape(result.hf_model_note or '')}")
     else:
         console.print(f"[red]training {result.name} failed ({result.reason})[/red]: {escape(result.message or '')}")
         console.print(f"run it again with --name {result.name} to continue from its last checkpoint")
@@ -554,6 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, help="override num_workers")
     p.add_argument("--storage", help="checkpoint storage (default: $PARATUNE_STORAGE or $PARATUNE_HOME/ray)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or ./mlflow.db)")
+    p.add_argument("--hf-out", help="also copy the trained model's Hugging Face folder here (it is always in the "
+                                    "last checkpoint, under hf_model/)")
     p.add_argument("--json", help="write the result to this JSON file")
     p = sub.add_parser("plan", help="predict memory, communication and speed of a space's plans (no GPU needed)")
     p.add_argument("space", help="search space YAML")

@@ -26,6 +26,12 @@ from paratune.trial import run_trial
 
 def reference_losses(plan: Plan, steps: int | None = None) -> list[float]:
     """Per-step mean loss of the plan's training run on one CPU process (fp32, no sharding)."""
+    return reference_training(plan, steps)[0]
+
+
+def reference_training(plan: Plan, steps: int | None = None) -> tuple[list[float], torch.nn.Module]:
+    """The single-process reference run: its per-step losses and the trained model (what every
+    layout's exported weights are compared with)."""
     steps = plan.total_steps if steps is None else steps
     config = build_config(plan.model, plan.model_overrides)
     model = build_model_with_weights(config, seed=plan.seed, weights=plan.model)  # a folder's pretrained values too
@@ -40,7 +46,7 @@ def reference_losses(plan: Plan, steps: int | None = None) -> list[float]:
     for step in range(steps):
         micro = data.micro_batches(step, dp_rank=0, dp_degree=1, micro_batch=plan.micro_batch)
         losses.append(float(runner.train_step(micro)))
-    return losses
+    return losses, model
 
 
 def max_loss_difference(losses: list[float], reference: list[float]) -> float:

@@ -29,12 +29,14 @@ from pydantic import BaseModel, Field
 
 from paratune import measure
 from paratune.failures import Reason, classify
+from paratune.hf_export import export_hf_folder, export_refusal, trained_modules
 from paratune.plan import Plan, PlanError, load_plan_dict
 from paratune.launch import build_trainer, ensure_ray, fit, process_group_backend, worker_demand
 from paratune.trial import maybe_inject_fault, reduce_losses_and_times, sync_device
 
 PROGRESS_FILE = "progress.json"  # next step and the loss curve so far (rank 0 writes it)
 STATE_DIR = "state"  # model + optimizer shards
+HF_DIR = "hf_model"  # the last checkpoint's trained model as a Hugging Face folder (paratune.hf_export)
 
 
 class TrainingResult(BaseModel):
@@ -47,6 +49,8 @@ class TrainingResult(BaseModel):
     resumed_at_steps: list[int] = Field(default_factory=list)  # where each restart picked up
     tokens_per_s_per_gpu: float | None = None  # median over the steps of the last attempt
     checkpoint: str | None = None
+    hf_model: str | None = None  # a folder AutoModelForCausalLM.from_pretrained loads (the last step's values)
+    hf_model_note: str | None = None  # why there is none (a layout paratune.hf_export does not write)
     mlflow_run_id: str | None = None
 
     @property
@@ -110,6 +114,8 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
         pending_losses, pending_times = [], []
         with tempfile.TemporaryDirectory() as folder:
             runner.save_state(str(Path(folder) / STATE_DIR))
+            if done == steps and export_refusal(plan) is None:  # the trained model, as from_pretrained loads it
+                export_hf_folder(trained_modules(runner, plan), model_config, plan, rank, Path(folder) / HF_DIR)
             if rank == 0:
                 (Path(folder) / PROGRESS_FILE).write_text(json.dumps(
                     {"next_step": done, "losses": losses, "resumed_at": resumed_at}))
@@ -149,10 +155,11 @@ def _progress_callback(tracking_uri: str | None, run_id: str | None, tokens_per_
 
 def run_training(plan: Plan | dict[str, Any], *, steps: int, checkpoint_every: int = 100, max_failures: int = 3,
                  name: str | None = None, storage_path: str | None = None, tracking_uri: str | None = None,
-                 track: bool = True, ray_address: str | None = None) -> TrainingResult:
+                 track: bool = True, ray_address: str | None = None, hf_out: str | None = None) -> TrainingResult:
     """Train `plan` for `steps` optimizer steps on the Ray cluster, checkpointing and resuming.
 
-    The same `name` (and storage) continues a run from its last checkpoint."""
+    The same `name` (and storage) continues a run from its last checkpoint. The last checkpoint
+    holds the trained model as a Hugging Face folder (`hf_model`); `hf_out` copies it there too."""
     name = name or f"train-{uuid.uuid4().hex[:8]}"
     if not isinstance(plan, Plan):
         try:
@@ -195,11 +202,32 @@ def run_training(plan: Plan | dict[str, Any], *, steps: int, checkpoint_every: i
         outcome = TrainingResult(status="failed", reason=reason, message=message, name=name, steps=steps,
                                  checkpoint=checkpoint, mlflow_run_id=run_id)
     else:
+        hf_model, note = _hf_model_of(result.checkpoint, plan, hf_out)
         outcome = TrainingResult(status="ok", name=name, steps=steps, losses=out["losses"],
                                  resumed_at_steps=out["resumed_at"], tokens_per_s_per_gpu=out["tokens_per_s_per_gpu"],
-                                 checkpoint=checkpoint, mlflow_run_id=run_id)
+                                 checkpoint=checkpoint, hf_model=hf_model, hf_model_note=note, mlflow_run_id=run_id)
     if run_id is not None:
         from paratune.tracking import finish_training_run
 
         finish_training_run(tracking_uri, run_id, outcome)
     return outcome
+
+
+def _hf_model_of(checkpoint: Any, plan: Plan, hf_out: str | None) -> tuple[str | None, str | None]:
+    """(the Hugging Face folder of the last checkpoint, or None, and why not). With `hf_out` the
+    folder is copied there (from any storage Ray Train writes to: `Checkpoint.as_directory`)."""
+    refusal = export_refusal(plan)
+    if refusal is not None:
+        return None, refusal
+    if checkpoint is None:
+        return None, "no checkpoint was reported"
+    import shutil
+
+    with checkpoint.as_directory() as folder:
+        source = Path(folder) / HF_DIR
+        if not source.is_dir():
+            return None, f"the last checkpoint {checkpoint.path} has no {HF_DIR} folder"
+        if hf_out is None:
+            return str(Path(checkpoint.path) / HF_DIR), None
+        shutil.copytree(source, hf_out, dirs_exist_ok=True)
+    return str(Path(hf_out).resolve()), None

@@ -57,7 +57,9 @@ def build_runner(config, plan: Plan, device: torch.device, local_world_size: int
     init.sources += checkpoint_sources(plan.model, config)  # a folder with weights: pretrained values
     init.meter = meter
     init.comm_device = device
+    names = {id(module): name for name, module in model.named_modules()}  # before pp takes stages out of it
     runner = parallelize(model, init, plan, device, local_world_size)
+    runner.hf_model, runner.hf_module_names = model, names  # the layout was applied in place: its names are the checkpoint's (paratune.hf_export)
     if meter is not None:
         meter.stop()
     return runner

@@ -1,0 +1,180 @@
+"""Pretrained weights out: a trained model written as a Hugging Face folder that `from_pretrained` loads.
+
+Every rank walks the Hugging Face module tree (the one the layout was applied to in place, so its
+names are the checkpoint's names) one tensor at a time, in the same order:
+- a DTensor (FSDP2 shards, tp slices, both) is gathered with `full_tensor()` over its own mesh;
+- a DeepSpeed ZeRO parameter gives its fp32 master (`safe_get_full_fp32_param`: the optimizer's
+  partitions all-reduced, stage 1, 2 and 3 alike), so a bf16 run still exports what it trained;
+- a parameter still on the meta device belongs to another pipeline stage and is skipped.
+Only the first rank of each pipeline stage (dp, cp and tp index 0) keeps the gathered values, and it
+writes them in files of at most `max_shard_bytes`; rank 0 then writes `config.json` and the
+safetensors index over every stage's files. So no rank ever holds more than one tensor beyond its
+own share plus one file's worth, and tied parameters (the LM head tied to the embedding) are
+written once, under their first name, as `save_pretrained` does.
+
+Not written (refused with the reason, the run's own checkpoint still has every value): expert
+parallelism (each ep rank holds other experts under the same names) and ZeRO with DeepSpeed's
+AutoTP (its tp layers are DeepSpeed's own modules).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from paratune.plan import Plan
+
+INDEX_FILE = "model.safetensors.index.json"
+MAX_SHARD_BYTES = 2 * 1024**3  # as save_pretrained's 5 GB default, smaller: a writer holds one file's worth
+
+
+class HFExportError(ValueError):
+    """A layout whose trained values cannot be written as a Hugging Face folder."""
+
+
+def export_refusal(plan: Plan) -> str | None:
+    """Why the plan's trained model cannot be written as a Hugging Face folder, or None."""
+    if plan.ep > 1:
+        return (f"ep: {plan.ep}: the Hugging Face folder is not written under expert parallelism (every ep rank "
+                "holds other experts under the same names); the run's checkpoint has them")
+    if plan.strategy == "zero" and plan.tp > 1:
+        return (f"tp: {plan.tp} with strategy zero: DeepSpeed's AutoTP layers are its own modules; the Hugging Face "
+                "folder is not written (the run's DeepSpeed checkpoint has every value)")
+    return None
+
+
+def _stage_and_writer(plan: Plan, rank: int) -> tuple[int, bool]:
+    """(pipeline stage index, whether this rank writes it): the first rank of its stage (dp, cp and
+    tp index 0) writes."""
+    from paratune.parallel.dims import ParallelDims
+
+    dims = ParallelDims(plan.dp_degree, plan.tp, plan.pp, "cpu", cp=plan.cp)  # coordinates only, no mesh
+    pp_idx, dp_idx, tp_idx = dims.coords(rank)
+    return pp_idx, dp_idx == 0 and tp_idx == 0 and dims.cp_rank(rank) == 0
+
+
+def trained_modules(runner: Any, plan: Plan) -> list[tuple[str, nn.Module]]:
+    """(checkpoint name prefix, module) of what this rank trained, named as in the Hugging Face model.
+
+    DeepSpeed's engine wraps its own build; every other layout was applied in place to the model
+    build_runner made, except that pipeline stages take its embedding, blocks, norm and head out of
+    it (paratune.parallel.pp.StageModule): those are named by the model's names of those modules."""
+    if hasattr(runner.model, "module") and type(runner.model).__name__ == "DeepSpeedEngine":
+        return [("", runner.model.module)]
+    if plan.pp == 1:
+        return [("", runner.hf_model)]
+    names: dict[int, str] = runner.hf_module_names
+    parts: list[tuple[str, nn.Module]] = []
+    for stage in runner.model:
+        for child in stage.children():
+            for module in (child if isinstance(child, nn.ModuleList) else [child]):
+                if id(module) not in names:
+                    raise HFExportError(f"pp: a stage module {type(module).__name__} has no name in the model")
+                parts.append((names[id(module)], module))
+    return parts
+
+
+def _full_value(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The whole trained value of one parameter or buffer, on the host; None when this rank does
+    not hold it (another pipeline stage's). Collective for the ranks that share it."""
+    from torch.distributed.tensor import DTensor
+
+    if tensor.is_meta:
+        return None
+    if hasattr(tensor, "ds_id") or hasattr(tensor, "_hp_mapping"):  # a DeepSpeed ZeRO parameter
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        full = safe_get_full_fp32_param(tensor)
+        if full is not None:
+            return full.detach().to("cpu", torch.float32).reshape(tensor.ds_shape if hasattr(tensor, "ds_shape")
+                                                                  else tensor.shape).clone()
+    if isinstance(tensor, DTensor):
+        return tensor.full_tensor().detach().cpu().clone()
+    return tensor.detach().cpu().clone()
+
+
+def named_trained_tensors(parts: list[tuple[str, nn.Module]]) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """(checkpoint name, whole value or None) of every parameter and persistent buffer of the
+    parts, one at a time, tied parameters once. Every rank must consume it to the end (collectives)."""
+    seen: set[int] = set()
+    for root_name, root in parts:
+        for module_name, module in root.named_modules(prefix=root_name):
+            prefix = f"{module_name}." if module_name else ""
+            for attr, param in module._parameters.items():
+                if param is None or id(param) in seen:
+                    continue
+                seen.add(id(param))
+                yield prefix + attr, _full_value(param)
+            for attr, buf in module._buffers.items():
+                if buf is None or attr in module._non_persistent_buffers_set or id(buf) in seen:
+                    continue
+                seen.add(id(buf))
+                yield prefix + attr, _full_value(buf)
+
+
+def export_hf_folder(parts: list[tuple[str, nn.Module]], config: Any, plan: Plan, rank: int, folder: str | Path,
+                     max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Write the trained `parts` (`trained_modules`: the Hugging Face model as laid out) as a folder
+    `AutoModelForCausalLM.from_pretrained` loads. Collective: every rank of the run calls it.
+    Raises HFExportError for a layout `export_refusal` names."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    refusal = export_refusal(plan)
+    if refusal is not None:
+        raise HFExportError(refusal)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    stage, writer = _stage_and_writer(plan, rank)
+    weight_map: dict[str, str] = {}
+    pending: dict[str, torch.Tensor] = {}
+    pending_bytes, part, total_bytes = 0, 0, 0
+
+    def flush() -> None:
+        nonlocal pending, pending_bytes, part
+        if not pending:
+            return
+        name = f"model-pp{stage:02d}-{part:05d}.safetensors"
+        save_file(pending, str(folder / name), metadata={"format": "pt"})
+        weight_map.update({key: name for key in pending})
+        pending, pending_bytes, part = {}, 0, part + 1
+
+    for name, value in named_trained_tensors(parts):
+        if value is None or not writer:
+            continue
+        pending[name] = value.contiguous()
+        size = value.numel() * value.element_size()
+        pending_bytes += size
+        total_bytes += size
+        if pending_bytes >= max_shard_bytes:
+            flush()
+    flush()
+    maps: list[Any] = [None] * dist.get_world_size() if dist.is_initialized() else [None]
+    if dist.is_initialized():
+        dist.all_gather_object(maps, (weight_map, total_bytes))
+    else:
+        maps = [(weight_map, total_bytes)]
+    if rank == 0:
+        merged = {k: v for wm, _ in maps for k, v in wm.items()}
+        size = sum(b for _, b in maps)
+        (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": size},
+                                                     "weight_map": dict(sorted(merged.items()))}, indent=2))
+        _save_config(config, folder)
+    if dist.is_initialized():
+        dist.barrier()
+    return folder
+
+
+def _save_config(config: Any, folder: Path) -> None:
+    """config.json as `save_pretrained` writes it, with the dtype of the values written (fp32) and
+    the architecture, so `AutoModelForCausalLM` picks the class paratune trained."""
+    from paratune.materialize import causal_lm_class
+
+    config = config.__class__.from_dict(config.to_dict())
+    config.architectures = [causal_lm_class(config).__name__]
+    config.dtype = "float32"
+    config.save_pretrained(folder)
