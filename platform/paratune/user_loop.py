@@ -93,13 +93,17 @@ def refusal(plan: Plan) -> str | None:
 
 
 def with_train_loop(space, value: str):
-    """The space with every plan carrying the loop (fixed.env), validated again."""
+    """The space with every plan carrying the loop (fixed.env), validated again. A space that
+    sweeps loops itself (space.env.PARATUNE_TRAIN_LOOP) keeps them, each checked as --train-loop is."""
     from paratune.space import space_from_dict
 
     loop, root = resolve(value)
     data = space.spec.model_dump(mode="json", exclude_unset=True)
     fixed = dict(data.get("fixed") or {})
-    fixed["env"] = {**(fixed.get("env") or {}), TRAIN_LOOP_ENV: loop, TRAIN_LOOP_PATH_ENV: root}
+    swept = ((data.get("space") or {}).get("env") or {}).get(TRAIN_LOOP_ENV)
+    for other in swept or []:
+        resolve(str(other), f"space.env.{TRAIN_LOOP_ENV}")
+    fixed["env"] = {**(fixed.get("env") or {}), TRAIN_LOOP_PATH_ENV: root, **({} if swept else {TRAIN_LOOP_ENV: loop})}
     return space_from_dict({**data, "fixed": fixed}, source=space.source)
 
 
