@@ -91,7 +91,8 @@ def test_plans_a_user_loop_cannot_take_are_invalid_before_launch(fields, field):
     assert field in result.message and "allowed with --train-loop" in result.message
 
 
-@pytest.mark.parametrize("value, says", [("no_colon", "got 'no_colon'"), ("nosuch_pkg.train:loop", "cannot be imported"),
+@pytest.mark.parametrize("value, says", [("no_colon", "got 'no_colon'"),
+                                         ("nosuch_pkg.train:loop", "cannot be imported"),
                                          ("examples.user_loop.train:nope", "has no function 'nope'")])
 def test_bad_train_loop_is_refused_before_launch(tmp_path, capsys, monkeypatch, value, says):
     monkeypatch.chdir(REPO)

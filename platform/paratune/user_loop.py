@@ -76,7 +76,8 @@ def resolve(value: str, option: str = "--train-loop") -> tuple[str, str]:
 def refusal(plan: Plan) -> str | None:
     """Why paratune cannot apply this plan to a user's loop (None: it can): the message names
     the field, the value and what is allowed."""
-    allowed = "allowed with --train-loop: strategy ddp or fsdp (full / grad_op), tp=pp=cp=ep=1, no compile/float8/checkpointing"
+    allowed = ("allowed with --train-loop: strategy ddp or fsdp (full / grad_op), tp=pp=cp=ep=1, "
+               "no compile/float8/checkpointing")
     for name in ("tp", "pp", "cp", "ep"):
         if getattr(plan, name) > 1:
             return f"{name}: {getattr(plan, name)} with a user train loop (the loop builds its model; paratune " \
