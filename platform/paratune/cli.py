@@ -86,11 +86,22 @@ def _cmd_tune(args: argparse.Namespace, console: Console) -> int:
     except SpaceError as err:
         console.print(f"[red]invalid space[/red]\n{escape(str(err))}")
         return 2
+    search = args.search
+    if args.train_loop:  # every plan runs the user's loop (paratune.user_loop); checked before any launch
+        from paratune.user_loop import TrainLoopError, with_train_loop
+
+        try:
+            space = with_train_loop(space, args.train_loop)
+        except (TrainLoopError, SpaceError) as err:
+            console.print(f"[red]{escape(str(err))}[/red]")
+            return 2
+        # The calibrated searcher profiles paratune's own model, not the loop's: grid unless asked.
+        search = search or ("grid" if space.spec.search.algorithm == "calibrated" else None)
     from paratune.launch import paratune_home
 
     out = Path(args.out) if args.out else paratune_home() / space.spec.name
     try:
-        outcome = run_sweep(space, out, trials=args.trials, algorithm=args.search, seed=args.seed,
+        outcome = run_sweep(space, out, trials=args.trials, algorithm=search, seed=args.seed,
                             resume=args.resume, tracking_uri=args.tracking_uri, console=console, verbose=args.verbose)
     except SweepError as err:
         console.print(f"[red]{err}[/red]")
@@ -546,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or ./mlflow.db)")
     p.add_argument("--verbose", action="store_true", help="also Ray Tune's own output (banner, result folder, "
                                                           "trial tables)")
+    p.add_argument("--train-loop", metavar="MODULE:FUNCTION",
+                   help="your own Ray Train loop, timed and swept like paratune's (paratune.user_loop)")
     p = sub.add_parser("report", help="(re)write a sweep's report (report/report.html) and log it to its MLflow run")
     p.add_argument("sweep_dir", help="the sweep folder (tune --out)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: the one in the sweep's sweep.json)")

@@ -201,6 +201,10 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     cannot reach the incumbent; the extra profiled and memory-tracked steps are then skipped."""
     import torch.distributed as dist
 
+    from paratune import user_loop
+
+    if user_loop.TRAIN_LOOP_ENV in plan.env:  # the user's own loop, timed by paratune.user_loop's rules
+        return user_loop.run(plan, rank, world, device, stop_rule=stop_rule)
     from paratune.data import TokenBatches, step_loader
     from paratune.materialize import ConstructionMeter
     from paratune.models import build_config
@@ -431,6 +435,10 @@ def check_before_launch(plan: Plan | dict[str, Any], ray_address: str | None = N
         where = traceback.extract_tb(err.__traceback__)[-1]  # e.g. a file a library looked for
         return TrialResult.failed(plan, "invalid_config", f"model: '{plan.model}' cannot be built: "
                                   f"{type(err).__name__}: {err} (at {where.filename}:{where.lineno})")
+    from paratune.user_loop import TRAIN_LOOP_ENV, refusal
+
+    if TRAIN_LOOP_ENV in plan.env and (why := refusal(plan)) is not None:  # what the user's loop cannot take
+        return TrialResult.failed(plan, "invalid_config", why)
     if plan.async_tp:  # device 'auto' on a cluster without GPUs (device 'cpu': the plan refuses)
         ensure_ray(ray_address)
         if not wants_gpu(plan):
