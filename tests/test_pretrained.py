@@ -109,13 +109,14 @@ PRETRAINED_LAYOUTS = {
     "ddp": {"strategy": "ddp"},
     "fsdp": {"strategy": "fsdp", "fsdp": {"sharding": "full"}},
     "tp2": {"tp": 2},
+    "pp2": {"pp": 2},  # each stage fills only its own layers from the folder
     "zero-3": {"strategy": "zero", "zero": {"stage": 3}},  # DeepSpeed's own construction (zero.Init)
 }
 
 
 @pytest.mark.integration
 def test_layouts_train_from_the_pretrained_weights(llama_folder):
-    """ddp, fsdp, tp 2 and ZeRO-3 from the folder: the reference's losses (which loads the same folder),
+    """ddp, fsdp, tp 2, pp 2 and ZeRO-3 from the folder: the reference's losses (which loads the same folder),
     a first loss other than random init's, and FSDP building only its share."""
     names = list(PRETRAINED_LAYOUTS)
     plans = [load_plan_dict({**BASE_PLAN, "model": str(llama_folder), **case}) for case in PRETRAINED_LAYOUTS.values()]
