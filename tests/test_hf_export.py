@@ -30,6 +30,7 @@ LAYOUTS = {
     "fsdp-tied": {"strategy": "fsdp", "fsdp": {"sharding": "full"}, "model_overrides": {"tie_word_embeddings": True}},
     "tp2": {"tp": 2},
     "pp2": {"pp": 2},
+    "zero-2": {"strategy": "zero", "zero": {"stage": 2}},  # the fp32 masters of its optimizer's partitions
     "zero-3": {"strategy": "zero", "zero": {"stage": 3}},
 }
 
