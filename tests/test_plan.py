@@ -33,6 +33,11 @@ def test_indivisible_global_batch_is_rejected():
         ({"precision": "fp8"}, "precision", "'fp8'", "'fp32' or 'bf16'"),
         ({"activation_checkpointing": "some"}, "activation_checkpointing", "'some'", "'none', 'selective', 'layers' or 'full'"),
         ({"micro_batch": 0}, "micro_batch", "0", "greater than or equal to 1"),
+        ({"peft": {"method": "ia3"}}, "peft.method", "'ia3'", "'lora'"),
+        ({"peft": {"r": 0}}, "peft.r", "0", "greater than or equal to 1"),
+        ({"peft": {"dropout": 1.5}}, "peft.dropout", "1.5", "less than 1"),
+        ({"peft": {"alpha": True}}, "peft.alpha", "True", "a boolean"),
+        ({"peft": {"target_modules": []}}, "peft.target_modules", "[]", "'all-linear', or none"),
     ],
 )
 def test_errors_name_field_value_and_allowed(data, field, value, allowed):

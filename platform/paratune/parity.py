@@ -34,7 +34,13 @@ def reference_training(plan: Plan, steps: int | None = None) -> tuple[list[float
     layout's exported weights are compared with)."""
     steps = plan.total_steps if steps is None else steps
     config = build_config(plan.model, plan.model_overrides)
-    model = build_model_with_weights(config, seed=plan.seed, weights=plan.model)  # a folder's pretrained values too
+    if plan.peft is not None:  # the same LoRA adapters, values and frozen base as every layout
+        from paratune.adapters import build_adapted_model
+        from paratune.checkpoints import checkpoint_sources
+
+        model = build_adapted_model(config, plan, sources=checkpoint_sources(plan.model, config))
+    else:
+        model = build_model_with_weights(config, seed=plan.seed, weights=plan.model)  # a folder's pretrained values too
     apply_activation_checkpointing(model, plan)
     model.train()
     device = torch.device("cpu")

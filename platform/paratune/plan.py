@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from paratune.degrees import CP_CPU_REASON, EXPERT_COUNT_KEYS, check_degrees, routed_expert_count  # noqa: F401 (users' names)
 from paratune.levers import Checkpointing, Float8Recipe, LossForm, check_levers
@@ -138,6 +138,28 @@ class ZeroOptions(_Strict):
     offload_param: bool = False
 
 
+class PeftSpec(_Strict):
+    """LoRA adapters (paratune.adapters, through peft): the base frozen, only the adapters trained.
+
+    `target_modules`: module names (suffixes, as peft matches them), "all-linear", or None for
+    peft's default for the model family (q_proj and v_proj for Llama-shaped models)."""
+
+    method: Literal["lora"] = "lora"
+    r: int = Field(8, ge=1, le=4096)
+    alpha: RealNumber = Field(16.0, gt=0)
+    dropout: RealNumber = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | Literal["all-linear"] | None = None
+
+    @field_validator("target_modules")
+    @classmethod
+    def _named_targets(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            if not value or any(not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", t) for t in value):
+                raise ValueError(f"got {value!r}; allowed: a non-empty list of module names (e.g. [q_proj, "
+                                 "v_proj]), 'all-linear', or none (the family's default)")
+        return value
+
+
 class DataSpec(_Strict):
     """Where token batches come from: synthetic (default) or a local text / JSONL / Parquet file."""
 
@@ -196,6 +218,8 @@ class Plan(_Strict):
     ddp: DDPOptions | None = None
     fsdp: FSDPOptions | None = None
     zero: ZeroOptions | None = None
+    # Fine-tuning with LoRA adapters (paratune.adapters); None: full fine-tune, every weight trained.
+    peft: PeftSpec | None = None
 
     # The levers (paratune.levers says what each value does and where it cannot run).
     activation_checkpointing: Checkpointing = "none"  # none | selective (per op) | layers | full

@@ -76,6 +76,14 @@ def check_plan_against_model(plan: Plan, config=None) -> None:
         refusal = loss_form_refusal(plan, config)
         if refusal is not None:
             raise PlanError(refusal)
+    if getattr(plan, "peft", None) is not None:  # LoRA: the layouts and levers it runs with, its targets
+        from paratune.adapters import adapter_refusal
+        from paratune.models import build_config
+
+        config = config if config is not None else build_config(plan.model, plan.model_overrides)
+        refusal = adapter_refusal(plan, config)
+        if refusal is not None:
+            raise PlanError(refusal)
     ep = getattr(plan, "ep", 1)
     if plan.tp == 1 and plan.pp == 1 and cp == 1 and ep == 1:
         return  # data parallelism keeps every layer whole: nothing family-specific to check

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from paratune.adapters import add_adapters, prepare_init
 from paratune.checkpoints import checkpoint_sources
 from paratune.materialize import ConstructionMeter, ModelInit, build_meta
 from paratune.plan import Plan
@@ -51,10 +52,11 @@ def build_runner(config, plan: Plan, device: torch.device, local_world_size: int
     every device; a `model` folder with safetensors gives its pretrained weights). `meter` (started by the caller) is stopped once the model exists. Every
     process group the layout creates takes the plan's comm_timeout_s (`use_comm_timeout`)."""
     use_comm_timeout(plan.comm_timeout_s)
-    model = build_meta(config)
+    model = add_adapters(build_meta(config), plan)  # LoRA (plan.peft) before any layout: every layout sees it
     model.train()
     init = ModelInit(model, config, plan.seed)
     init.sources += checkpoint_sources(plan.model, config)  # a folder with weights: pretrained values
+    prepare_init(init, plan)  # the adapters' structure and seeded values
     init.meter = meter
     init.comm_device = device
     names = {id(module): name for name, module in model.named_modules()}  # before pp takes stages out of it

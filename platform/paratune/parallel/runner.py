@@ -20,7 +20,9 @@ ADAM_BETAS, ADAM_EPS = (0.9, 0.95), 1e-8
 
 
 def make_optimizer(params, plan: Plan) -> torch.optim.Optimizer:
-    """The same AdamW for every strategy (and the reference), so losses are comparable."""
+    """The same AdamW for every strategy (and the reference), so losses are comparable; it steps
+    only the parameters that require gradients (LoRA: the adapters, not the frozen base)."""
+    params = [p for p in params if p.requires_grad]
     return torch.optim.AdamW(params, lr=plan.lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=plan.weight_decay)
 
 

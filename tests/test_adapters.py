@@ -1,0 +1,101 @@
+"""LoRA adapters (paratune.adapters): deterministic init, frozen base, preflight refusals, and ddp /
+fsdp losses equal to the single-process reference with the base unchanged and the adapters trained."""
+
+import math
+
+import pytest
+import torch
+from conftest import BASE_PLAN
+from gloo_harness import one_torch_thread, reference_for, run_plans_on_gloo  # noqa: F401 (fixture)
+
+from paratune.adapters import adapter_refusal, build_adapted_model
+from paratune.materialize import module_seed
+from paratune.models import build_config
+from paratune.parallel.runner import make_optimizer
+from paratune.parity import max_loss_difference
+from paratune.plan import PlanError, load_plan_dict
+
+LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+
+
+def test_adapter_init_is_peft_default_seeded_and_only_adapters_train():
+    plan = load_plan_dict({**BASE_PLAN, "peft": LORA})
+    config = build_config(plan.model)
+    model = build_adapted_model(config, plan)
+    again = build_adapted_model(config, plan)
+    for (name, p), (_, q) in zip(model.named_parameters(), again.named_parameters()):
+        assert torch.equal(p, q), name  # the same values however often (and wherever) built
+        assert p.requires_grad == (".lora_" in name), name
+    name = "model.layers.0.self_attn.q_proj.lora_A.default"
+    expected = torch.empty(4, config.hidden_size)
+    torch.nn.init.kaiming_uniform_(expected, a=math.sqrt(5), generator=torch.Generator().manual_seed(module_seed(0, name)))
+    assert torch.equal(model.get_submodule(name).weight, expected)
+    assert not model.get_submodule("model.layers.0.self_attn.q_proj.lora_B.default").weight.any()
+    optimizer = make_optimizer(model.parameters(), plan)
+    stepped = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
+    layers = config.num_hidden_layers
+    kv = config.num_key_value_heads * (config.hidden_size // config.num_attention_heads)
+    assert stepped == layers * 4 * (2 * config.hidden_size + config.hidden_size + kv)  # A (r x in) + B (out x r)
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"num_workers": 2, "tp": 2}, "peft: LoRA with tp 2"),
+    ({"strategy": "zero"}, "strategy: 'zero' with peft"),
+    ({"peft": {"target_modules": ["nope"]}}, "peft.target_modules: ['nope']"),
+    ({"peft": {"target_modules": ["embed_tokens"]}}, "allowed: nn.Linear layers only"),
+])
+def test_preflight_refuses_what_lora_cannot_run(changes, field):
+    from paratune.preflight import check_plan_against_model
+
+    plan = load_plan_dict({**BASE_PLAN, "peft": LORA, **changes})
+    assert field in (adapter_refusal(plan) or "")
+    with pytest.raises(PlanError, match="allowed"):
+        check_plan_against_model(plan)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+
+
+def lora_measure(plan, rank, world, local_world, device):
+    """train_and_measure, with the runner it builds kept: base and adapter values before and after."""
+    import torch.distributed as dist
+
+    import paratune.parallel as par
+    from paratune.trial import train_and_measure
+
+    built, original = [], par.build_runner
+
+    def recording(*args, **kwargs):
+        runner = original(*args, **kwargs)
+        built.append((runner, {n: _local(p) for n, p in runner.model.named_parameters()}))
+        return runner
+
+    par.build_runner = recording
+    try:
+        out = train_and_measure(plan, rank, world, local_world, device)
+    finally:
+        par.build_runner = original
+    runner, before = built[0]
+    params = dict(runner.model.named_parameters())
+    base_same = all(torch.equal(_local(p), before[n]) for n, p in params.items() if not p.requires_grad)
+    trainable = [n for n, p in params.items() if p.requires_grad]
+    adapters_moved = all(not torch.equal(_local(params[n]), before[n]) for n in trainable if "lora_B" in n)
+    flags = torch.tensor([float(base_same), float(adapters_moved), float(all(".lora_" in n for n in trainable))])
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    return {**out, "base_unchanged": bool(flags[0]), "adapters_trained": bool(flags[1]),
+            "only_adapters_trainable": bool(flags[2]), "trainable": len(trainable)}
+
+
+LAYOUTS = {"ddp": {"strategy": "ddp"}, "fsdp": {"strategy": "fsdp", "fsdp": {"sharding": "full"}}}
+
+
+@pytest.mark.integration
+def test_ddp_and_fsdp_lora_match_the_reference_and_train_only_adapters():
+    plans = [load_plan_dict({**BASE_PLAN, "peft": LORA, **case}) for case in LAYOUTS.values()]
+    outs = run_plans_on_gloo(plans, measure="test_adapters:lora_measure")
+    reference = reference_for(plans[0])
+    for name, plan, out in zip(LAYOUTS, plans, outs):
+        assert max_loss_difference(out["losses"], reference) < 1e-5, (name, out["losses"], reference)
+        assert out["base_unchanged"] and out["adapters_trained"] and out["only_adapters_trainable"], (name, out)
+        assert out["trainable"] > 0, name
