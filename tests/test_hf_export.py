@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import BASE_PLAN
 
+from paratune.adapters import build_adapted_model
 from paratune.checkpoints import build_model_with_weights
 from paratune.hf_export import HFExportError, export_refusal
 from paratune.models import build_config
@@ -30,6 +31,7 @@ LAYOUTS = {
     "fsdp-tied": {"strategy": "fsdp", "fsdp": {"sharding": "full"}, "model_overrides": {"tie_word_embeddings": True}},
     "tp2": {"tp": 2},
     "pp2": {"pp": 2},
+    "fsdp-lora": {"strategy": "fsdp", "peft": {"method": "lora", "r": 4, "alpha": 8}},  # merged into the weights
     "zero-2": {"strategy": "zero", "zero": {"stage": 2}},  # the fp32 masters of its optimizer's partitions
     "zero-3": {"strategy": "zero", "zero": {"stage": 3}},
 }
@@ -76,18 +78,32 @@ def test_every_layout_writes_a_folder_from_pretrained_loads_with_the_trained_val
             assert {f.split("-")[1] for f in files} == {"pp00", "pp01"}, files
         loaded = AutoModelForCausalLM.from_pretrained(folder).state_dict()
         _, reference = reference_training(plan, steps=STEPS)
-        expected = reference.state_dict()
+        expected = _merged_state(reference)
         assert set(loaded) == set(expected), (name, set(loaded) ^ set(expected))
-        initial = build_model_with_weights(build_config(plan.model, plan.model_overrides), plan.seed, plan.model).state_dict()
+        config = build_config(plan.model, plan.model_overrides)
+        initial = (_merged_state(build_adapted_model(config, plan)) if plan.peft is not None
+                   else build_model_with_weights(config, plan.seed, plan.model).state_dict())
         for key, value in expected.items():
             assert loaded[key].dtype == torch.float32, (name, key, loaded[key].dtype)
             # Adam's first steps are ~lr * sign(grad): a rarely used embedding row's tiny gradient
             # summed in another order moves it up to ~5e-5 differently; untrained is ~1e-2 off.
             assert torch.allclose(loaded[key], value, atol=TOLERANCE, rtol=0), \
                 (name, key, float((loaded[key] - value).abs().max()))
-            assert float((loaded[key] - initial[key]).abs().max()) > 20 * TOLERANCE, (name, key, "not trained")
+            moved = float((loaded[key] - initial[key]).abs().max())
+            if plan.peft is None or any(f".{t}." in key for t in ("q_proj", "v_proj")):  # LoRA: its targets only
+                assert moved > 20 * TOLERANCE, (name, key, "not trained")
+            else:
+                assert moved == 0.0, (name, key, "a frozen weight moved")
         if name == "fsdp-tied":  # written once, tied again on load
             assert loaded["lm_head.weight"].data_ptr() == loaded["model.embed_tokens.weight"].data_ptr()
+
+
+def _merged_state(model) -> dict:
+    """The model's state as the plain model's, LoRA layers merged by peft's own `merge()`."""
+    for module in model.modules():
+        if hasattr(module, "base_layer") and hasattr(module, "merge"):
+            module.merge()
+    return {k.replace(".base_layer", ""): v for k, v in model.state_dict().items() if ".lora_" not in k}
 
 
 def test_layouts_the_folder_is_not_written_for_say_why():

@@ -10,7 +10,9 @@ Only the first rank of each pipeline stage (dp, cp and tp index 0) keeps the gat
 writes them in files of at most `max_shard_bytes`; rank 0 then writes `config.json` and the
 safetensors index over every stage's files. So no rank ever holds more than one tensor beyond its
 own share plus one file's worth, and tied parameters (the LM head tied to the embedding) are
-written once, under their first name, as `save_pretrained` does.
+written once, under their first name, as `save_pretrained` does. A LoRA plan's adapters are
+merged into their layers' weights (W + alpha/r * B @ A, as peft's `merge_and_unload`): the
+folder is the plain model, trained.
 
 Not written (refused with the reason, the run's own checkpoint still has every value): expert
 parallelism (each ep rank holds other experts under the same names) and ZeRO with DeepSpeed's
@@ -97,13 +99,42 @@ def _full_value(tensor: torch.Tensor) -> torch.Tensor | None:
     return tensor.detach().cpu().clone()
 
 
+def _is_lora_layer(module: nn.Module) -> bool:
+    """A peft LoRA-wrapped layer: the original layer under `base_layer`, adapters beside it."""
+    return hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "scaling")
+
+
+def _merged_lora(module: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(W + scaling * B @ A, the base bias) of a LoRA layer, whole, or (None, None) on a rank that
+    does not write it: what `merge_and_unload` gives, so the folder is the plain model's."""
+    weight = _full_value(module.base_layer.weight)
+    bias = _full_value(module.base_layer.bias) if module.base_layer.bias is not None else None
+    for adapter, scale in module.scaling.items():
+        a = _full_value(module.lora_A[adapter].weight)
+        b = _full_value(module.lora_B[adapter].weight)
+        if weight is not None and a is not None and b is not None:
+            weight = weight + scale * (b @ a)
+    return weight, bias
+
+
 def named_trained_tensors(parts: list[tuple[str, nn.Module]]) -> Iterator[tuple[str, torch.Tensor | None]]:
     """(checkpoint name, whole value or None) of every parameter and persistent buffer of the
-    parts, one at a time, tied parameters once. Every rank must consume it to the end (collectives)."""
+    parts, one at a time, tied parameters once; a LoRA layer's adapters merged into its weight.
+    Every rank must consume it to the end (collectives)."""
     seen: set[int] = set()
+    merged: list[str] = []  # LoRA layers written merged: their submodules are not walked
     for root_name, root in parts:
         for module_name, module in root.named_modules(prefix=root_name):
+            if any(module_name.startswith(m + ".") for m in merged):
+                continue
             prefix = f"{module_name}." if module_name else ""
+            if _is_lora_layer(module):
+                merged.append(module_name)
+                weight, bias = _merged_lora(module)
+                yield prefix + "weight", weight
+                if module.base_layer.bias is not None:
+                    yield prefix + "bias", bias
+                continue
             for attr, param in module._parameters.items():
                 if param is None or id(param) in seen:
                     continue
