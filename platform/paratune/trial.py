@@ -108,6 +108,16 @@ def reduce_losses_and_times(losses: list[torch.Tensor | None], times: list[float
     return loss_t.tolist(), time_t.tolist()
 
 
+class _NoHook:
+    """A hook handle with nothing to remove."""
+
+    def remove(self) -> None:
+        return None
+
+
+_NO_HOOK = _NoHook()
+
+
 def _tracked_peak_bytes(runner, micro) -> tuple[int, str]:
     """Peak tensor memory of one step on CPU, by PyTorch's MemTracker (a dispatch-level tracker)."""
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -124,6 +134,13 @@ def _tracked_peak_bytes(runner, micro) -> tuple[int, str]:
 
     held += list(getattr(runner.model, BUCKETS_ATTR, {}).values())  # DDP's buckets (parallel.ddp)
     tracker.track_external(*(x for x in (runner.model, optimizer) if x is not None), *held)
+    # MemTracker puts a gradient hook on every parameter it meets, and torch refuses one on a frozen
+    # parameter (LoRA's base): a no-op handle in its table marks those as done (it removes them at exit).
+    models = runner.model if isinstance(runner.model, (list, tuple)) else [runner.model]
+    for model in models:
+        for param in model.parameters() if isinstance(model, torch.nn.Module) else ():
+            if not param.requires_grad:
+                tracker._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
     # MemTracker refuses a module called twice in one context, and every micro-batch calls the
     # model again: reset its per-module stats as each micro-batch enters (its peak is kept). A
     # global hook registered before the tracker's own runs first.
