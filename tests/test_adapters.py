@@ -103,13 +103,13 @@ def test_ddp_and_fsdp_lora_match_the_reference_and_train_only_adapters():
 
 def test_memtracker_measures_a_lora_step_without_the_frozen_weights_gradients_and_adam_states():
     """torch's MemTracker puts a gradient hook on every parameter and torch refuses one on a frozen
-    parameter: the trial's tracked peak (trial._tracked_peak_bytes) must still measure a LoRA step,
+    parameter: the trial's tracked peak (step_memory.tracked_peak_bytes) must still measure a LoRA step,
     and it must be lower than the full fine-tune's by at least the frozen weights' fp32 gradients
     and one of Adam's two states (the three copies LoRA does not keep, less what the peak's
     phase hides)."""
     from paratune.data import TokenBatches
     from paratune.parallel.runner import StepRunner, make_optimizer
-    from paratune.trial import _tracked_peak_bytes
+    from paratune.step_memory import tracked_peak_bytes
 
     peaks, frozen = {}, 0
     for name, peft in (("lora", {"method": "lora", "r": 8, "alpha": 16}), ("full", None)):
@@ -120,7 +120,7 @@ def test_memtracker_measures_a_lora_step_without_the_frozen_weights_gradients_an
         micro = TokenBatches(plan.data, config.vocab_size, plan.seq_len, plan.global_batch, plan.seed) \
             .micro_batches(0, 0, 1, plan.micro_batch)
         runner.train_step(micro)  # the optimizer's states exist, as in the trial's extra step
-        peaks[name], method = _tracked_peak_bytes(runner, micro)
+        peaks[name], method = tracked_peak_bytes(runner, micro)
         assert method.startswith("torch MemTracker"), (name, method)
         if peft is not None:
             frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)

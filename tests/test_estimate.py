@@ -540,7 +540,7 @@ def test_a_peak_names_its_moment():
 
 
 # --------------------------------------------------------------------------- issue 26 follow-ups
-# Peaks measured by the trial's own MemTracker step (paratune.trial._tracked_peak_bytes, DDP's buckets
+# Peaks measured by the trial's own MemTracker step (paratune.step_memory.tracked_peak_bytes, DDP's buckets
 # and ZeRO-3's reduce bucket visible) on gloo workers of this 2-core host, 2026-12-01 (torch 2.13,
 # DeepSpeed 0.19.8, transformers 5.23): tests/gloo_harness.run_plans_on_gloo over conftest.BASE_PLAN
 # (tiny-llama, seq 32, global batch 8, micro-batch 2, 2 ranks, fp32) with these changes. WIDE: a
