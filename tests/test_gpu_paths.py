@@ -187,3 +187,24 @@ def test_deepspeed_takes_the_gpu_ray_assigned_on_a_16_gpu_node(monkeypatch):
     assert CUDA_Accelerator().device_name(os.environ["LOCAL_RANK"]) == "cuda:8" and chosen == [device]
     align_local_rank_with_device(torch.device("cpu"))  # CPU workers: nothing to align
     assert os.environ["LOCAL_RANK"] == "8"
+
+
+def test_a_user_loops_steps_are_timed_between_two_device_syncs(monkeypatch):
+    """CUDA runs asynchronously: a user loop's step is timed only if the clock is read after the
+    device has finished the step's work. On a CUDA device each `user_loop.steps()` body sits between
+    two `torch.cuda.synchronize` calls (paratune.devices.sync_device, the trial's own); on CPU none."""
+    from paratune import user_loop
+
+    events: list[str] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(f"sync:{device}"))
+    plan = load_plan_dict({**BASE, "warmup_steps": 1, "measure_steps": 2})
+    for device, expect_syncs in ((torch.device("cuda", 0), True), (torch.device("cpu"), False)):
+        events.clear()
+        monkeypatch.setattr(user_loop, "_SESSION", user_loop._Session(plan, 0, 1, device, None))
+        for step in user_loop.steps():
+            events.append(f"step:{step}")
+        steps = [f"step:{i}" for i in range(plan.total_steps)]
+        if expect_syncs:
+            assert events == [e for s in steps for e in ("sync:cuda:0", s, "sync:cuda:0")], events
+        else:
+            assert events == steps, events

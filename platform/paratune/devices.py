@@ -369,3 +369,13 @@ def device_for_cluster(name: str, resources: dict[str, float], num_workers: int,
     raise ValueError(f"device: the cluster's GPUs (accelerator_type {', '.join(types) or 'not reported'}) are "
                      f"not in the device table; allowed: {', '.join(sorted(n for n in devices if n != 'cpu'))}, "
                      "or set estimate.device / add the GPU with --devices FILE")
+
+
+def sync_device(device) -> None:
+    """Wait for the device's queued work, so a clock read after it times the work (CUDA runs
+    asynchronously; CPU ops are done when they return). Every timed step calls it: paratune's
+    trial and training run and a user's loop alike."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)

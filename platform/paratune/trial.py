@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from paratune import devices, measure, placement
+from paratune.devices import sync_device
 from paratune.failures import Reason, classify
 from paratune.launch import (Deadline, WorkerDemand, build_trainer, ensure_ray, fit, placement_groups,
                              process_group_backend, remove_leaked_placement_groups, wants_gpu, worker_demand)
@@ -45,11 +46,6 @@ FAULT_ENV = "PARATUNE_FAULT"
 
 
 # --------------------------------------------------------------------------- worker side
-def sync_device(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def release_cached_memory(device: torch.device) -> None:
     """Give back what the caching allocators keep after a plan's tensors are freed, and reset the
     peak counters, so the next plan in this process starts as a fresh one would: the device's

@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from paratune import measure
+from paratune.devices import sync_device
 from paratune.plan import Plan
 
 TRAIN_LOOP_ENV = "PARATUNE_TRAIN_LOOP"
@@ -146,11 +147,6 @@ def device() -> torch.device:
     return _current().device
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def prepare(model: torch.nn.Module, optimizer_factory: Callable[[Any], Any]) -> tuple[torch.nn.Module, Any]:
     """The plan's strategy applied to the loop's model (on the worker's device), and its
     optimizer made from the parameters that result: DDP (the plan's bucket size), or FSDP2 with
@@ -176,13 +172,9 @@ def prepare(model: torch.nn.Module, optimizer_factory: Callable[[Any], Any]) -> 
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
     else:
-        from torch.nn.parallel import DistributedDataParallel
+        from paratune.parallel.ddp import wrap_ddp
 
-        opts = p.ddp
-        model = DistributedDataParallel(
-            model, device_ids=[s.device.index] if s.device.type == "cuda" else None,
-            bucket_cap_mb=opts.bucket_cap_mb if opts else 25.0,
-            gradient_as_bucket_view=opts.gradient_as_bucket_view if opts else True)
+        model = wrap_ddp(model, p, s.device)
     s.model, s.optimizer = model, optimizer_factory(model.parameters())
     return model, s.optimizer
 
@@ -220,11 +212,11 @@ def steps() -> Iterator[int]:
     s = _current()
     p = s.plan
     for step in range(p.total_steps):
-        _sync(s.device)
+        sync_device(s.device)
         t0 = time.perf_counter()
         s.first_step_at = s.first_step_at or time.time()
         yield step
-        _sync(s.device)
+        sync_device(s.device)
         s.times.append(time.perf_counter() - t0)
         s.steps_run = step + 1
         if len(s.losses) < s.steps_run:

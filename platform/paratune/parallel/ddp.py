@@ -44,6 +44,20 @@ def keep_bucket_buffers(ddp: DistributedDataParallel) -> None:
     ddp.register_comm_hook(None, allreduce_keeping_the_buffer)
 
 
+def wrap_ddp(model: nn.Module, plan: Plan, device: torch.device) -> DistributedDataParallel:
+    """The plan's DDP around a materialized model (its bucket, view and static-graph knobs): paratune's
+    own ddp layout and a user's loop (paratune.user_loop) wrap the same way."""
+    opts = plan.ddp
+    assert opts is not None, "a ddp plan always has its ddp options (Plan fills the defaults)"
+    return DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=opts.bucket_cap_mb,
+        gradient_as_bucket_view=opts.gradient_as_bucket_view,
+        static_graph=opts.static_graph,
+    )
+
+
 def parallelize_ddp(model: nn.Module, init: ModelInit, plan: Plan, device: torch.device) -> StepRunner:
     opts = plan.ddp
     assert opts is not None
@@ -61,13 +75,7 @@ def parallelize_ddp(model: nn.Module, init: ModelInit, plan: Plan, device: torch
         mark_expert_params(experts)
         # DDP would average the experts over all ranks, which hold different ones: theirs is their own step
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model))
-    ddp = DistributedDataParallel(
-        model,
-        device_ids=[device.index] if device.type == "cuda" else None,
-        bucket_cap_mb=opts.bucket_cap_mb,
-        gradient_as_bucket_view=opts.gradient_as_bucket_view,
-        static_graph=opts.static_graph,
-    )
+    ddp = wrap_ddp(model, plan, device)
     if device.type == "cpu" and plan.track_memory:
         keep_bucket_buffers(ddp)
 
