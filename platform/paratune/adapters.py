@@ -90,9 +90,9 @@ def build_adapted_model(config: Any, plan: Plan, sources: list | None = None,
     return model
 
 
-def trainable_parameters(params) -> list[nn.Parameter]:
-    """The parameters the optimizer steps: those that require gradients (all, without adapters)."""
-    return [p for p in params if p.requires_grad]
+def is_lora_layer(module: nn.Module) -> bool:
+    """A peft LoRA-wrapped layer: the original layer under `base_layer`, its adapters beside it."""
+    return hasattr(module, "base_layer") and hasattr(module, "lora_A")
 
 
 def adapter_refusal(plan: Plan, config: Any = None) -> str | None:
@@ -121,7 +121,7 @@ def adapter_refusal(plan: Plan, config: Any = None) -> str | None:
         model = add_adapters(build_meta(config), plan)
     except ValueError as err:  # peft: "Target modules {...} not found in the base model"
         return f"peft.target_modules: {plan.peft.target_modules!r}: {err}; allowed: names of the model's linear layers"
-    wrapped = [(n, m) for n, m in model.named_modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")]
+    wrapped = [(n, m) for n, m in model.named_modules() if is_lora_layer(m)]
     if not wrapped:
         return f"peft.target_modules: {plan.peft.target_modules!r} adapts no module of the model"
     other = [n for n, m in wrapped if type(m.base_layer) is not nn.Linear]
@@ -129,13 +129,3 @@ def adapter_refusal(plan: Plan, config: Any = None) -> str | None:
         return (f"peft.target_modules: {plan.peft.target_modules!r} adapts {other[0]} "
                 f"({type(dict(wrapped)[other[0]].base_layer).__name__}); allowed: nn.Linear layers only")
     return None
-
-
-def adapter_parameter_count(config: Any, plan: Plan) -> int:
-    """Trainable (adapter) parameters of the plan's model, counted on meta (no memory)."""
-    if plan.peft is None:
-        return 0
-    from paratune.materialize import build_meta
-
-    model = add_adapters(build_meta(config), plan)
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -28,6 +28,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from paratune.adapters import is_lora_layer
 from paratune.plan import Plan
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -99,11 +100,6 @@ def _full_value(tensor: torch.Tensor) -> torch.Tensor | None:
     return tensor.detach().cpu().clone()
 
 
-def _is_lora_layer(module: nn.Module) -> bool:
-    """A peft LoRA-wrapped layer: the original layer under `base_layer`, adapters beside it."""
-    return hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "scaling")
-
-
 def _merged_lora(module: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(W + scaling * B @ A, the base bias) of a LoRA layer, whole, or (None, None) on a rank that
     does not write it: what `merge_and_unload` gives, so the folder is the plain model's."""
@@ -128,7 +124,7 @@ def named_trained_tensors(parts: list[tuple[str, nn.Module]]) -> Iterator[tuple[
             if any(module_name.startswith(m + ".") for m in merged):
                 continue
             prefix = f"{module_name}." if module_name else ""
-            if _is_lora_layer(module):
+            if is_lora_layer(module):
                 merged.append(module_name)
                 weight, bias = _merged_lora(module)
                 yield prefix + "weight", weight
