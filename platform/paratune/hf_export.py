@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from paratune.adapters import is_lora_layer
+from paratune.checkpoints import INDEX_FILE  # the one name paratune reads weights in by, and writes them out by
 from paratune.plan import Plan
 
-INDEX_FILE = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 2 * 1024**3  # as save_pretrained's 5 GB default, smaller: a writer holds one file's worth
 
 
