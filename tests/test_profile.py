@@ -74,7 +74,7 @@ def _in_process_runner(calls: list):
 
 def test_run_profile_through_a_runner():
     plans = [load_plan_dict({**TINY, "num_workers": 1, "env": {}, "micro_batch": mb}) for mb in (1, 8)]
-    [request] = profile_requests_for(plans)
+    [request] = profile_requests_for(plans, reps=10)
     calls: list = []
     profile = run_profile(request, runner=_in_process_runner(calls))
     assert calls == [PROFILE_FUNCTION]
