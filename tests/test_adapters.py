@@ -125,3 +125,41 @@ def test_memtracker_measures_a_lora_step_without_the_frozen_weights_gradients_an
         if peft is not None:
             frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     assert frozen > 0 and peaks["full"] - peaks["lora"] >= 2 * 4 * frozen, (peaks, frozen)
+
+
+@pytest.mark.parametrize("targets", [None, ["q_proj", "v_proj"], "all-linear"])
+def test_adapter_counts_are_the_adapted_models_trainable_parameters(targets):
+    """The memory and time models' adapter counts (one block's, counted on a one-block meta model)
+    are the trainable parameters of the whole adapted model, block by block."""
+    from paratune.adapters import adapter_counts
+    from paratune.models import decoder_blocks
+
+    plan = load_plan_dict({**BASE_PLAN, "peft": {"r": 4, "alpha": 8, "target_modules": targets}})
+    model = build_adapted_model(build_config(plan.model), plan)
+    counts = adapter_counts(plan)
+    blocks = decoder_blocks(model)
+    per_block = [sum(p.numel() for p in b.parameters() if p.requires_grad) for b in blocks]
+    assert per_block == [counts.per_block] * len(blocks) and counts.per_block > 0, (per_block, counts)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert sum(p.numel() for p in trainable) == counts.per_block * len(blocks) + counts.root
+    assert counts.largest == max(p.numel() for p in trainable)
+    assert adapter_counts(load_plan_dict(BASE_PLAN)) is None
+
+
+def test_lora_memory_counts_only_the_adapters_gradients_and_optimizer_states():
+    """Under LoRA the 8B one-node DDP plan keeps the base's fp32 weights but only the adapters'
+    gradients and Adam states (the memory model's parts; the tracked-peak test checks the total)."""
+    from paratune.adapters import adapter_counts
+    from paratune.memory import estimate_memory, model_states
+
+    fixed = {"model": "llama3-8b", "seq_len": 2048, "global_batch": 16, "micro_batch": 1, "num_workers": 8,
+             "strategy": "ddp", "precision": "bf16", "device": "cuda", "activation_checkpointing": "full"}
+    full, lora = (load_plan_dict({**fixed, "peft": peft}) for peft in (None, {"r": 16, "alpha": 32}))
+    counts = adapter_counts(lora)
+    adapters = counts.per_block * 32 + counts.root
+    states_full, states_lora = model_states(full), model_states(lora)
+    assert states_lora.optimizer == 8 * adapters and states_lora.gradients == 4 * adapters
+    assert states_lora.weights == states_full.weights + 4 * adapters
+    assert states_full.optimizer > 1000 * states_lora.optimizer
+    est_full, est_lora = estimate_memory(full), estimate_memory(lora)
+    assert est_lora.total < est_full.total - 0.9 * (states_full.optimizer + states_full.gradients), (est_full, est_lora)

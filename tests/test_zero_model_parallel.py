@@ -90,3 +90,29 @@ def test_zero_with_tp_is_a_plan_and_its_deepspeed_config_enables_autotp():
     assert "tensor_parallel" not in deepspeed_config(_plan(zero={"stage": 2}), on_gpu=True)
     with pytest.raises(PlanError, match=r"tp: 4 must divide attention heads \(4\) and KV heads \(2\)"):
         _plan(num_workers=4, tp=4, micro_batch=1)
+
+
+def test_a_build_puts_torchs_linear_back_after_deepspeeds_zero3_init():
+    """DeepSpeed's zero.Init leaves its own linear in torch.nn.functional (it saves every linear's
+    input and weight, frozen or not); paratune's next build in the process restores torch's."""
+    import torch.nn.functional as F
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as Init
+
+    from paratune.parallel.zero import restore_torch_linear
+
+    original = F.linear
+    assert not restore_torch_linear()  # nothing replaced: nothing done
+    had = hasattr(Init, "linear_bk")
+    try:
+        # what zero.Init's _enable_mem_efficient_linear does (it logs through deepspeed.comm, which
+        # needs a process group; the gloo ZeRO-3 runs of test_construction go through the real one)
+        if not had:
+            Init.linear_bk = F.linear
+        F.linear = zero3_linear_wrap
+        assert F.linear is zero3_linear_wrap and Init.linear_bk is original
+        assert restore_torch_linear() and F.linear is original
+    finally:
+        F.linear = original
+        if not had and hasattr(Init, "linear_bk"):
+            del Init.linear_bk

@@ -206,7 +206,7 @@ def _masks_as_in_a_real_run():
 
 
 def _trace_micro_batch(config, tokens: int, checkpointing: str, precision: str, sequences: int = 1,
-                       fake: bool = True) -> tuple[float, dict[str, float], dict[str, float]]:
+                       fake: bool = True, peft_json: str = "") -> tuple[float, dict[str, float], dict[str, float]]:
     """One micro-batch (`sequences` sequences, `tokens` tokens in all) forward and backward on
     fake tensors (no memory; `fake=False`: on real ones, the check of the fake trace): the bytes
     its forward saves (live when the loss exists), the most bytes alive in each phase, and the
@@ -228,7 +228,11 @@ def _trace_micro_batch(config, tokens: int, checkpointing: str, precision: str, 
     root's (embedding, head, final norm) until the end of backward. The third result counts the
     dropped gradients as held that long, so a block's gradients count only as far as its backward
     has formed them (at the peak of its backward, while its activations are still alive, only the
-    first few are)."""
+    first few are).
+
+    `peft_json` (a plan's `peft`): LoRA adapters on a frozen base, which forms no gradient and keeps
+    no linear input for one; the first block (its input needs no gradient) keeps less, which the
+    1/2-layer fit puts outside the blocks, and FSDP2 releases its gradients when backward ends."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
@@ -244,6 +248,10 @@ def _trace_micro_batch(config, tokens: int, checkpointing: str, precision: str, 
         dtype = {"dtype": torch.bfloat16} if precision == "bf16-params" else {}
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation(config), **dtype)
         model.train()
+        if peft_json:
+            from paratune.adapters import add_traced_adapters
+
+            add_traced_adapters(model, peft_json)
         if checkpointing == "full":
             enable_full_recompute(model)
         elif checkpointing == "selective":
@@ -267,7 +275,8 @@ def _trace_micro_batch(config, tokens: int, checkpointing: str, precision: str, 
             param.grad = None
 
         for param in model.parameters():
-            param.register_post_accumulate_grad_hook(consumed)
+            if param.requires_grad:  # a frozen parameter has no gradient (and takes no hook)
+                param.register_post_accumulate_grad_hook(consumed)
 
         def block_done(index: int):  # the block's post-backward: FSDP2 reduce-scatters its gradients
             def release(grad):  # noqa: ANN001, ANN202
@@ -319,6 +328,10 @@ def _trace_micro_batch(config, tokens: int, checkpointing: str, precision: str, 
             tracker.phase = "loss"
             loss.backward()
             del loss
+            if "block_end" not in tracker.held_peak:  # LoRA, 1 block: its post-backward at the end
+                tracker.held_peak["block_end"] = tracker.live + tracker.held
+                tracker.held -= sum(held.pop(pid) for pid in [pid for pid in held if owner.get(pid) == len(blocks) - 1])
+                tracker.held_peak["block_reduced"] = tracker.live + tracker.held
     return saved, dict(tracker.peak), dict(tracker.held_peak)
 
 
@@ -353,7 +366,8 @@ def _enable_selective_recompute(model) -> None:  # noqa: ANN001 - a transformers
 
 @lru_cache(maxsize=256)
 def _traced_coefficients(config_json: str, checkpointing: str, precision: str, micro_batch: int = 1,
-                         seq_len: int = 128, layer_counts: tuple[int, ...] = (1, 2)) -> ActivationCoefficients:
+                         seq_len: int = 128, layer_counts: tuple[int, ...] = (1, 2),
+                         peft_json: str = "") -> ActivationCoefficients:
     """Trace one micro-batch (`micro_batch` sequences of `seq_len` tokens, and of half as many) of
     a 1- and a 2-layer copy of the model on fake tensors (`_trace_micro_batch`; the cost is the
     number of ops, not their size): their differences give one block's and the rest's bytes, what
@@ -371,7 +385,7 @@ def _traced_coefficients(config_json: str, checkpointing: str, precision: str, m
         config = config_from_key(config_json, num_hidden_layers=layers)
         for tokens in (half, full):
             saved[(layers, tokens)], peaks, held_peaks = _trace_micro_batch(config, tokens, checkpointing, precision,
-                                                                            sequences=micro_batch)
+                                                                            sequences=micro_batch, peft_json=peft_json)
             for phase in PHASES:
                 phases[phase][(layers, tokens)] = peaks.get(phase, 0.0)
             for phase in held:
@@ -421,7 +435,7 @@ TRACE_STORE_DIR = "activation_traces"  # under paratune_home(): one JSON file pe
 
 
 def _trace_store_path(config_json: str, checkpointing: str, precision: str, micro_batch: int, seq_len: int,
-                      layer_counts: tuple[int, ...] = (1, 2)) -> Path:
+                      layer_counts: tuple[int, ...] = (1, 2), peft_json: str = "") -> Path:
     """Where a trace's coefficients are kept between processes. The key holds everything the
     trace depends on: the shape, torch and transformers (their ops and modeling code) and this
     module's own source (the trace and the fits), so a change to any of them traces again."""
@@ -439,7 +453,8 @@ def _trace_store_path(config_json: str, checkpointing: str, precision: str, micr
         saved_ops = ",".join(sorted(str(op) for op in SAVED_OPS))
     text = json.dumps([config_json, checkpointing, precision, micro_batch, seq_len, torch.__version__,
                        transformers.__version__, hashlib.sha256(Path(__file__).read_bytes()).hexdigest()]
-                      + ([saved_ops] if saved_ops else []) + ([list(layer_counts)] if layer_counts != (1, 2) else []))
+                      + ([saved_ops] if saved_ops else []) + ([list(layer_counts)] if layer_counts != (1, 2) else [])
+                      + ([peft_json] if peft_json else []))
     return paratune_home() / TRACE_STORE_DIR / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
 
 
@@ -451,7 +466,7 @@ def _coefficients_from_json(text: str) -> ActivationCoefficients:
 
 
 def _stored_trace(config_json: str, checkpointing: str, precision: str, micro_batch: int,
-                  seq_len: int, layer_counts: tuple[int, ...] = (1, 2)) -> ActivationCoefficients:
+                  seq_len: int, layer_counts: tuple[int, ...] = (1, 2), peft_json: str = "") -> ActivationCoefficients:
     """The trace from the store, else traced now and stored: `paratune plan` and the sweep
     (driver, resumed driver) trace a space's shapes once (the 8B space's 24 shapes: ~25 s on
     2 cores). A store that cannot be read or written only costs the trace."""
@@ -459,13 +474,11 @@ def _stored_trace(config_json: str, checkpointing: str, precision: str, micro_ba
 
     path = None
     try:
-        path = _trace_store_path(config_json, checkpointing, precision, micro_batch, seq_len, layer_counts)
+        path = _trace_store_path(config_json, checkpointing, precision, micro_batch, seq_len, layer_counts, peft_json)
         return _coefficients_from_json(path.read_text())
     except Exception:  # noqa: BLE001 - not stored yet, or unreadable: trace it
         pass
-    coefficients = (_traced_coefficients(config_json, checkpointing, precision, micro_batch, seq_len)
-                    if layer_counts == (1, 2) else
-                    _traced_coefficients(config_json, checkpointing, precision, micro_batch, seq_len, layer_counts))
+    coefficients = _traced_coefficients(config_json, checkpointing, precision, micro_batch, seq_len, layer_counts, peft_json)
     if path is None:
         return coefficients
     try:
@@ -479,11 +492,11 @@ def _stored_trace(config_json: str, checkpointing: str, precision: str, micro_ba
 
 
 @lru_cache(maxsize=256)
-def _traced_or_reason(config_json: str, checkpointing: str, precision: str, micro_batch: int,
-                      seq_len: int, layer_counts: tuple[int, ...] = (1, 2)) -> ActivationCoefficients | str:
+def _traced_or_reason(config_json: str, checkpointing: str, precision: str, micro_batch: int, seq_len: int,
+                      layer_counts: tuple[int, ...] = (1, 2), peft_json: str = "") -> ActivationCoefficients | str:
     """The trace, or why it failed (remembered, so a model the trace cannot follow is tried once)."""
     try:
-        return _stored_trace(config_json, checkpointing, precision, micro_batch, seq_len, layer_counts)
+        return _stored_trace(config_json, checkpointing, precision, micro_batch, seq_len, layer_counts, peft_json)
     except Exception as err:  # noqa: BLE001 - a model the fake-tensor trace cannot follow
         return f"{type(err).__name__}: {err}"
 
@@ -491,7 +504,7 @@ def _traced_or_reason(config_json: str, checkpointing: str, precision: str, micr
 def _trace(config_json: str, checkpointing: str, plan: Plan, layer_counts: tuple[int, ...] = (1, 2)
            ) -> ActivationCoefficients | str:
     return _traced_or_reason(config_json, checkpointing, compute_precision(plan), plan.micro_batch,
-                             max(1, plan.seq_len // plan.cp), layer_counts)
+                             max(1, plan.seq_len // plan.cp), layer_counts, plan.peft.model_dump_json() if plan.peft else "")
 
 
 def _with_vocab(config_json: str, vocab: int) -> str:

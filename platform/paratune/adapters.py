@@ -13,14 +13,17 @@ the same numbers on every rank, every layout and in the single-process reference
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from paratune.materialize import ModelInit, module_seed
-from paratune.plan import Plan
+from paratune.plan import PeftSpec, Plan
+from paratune.shapes import HeldParams
 
 # Layouts LoRA runs under (tested for loss parity against the reference); the rest are refused
 # before any worker starts (`adapter_refusal`).
@@ -28,25 +31,25 @@ SUPPORTED_STRATEGIES = ("ddp", "fsdp")
 ADAPTER_NAME = "default"
 
 
-def lora_config(plan: Plan):
-    """peft's LoraConfig of the plan's `peft` section (None target_modules: peft's family default)."""
+def lora_config(spec: PeftSpec):
+    """peft's LoraConfig of a plan's `peft` section (None target_modules: peft's family default)."""
     from peft import LoraConfig
 
-    spec = plan.peft
     targets = spec.target_modules
     return LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, bias="none",
                       target_modules=list(targets) if isinstance(targets, (list, tuple)) else targets)
 
 
-def add_adapters(model: nn.Module, plan: Plan) -> nn.Module:
-    """The plan's LoRA adapters injected into `model` in place (on meta: the adapters on meta too);
-    only the adapters stay trainable. A plan without `peft` leaves the model as it is."""
-    if plan.peft is None:
+def add_adapters(model: nn.Module, plan: Plan | PeftSpec) -> nn.Module:
+    """The plan's LoRA adapters (a plan, or its `peft` section) injected into `model` in place, on
+    meta (nothing allocated); only the adapters stay trainable. No `peft`: the model as it is."""
+    spec = plan.peft if isinstance(plan, Plan) else plan
+    if spec is None:
         return model
     from peft import inject_adapter_in_model
 
     with torch.device("meta"):
-        inject_adapter_in_model(lora_config(plan), model, adapter_name=ADAPTER_NAME, low_cpu_mem_usage=True)
+        inject_adapter_in_model(lora_config(spec), model, adapter_name=ADAPTER_NAME, low_cpu_mem_usage=True)
     return model
 
 
@@ -74,6 +77,17 @@ def prepare_init(init: ModelInit, plan: Plan) -> None:
         return
     init.template_hooks.append(lambda template: add_adapters(template, plan))
     init.sources.insert(0, lora_values(plan.seed))
+
+
+def add_traced_adapters(model: nn.Module, peft_json: str) -> None:
+    """A plan's adapters (its `peft`, as JSON) on the memory trace's model, made of fake tensors:
+    on meta first (peft's own move to the base layer's device cannot swap fake tensors), then each
+    adapter parameter made anew where torch makes tensors now (the trace's fake mode)."""
+    add_adapters(model, PeftSpec.model_validate_json(peft_json))
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                module._parameters[name] = nn.Parameter(torch.zeros(param.shape, dtype=param.dtype))
 
 
 def build_adapted_model(config: Any, plan: Plan, sources: list | None = None,
@@ -129,3 +143,51 @@ def adapter_refusal(plan: Plan, config: Any = None) -> str | None:
         return (f"peft.target_modules: {plan.peft.target_modules!r} adapts {other[0]} "
                 f"({type(dict(wrapped)[other[0]].base_layer).__name__}); allowed: nn.Linear layers only")
     return None
+
+
+@dataclass(frozen=True)
+class AdapterCounts:
+    """Parameter counts of a plan's LoRA adapters, by place (the memory and time models' input:
+    under LoRA only these have gradients, optimizer states and gradient traffic)."""
+
+    per_block: int  # the adapters of one decoder block (they repeat)
+    root: int  # adapters outside the blocks (e.g. an adapted lm_head)
+    largest: int  # the largest single adapter tensor
+
+
+@functools.lru_cache(maxsize=64)
+def _counts_of(config_key: str, peft_json: str) -> AdapterCounts:
+    from paratune.materialize import build_meta
+    from paratune.models import config_from_key, decoder_blocks
+
+    spec = PeftSpec.model_validate_json(peft_json)
+    model = build_meta(config_from_key(config_key, num_hidden_layers=1))
+    add_adapters(model, spec)
+    in_block = {id(p) for block in decoder_blocks(model) for p in block.parameters()}
+    adapters = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
+    block = sum(p.numel() for _, p in adapters if id(p) in in_block)
+    return AdapterCounts(block, sum(p.numel() for _, p in adapters) - block, max((p.numel() for _, p in adapters), default=0))
+
+
+def adapter_counts(plan: Plan) -> AdapterCounts | None:
+    """The plan's adapter counts (counted on a one-block meta model), or None without `peft`."""
+    if plan.peft is None:
+        return None
+    from paratune.shapes import model_config_key
+
+    return _counts_of(model_config_key(plan), plan.peft.model_dump_json())
+
+
+def adapted_params(plan: Plan, held: HeldParams, layers_here: int) -> tuple[HeldParams, HeldParams]:
+    """(what a rank holds, what it trains), by place, for a rank holding `layers_here` blocks:
+    without `peft` both are `held`; with LoRA the rank holds the base and the adapters, and trains
+    (keeps gradients, optimizer states, gradient traffic for) the adapters only."""
+    counts = adapter_counts(plan)
+    if counts is None:
+        return held, held
+    local = counts.per_block * layers_here + counts.root
+    holds = replace(held, local=held.local + local, layer=held.layer + counts.per_block,
+                    first=held.first + counts.per_block, root=held.root + counts.root)
+    trains = HeldParams(local=local, layer=counts.per_block, first=counts.per_block, root=counts.root,
+                        head=counts.root, embedding=0.0, largest=counts.largest)
+    return holds, trains

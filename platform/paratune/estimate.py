@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from paratune.adapters import adapted_params, adapter_counts
 from paratune.activations import ActivationModel
 from paratune.devices import Device
 from paratune.memory import MemoryEstimate, construction_bytes, estimate_memory
@@ -154,20 +155,24 @@ def comm_volume(plan: Plan, imbalance: float = DEFAULT_IMBALANCE) -> CommVolume:
     ga, pb = plan.grad_accum, BYTES[plan.precision]
     d = data_parallel_comm(plan)
 
-    def ring_bytes(params: float, ranks: int, root: float) -> float:
+    def ring_bytes(params: float, ranks: int, root: float, grads: float | None = None) -> float:
+        """`grads`: the parameters with gradients (LoRA: the adapters), else all of `params`."""
+        grads = params if grads is None else grads
         ring = 2 * (ranks - 1) / ranks if ranks > 1 else 0.0  # all-reduce; half of it for a reduce-scatter or all-gather
         if d.gradients == "all_reduce":
-            return ring * d.grad_bytes * params
+            return ring * d.grad_bytes * grads
         if d.gathers_per_micro_batch:  # gathers and reduce-scatters every micro-batch
             gathered = d.param_bytes * params
             if plan.float8_all_gather:  # the blocks' linears gathered as float8 (1 byte), the root in bf16
                 gathered = (params - root) + d.param_bytes * root
-            return ring / 2 * ga * (d.gathers_per_micro_batch * gathered + d.grad_bytes * params)
+            return ring / 2 * ga * (d.gathers_per_micro_batch * gathered + d.grad_bytes * grads)
         # reduce-scatters (every micro-batch or at the boundary), the partition gathered once
         reduces = ga if d.grads_every_micro_batch else 1
-        return ring / 2 * (reduces * d.grad_bytes * params + d.gathers_per_step * d.param_bytes * params)
+        return ring / 2 * (reduces * d.grad_bytes * grads + d.gathers_per_step * d.param_bytes * params)
 
-    dp_bytes = ring_bytes(local - experts, replicas(plan), held.root)
+    # LoRA: the frozen base is gathered (FSDP2) but has no gradient to reduce
+    trained = adapted_params(plan, held, math.ceil(shape.layers / plan.pp))[1].local if plan.peft else None
+    dp_bytes = ring_bytes(local - experts, replicas(plan), held.root, trained)
     if share is not None:  # the experts' copies: expert_dp ranks, ep apart
         dp_bytes += ring_bytes(experts, share.expert_dp, 0.0)
     tokens = plan.micro_batch * plan.seq_len // plan.cp
@@ -282,6 +287,9 @@ def compute_seconds(plan: Plan, device: Device, shape: ModelShape | None = None,
 
     shape = shape or model_shape(plan)
     flops = flops_per_token(shape.compute, shape.layers, shape.heads, shape.head_dim, plan.seq_len)
+    if plan.peft is not None:  # LoRA: no weight-gradient matmuls for the frozen base (2N of 6N); the adapters' 6N
+        counts = adapter_counts(plan)
+        flops += -2.0 * shape.compute + 6.0 * (counts.per_block * shape.layers + counts.root)
     flops *= plan.tokens_per_step / plan.num_workers * (1 + recompute_share(plan, shape))
     if plan.ep > 1:
         flops *= 1 + expert_flops_share(plan) * max(0.0, imbalance - 1.0)

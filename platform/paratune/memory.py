@@ -59,6 +59,7 @@ from paratune.activations import (
     ActivationModel,
     activation_coefficients,
 )
+from paratune.adapters import adapted_params
 from paratune.devices import Device
 from paratune.construction import construction_bytes  # noqa: F401 - its home before the split
 from paratune.moe_costs import DEFAULT_IMBALANCE, ExpertShare, add_dispatch, held_with_experts, shard_params
@@ -206,7 +207,8 @@ def _model_phase_bytes(plan: Plan, shape: ModelShape, coeff: ActivationCoefficie
 _AFTER_FIRST_GRAD = ("first_grad", "after_head", "blocks", "last_block", "embedding")
 
 
-def _ddp_moments(plan: Plan, shape: ModelShape, held: HeldParams, model: dict[str, tuple[float, float]], host: bool) -> dict[str, _Moment]:
+def _ddp_moments(plan: Plan, shape: ModelShape, held: HeldParams, trained: HeldParams,
+                 model: dict[str, tuple[float, float]], host: bool) -> dict[str, _Moment]:
     """DDP (torch.nn.parallel.DistributedDataParallel, fp32 parameters; bf16 is autocast).
 
     The reducer allocates its buckets when DDP is built: 4 bytes a parameter (fp32 gradients),
@@ -215,27 +217,28 @@ def _ddp_moments(plan: Plan, shape: ModelShape, held: HeldParams, model: dict[st
     accumulate into fresh tensors (another 4 bytes a parameter), which the synchronised backward
     copies into the buckets (`mul_out`, divided by the world size) and replaces by views, one
     parameter at a time, last layers first. Without bucket views, param.grad and the buckets are
-    separate all the time."""
-    p, ga = held.local, plan.grad_accum
+    separate all the time. Frozen parameters (LoRA's base: `trained` is what has gradients) get
+    no bucket, gradient or optimizer state."""
+    ga, p = plan.grad_accum, trained.local
     view = plan.ddp is None or plan.ddp.gradient_as_bucket_view
-    weights, optim, buckets = 4 * p, 8 * p, 4 * p
+    weights, optim, buckets = 4 * held.local, 8 * p, 4 * p
     after_head = ("after_head", "blocks")
     if view:  # the accumulated tensors, until the synchronised backward replaces them by views
-        outside = ({**{ph: p for ph in PHASES}, **{ph: p - held.head for ph in after_head},
-                    "last_block": held.embedding + held.first, "embedding": held.embedding} if ga > 1 else {})
+        outside = ({**{ph: p for ph in PHASES}, **{ph: p - trained.head for ph in after_head},
+                    "last_block": trained.embedding + trained.first, "embedding": trained.embedding} if ga > 1 else {})
     else:  # param.grad, beside the buckets
         outside = ({ph: p for ph in (*PHASES, "last_block")} if ga > 1
-                   else {"after_head": held.head, "blocks": held.head, "last_block": p - held.embedding - held.first,
-                         "embedding": p - held.embedding})
+                   else {"after_head": trained.head, "blocks": trained.head,
+                         "last_block": p - trained.embedding - trained.first, "embedding": p - trained.embedding})
     moments = {}
     for phase, (acts, forming) in model.items():
         moments[phase] = _Moment(weights, buckets + 4 * outside.get(phase, 0.0) + forming, optim, acts)
-    moments["step"] = _Moment(weights, buckets + (0.0 if view else 4 * p), optim + _adamw_temporaries(p, held.largest, host))
+    moments["step"] = _Moment(weights, buckets + (0.0 if view else 4 * p), optim + _adamw_temporaries(p, trained.largest, host))
     return moments
 
 
-def _fsdp_moments(plan: Plan, shape: ModelShape, held: HeldParams, model: dict[str, tuple[float, float]], host: bool,
-                  share: ExpertShare | None = None) -> dict[str, _Moment]:
+def _fsdp_moments(plan: Plan, shape: ModelShape, held: HeldParams, trained: HeldParams,
+                  model: dict[str, tuple[float, float]], host: bool, share: ExpertShare | None = None) -> dict[str, _Moment]:
     """FSDP2 (`fully_shard` per block and the root; `replicate` for no_shard).
 
     Sharded: fp32 shards, their moments and (once reduced) gradient shards, 4 + 8 + 4 bytes per
@@ -259,7 +262,10 @@ def _fsdp_moments(plan: Plan, shape: ModelShape, held: HeldParams, model: dict[s
     `wait_for_unshard`, _fsdp_collectives.py `foreach_reduce`) there is no collective: `unshard`
     issues no all-gather, so a prefetch holds nothing, and each group's unsharded parameters are
     allocated (and, in bf16, cast from the fp32 shards) when the group is about to be used; the
-    "reduce-scatter" copies its fp32 input into an output of the same size, the gradient shard."""
+    "reduce-scatter" copies its fp32 input into an output of the same size, the gradient shard.
+
+    Frozen parameters (LoRA's base; `trained`: what has gradients) are sharded and gathered like
+    the rest, but have no gradient, reduce-scatter input or optimizer state."""
     f = plan.fsdp
     assert f is not None
     s, ga, pb = fsdp_shard_degree(plan), plan.grad_accum, BYTES[plan.precision]
@@ -267,6 +273,8 @@ def _fsdp_moments(plan: Plan, shape: ModelShape, held: HeldParams, model: dict[s
     # Under ep the routed experts (E / ep of them, in `held` already) shard over expert_dp, the rest
     # over dp (`shard_params`; with ep 1 everything over s).
     e_local, e_layer, e_first = (share.local, share.layer, share.first) if share else (0.0, 0.0, 0.0)
+    g, g_blk, g_root = trained.local, trained.layer, trained.root  # what has gradients
+    ge_local, ge_layer, ge_first = (e_local, e_layer, e_first) if trained is held else (0.0, 0.0, 0.0)
 
     def per_rank(params: float, experts: float) -> float:
         return shard_params(params, experts, s, share)
@@ -286,17 +294,18 @@ def _fsdp_moments(plan: Plan, shape: ModelShape, held: HeldParams, model: dict[s
         copy = compute * p if compute != 4 and compute_precision(plan) == "bf16-params" else 0.0
         weights = 4 * p + copy
         for phase, (acts, forming) in model.items():
-            moments[phase] = _Moment(weights, (4 * p if ga > 1 else 0.0) + forming, 8 * p, acts, reduce * blk)
-        moments["step"] = _Moment(4 * p, 4 * p, 8 * p + _adamw_temporaries(p, held.largest, host))
-        return _fsdp_offloaded(plan, moments, p / s)
+            moments[phase] = _Moment(weights, (4 * g if ga > 1 else 0.0) + forming, 8 * g, acts, reduce * g_blk)
+        moments["step"] = _Moment(4 * p, 4 * g, 8 * g + _adamw_temporaries(g, trained.largest, host))
+        return _fsdp_offloaded(plan, moments, p / s, g / s)
     alone = s == 1  # a one-rank mesh: no all-gather, no reduce-scatter
-    ps = per_rank(p, e_local)
-    shards, optim = 4 * ps, 8 * ps
+    ps, gs = per_rank(p, e_local), per_rank(g, ge_local)
+    shards, optim = 4 * ps, 8 * gs
     if ga > 1:  # gradient shards accumulated from the earlier micro-batches
-        reduced = {phase: 4 * ps for phase in (*PHASES, *_BLOCK_END, "next_block", "last_block", "reduce")}
+        reduced = {phase: 4 * gs for phase in (*PHASES, *_BLOCK_END, "next_block", "last_block", "reduce")}
     else:  # the blocks' shards appear as their reduce-scatters finish
-        reduced = {"next_block": 4 * per_rank(blk, e_layer), "last_block": 4 * per_rank(p - root - held.first, e_local - e_first),
-                   "embedding": 4 * per_rank(p - root, e_local), "reduce": 4 * per_rank(p - root, e_local)}
+        reduced = {"next_block": 4 * per_rank(g_blk, ge_layer),
+                   "last_block": 4 * per_rank(g - g_root - trained.first, ge_local - ge_first),
+                   "embedding": 4 * per_rank(g - g_root, ge_local), "reduce": 4 * per_rank(g - g_root, ge_local)}
     blocks_whole = layers_here * blk if not f.reshards_after_forward else 0.0
     ahead = 0 if alone else max(1, f.prefetch)  # blocks gathered ahead of the one in use
     in_backward = layers_here * blk if not f.reshards_after_forward else blk * (1 + ahead)
@@ -308,7 +317,7 @@ def _fsdp_moments(plan: Plan, shape: ModelShape, held: HeldParams, model: dict[s
                 "last_block": held.first, "embedding": 0.0}
     # The previous block's reduce-scatter input, kept until the next post-backward: none yet during
     # the first block's backward.
-    rs_input = {"next_block": reduce * blk, "last_block": reduce * blk, "embedding": reduce * blk}
+    rs_input = {"next_block": reduce * g_blk, "last_block": reduce * g_blk, "embedding": reduce * g_blk}
     ends = {phase: model.pop(phase) for phase in _BLOCK_END if phase in model}
     # In forward a block's all-gather output stays beside its unsharded parameters until the next
     # block's copy-out (`wait_for_unshard`: the implicit prefetch's all_gather_state); the last
@@ -335,27 +344,27 @@ def _fsdp_moments(plan: Plan, shape: ModelShape, held: HeldParams, model: dict[s
         (acts, grads), (acts_after, grads_after) = ends["block_end"], ends["block_reduced"]
         # foreach_reduce: the fp32 input beside the unsharded gradients it copies; once they are
         # freed, the output (a shard; the whole block on one rank) and gloo's copy of the input.
-        copy_in = _Moment(after, reduced.get("blocks", 0.0) + grads, optim, acts, reduce * blk)
+        copy_in = _Moment(after, reduced.get("blocks", 0.0) + grads, optim, acts, reduce * g_blk)
         scatter = _Moment(after, reduced.get("blocks", 0.0) + grads_after, optim, acts_after,
-                          reduce * blk + reduce * per_rank(blk, e_layer) + (reduce * blk if host and not alone else 0.0))
+                          reduce * g_blk + reduce * per_rank(g_blk, ge_layer) + (reduce * g_blk if host and not alone else 0.0))
         moments["block_reduce"] = max(copy_in, scatter, key=lambda m: m.total)
-    gloo_copy = reduce * root if host and not alone else 0.0
-    copy_in = _Moment(shards, reduced["reduce"] + compute * root, optim, 0.0, reduce * root)
-    scatter = _Moment(shards, reduced["reduce"] + compute * held.head + reduce * root / s, optim, 0.0,
-                      reduce * root + gloo_copy)
+    gloo_copy = reduce * g_root if host and not alone else 0.0
+    copy_in = _Moment(shards, reduced["reduce"] + compute * g_root, optim, 0.0, reduce * g_root)
+    scatter = _Moment(shards, reduced["reduce"] + compute * trained.head + reduce * g_root / s, optim, 0.0,
+                      reduce * g_root + gloo_copy)
     moments["reduce"] = max(copy_in, scatter, key=lambda m: m.total)
-    moments["step"] = _Moment(shards, 4 * ps, optim + _adamw_temporaries(ps, held.largest / s, host))
-    return _fsdp_offloaded(plan, moments, ps)
+    moments["step"] = _Moment(shards, 4 * gs, optim + _adamw_temporaries(gs, trained.largest / s, host))
+    return _fsdp_offloaded(plan, moments, ps, gs)
 
 
-def _fsdp_offloaded(plan: Plan, moments: dict[str, _Moment], per_shard: float) -> dict[str, _Moment]:
-    """Under CPU offload the shards (`per_shard` parameters), their gradients and the optimizer
-    live in host memory."""
+def _fsdp_offloaded(plan: Plan, moments: dict[str, _Moment], per_shard: float, trained_per_shard: float) -> dict[str, _Moment]:
+    """Under CPU offload the shards (`per_shard` parameters), their gradients (`trained_per_shard`:
+    those that have one) and the optimizer live in host memory."""
     if plan.fsdp is None or not plan.fsdp.cpu_offload:
         return moments
     for m in moments.values():
         m.weights = max(0.0, m.weights - 4 * per_shard)
-        m.gradients = max(0.0, m.gradients - 4 * per_shard)
+        m.gradients = max(0.0, m.gradients - 4 * trained_per_shard)
         m.optimizer = 0.0
     return moments
 
@@ -484,13 +493,16 @@ def memory_moments(plan: Plan, model: ActivationModel = "trace", device: "Device
     shape = model_shape(plan)
     coeff = coeff or activation_coefficients(plan, model)
     held, share = held_with_experts(plan, shape)
+    held, trained = adapted_params(plan, held, math.ceil(shape.layers / plan.pp))
     per_phase = _model_phase_bytes(plan, shape, coeff, keeps_weight_copies=compute_precision(plan) == "bf16",
                                    held=fully_sharded(plan))
     host = _on_host(plan, device)
     if plan.strategy == "fsdp":
-        moments = _fsdp_moments(plan, shape, held, per_phase, host, share)
-    else:
-        moments = {"ddp": _ddp_moments, "zero": _zero_moments}[plan.strategy](plan, shape, held, per_phase, host)
+        moments = _fsdp_moments(plan, shape, held, trained, per_phase, host, share)
+    elif plan.strategy == "ddp":
+        moments = _ddp_moments(plan, shape, held, trained, per_phase, host)
+    else:  # ZeRO with LoRA is refused before any estimate (paratune.adapters.adapter_refusal)
+        moments = _zero_moments(plan, shape, held, per_phase, host)
     if share is not None:
         add_dispatch(plan, moments, imbalance)
     return moments
@@ -517,31 +529,34 @@ def model_states(plan: Plan, shape: ModelShape | None = None) -> ModelStates:
     optimizer step add `step_gradients`."""
     shape = shape or model_shape(plan)
     held, share = held_with_experts(plan, shape)
-    local, layer = held.local, held.layer
+    held, trained = adapted_params(plan, held, math.ceil(shape.layers / plan.pp))  # LoRA: only adapters train
+    local, layer, g = held.local, held.layer, trained.local
     dp, ga, pb = replicas(plan), plan.grad_accum, BYTES[plan.precision]
     if plan.strategy == "ddp":
         # Autocast keeps fp32 parameters; gradients live in DDP's buckets (as views by default).
         unbucketed = plan.ddp is not None and not plan.ddp.gradient_as_bucket_view
-        return ModelStates(4 * local, 4 * local, 8 * local, 4 * local if unbucketed else 0.0)
+        return ModelStates(4 * local, 4 * g, 8 * g, 4 * g if unbucketed else 0.0)
     if plan.strategy == "fsdp":
         f = plan.fsdp
         assert f is not None
         shard = fsdp_shard_degree(plan)
         per_shard = shard_params(local, share.local if share else 0.0, shard, share)  # experts over expert_dp
-        weights, optim = 4 * per_shard, 8 * per_shard  # fp32 shards and their moments
+        trained_shard = per_shard if trained is held else g / shard
+        weights, optim = 4 * per_shard, 8 * trained_shard  # fp32 shards and their moments
         if shard > 1:
             if f.reshards_after_forward:  # gathered in backward: the root, a block and the one prefetched
                 weights += pb * (held.root + layer * (1 + max(1, f.prefetch)))
             else:
                 weights += pb * local  # grad_op: everything stays gathered until backward
             # Reduce-scattered every micro-batch: only shards accumulate (fp32).
-            grads, buffers = (4 * per_shard if ga > 1 else 0.0), 4 * layer  # + the block being reduced
-            step = 4 * per_shard if ga == 1 else 0.0
+            grads, buffers = (4 * trained_shard if ga > 1 else 0.0), 4 * trained.layer  # + the block being reduced
+            step = 4 * trained_shard if ga == 1 else 0.0
         else:
-            grads, buffers, step = 4 * local, 0.0, 0.0
+            grads, buffers, step = 4 * g, 0.0, 0.0
         if f.cpu_offload:  # shards, their gradients and the optimizer live in host memory
             weights, optim, grads, step = weights - 4 * per_shard, 0.0, 0.0, 0.0
         return ModelStates(weights, grads, optim, buffers, step)
+    # ZeRO with LoRA is refused before any estimate (paratune.adapters.adapter_refusal).
     z = plan.zero
     assert z is not None
     if z.stage == 3 and plan.tp > 1:  # ZeRO-3 partitions what AutoTP leaves whole over the tp ranks too

@@ -36,12 +36,18 @@ def tracked_peak_bytes(runner, micro) -> tuple[int, str]:
     held += list(getattr(runner.model, BUCKETS_ATTR, {}).values())  # DDP's buckets (parallel.ddp)
     tracker.track_external(*(x for x in (runner.model, optimizer) if x is not None), *held)
     # MemTracker puts a gradient hook on every parameter it meets, and torch refuses one on a frozen
-    # parameter (LoRA's base): a no-op handle in its table marks those as done (it removes them at exit).
+    # parameter (LoRA's base): a no-op handle in its table marks those as done (it removes them at
+    # exit). Marked as each module enters: FSDP2 swaps in unsharded parameters (new tensors) in its
+    # groups' pre-forward, which the submodules then show the tracker.
+    def mark_frozen(module: torch.nn.Module) -> None:
+        for param in module.parameters():
+            if not param.requires_grad and param not in tracker._param_to_grad_hook_handles:
+                tracker._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+
     models = runner.model if isinstance(runner.model, (list, tuple)) else [runner.model]
     for model in models:
-        for param in model.parameters() if isinstance(model, torch.nn.Module) else ():
-            if not param.requires_grad:
-                tracker._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+        if isinstance(model, torch.nn.Module):
+            mark_frozen(model)
     # MemTracker refuses a module called twice in one context, and every micro-batch calls the
     # model again: reset its per-module stats as each micro-batch enters (its peak is kept). A
     # global hook registered before the tracker's own runs first.
@@ -50,6 +56,7 @@ def tracked_peak_bytes(runner, micro) -> tuple[int, str]:
     def reset_per_micro_batch(module, args):
         if id(module) in roots:  # roots are never recomputed by activation checkpointing
             tracker.reset_mod_stats()
+        mark_frozen(module)
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(reset_per_micro_batch)
     try:

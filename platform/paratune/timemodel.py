@@ -290,6 +290,13 @@ def compose(plan: Plan, profile: Profile, imbalance: float = DEFAULT_IMBALANCE) 
         moe_here = min(max(n for n, _, _ in stages), layout.moe_layers)
         rows = mb * seq * layout.top_k * shape.hidden * act * imbalance  # one exchange's buffer, busiest rank
         ep_comm = 4 * moe_here * m * profile.comm_seconds("all_gather", plan.ep, rows, t)
+    # LoRA: only the adapters have gradients to reduce; FSDP2 still gathers the frozen base.
+    g_local, g_layer = local, layer
+    if plan.peft is not None:
+        from paratune.adapters import adapted_params
+
+        _, trained = adapted_params(plan, held, max(n for n, _, _ in stages))
+        g_local, g_layer = trained.local, trained.layer
     dp = replicas(plan)
     d = data_parallel_comm(plan)
     stride = t
@@ -302,10 +309,10 @@ def compose(plan: Plan, profile: Profile, imbalance: float = DEFAULT_IMBALANCE) 
         if d.scheme == "all_reduce":
             if d.ddp_buckets:
                 cap = (plan.ddp.bucket_cap_mb if plan.ddp else 25.0) * 2**20
-                buckets = _buckets(d.grad_bytes * local, cap, DDP_FIRST_BUCKET_BYTES)
+                buckets = _buckets(d.grad_bytes * g_local, cap, DDP_FIRST_BUCKET_BYTES)
             else:  # FSDP2 replicate: one all-reduce per unit
                 blocks_here = max(n for n, _, _ in _stage_layers(plan, shape.layers))
-                buckets = [d.grad_bytes * layer] * blocks_here + [d.grad_bytes * max(0.0, local - blocks_here * layer)]
+                buckets = [d.grad_bytes * g_layer] * blocks_here + [d.grad_bytes * max(0.0, g_local - blocks_here * g_layer)]
             times = [AR(b) for b in buckets if b > 0]
             dp_comm = (times[-1] + max(0.0, sum(times[:-1]) - backward_last)) if gpu else sum(times)
             if share is not None and share.expert_dp > 1:  # the experts all-reduced once per step, after backward
@@ -317,14 +324,15 @@ def compose(plan: Plan, profile: Profile, imbalance: float = DEFAULT_IMBALANCE) 
             root = max(0.0, local - blocks_here * layer)
             block_pb = 1 if plan.float8_all_gather else pb  # float8 weights gathered as bytes
             ag_block, ag_root = AG(block_pb * layer, shard), AG(pb * root, shard)
-            rs = blocks_here * RS(d.grad_bytes * layer, shard) + RS(d.grad_bytes * root, shard)
+            g_root = max(0.0, g_local - blocks_here * g_layer)
+            rs = blocks_here * RS(d.grad_bytes * g_layer, shard) + RS(d.grad_bytes * g_root, shard)
             if share is not None and share.expert_dp > 1:  # each block's experts over their copies
                 edp, estride = share.expert_dp, stride * share.ep
                 ag_block += profile.comm_seconds("all_gather", edp, block_pb * expert_layer, estride)
                 rs += blocks_here * profile.comm_seconds("reduce_scatter", edp, d.grad_bytes * expert_layer, estride)
             per_mb = d.gathers_per_micro_batch * blocks_here * ag_block + ag_root + rs
             if shard < dp:  # hybrid: the shards' gradients all-reduced across replicas once per step
-                extra = AR(4 * local / shard, dp // shard)
+                extra = AR(4 * g_local / shard, dp // shard)
             else:
                 extra = 0.0
             if gpu:  # prefetch hides all but the first gather; the rest under compute

@@ -292,7 +292,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
             import resource
 
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            method = f"process max RSS (MemTracker failed: {type(err).__name__})"
+            method = f"process max RSS (MemTracker failed: {type(err).__name__}: {str(err)[:300]})"
     else:
         peak, method = 0, "not measured"
     peaks: list[Any] = [None] * world

@@ -15,6 +15,7 @@ from torch import nn
 from paratune.adapters import add_adapters, prepare_init
 from paratune.checkpoints import checkpoint_sources
 from paratune.materialize import ConstructionMeter, ModelInit, build_meta
+from paratune.parallel.zero import restore_torch_linear
 from paratune.plan import Plan
 
 if TYPE_CHECKING:  # the runner is built by the strategy modules; this package only dispatches
@@ -52,6 +53,7 @@ def build_runner(config, plan: Plan, device: torch.device, local_world_size: int
     every device; a `model` folder with safetensors gives its pretrained weights). `meter` (started by the caller) is stopped once the model exists. Every
     process group the layout creates takes the plan's comm_timeout_s (`use_comm_timeout`)."""
     use_comm_timeout(plan.comm_timeout_s)
+    restore_torch_linear()  # an earlier ZeRO-3 plan in this process left DeepSpeed's linear in torch
     model = add_adapters(build_meta(config), plan)  # LoRA (plan.peft) before any layout: every layout sees it
     model.train()
     init = ModelInit(model, config, plan.seed)
