@@ -163,3 +163,76 @@ def test_lora_memory_counts_only_the_adapters_gradients_and_optimizer_states():
     assert states_full.optimizer > 1000 * states_lora.optimizer
     est_full, est_lora = estimate_memory(full), estimate_memory(lora)
     assert est_lora.total < est_full.total - 0.9 * (states_full.optimizer + states_full.gradients), (est_full, est_lora)
+
+
+def test_frozen_linears_in_bf16_give_autocasts_numbers_exactly():
+    """A bf16 DDP LoRA plan keeps its frozen linears in bf16 (adapters.store_frozen_base): autocast
+    would round their fp32 copies to the same bf16 at every matmul, so the loss and the adapters'
+    gradients are bit for bit those of the fp32-stored base, at half the base's bytes."""
+    from paratune.adapters import add_adapters, frozen_base_dtype, prepare_init, store_frozen_base
+    from paratune.materialize import ModelInit, build_meta, materialize
+
+    plan = load_plan_dict({**BASE_PLAN, "num_workers": 1, "precision": "bf16", "peft": LORA})
+    assert frozen_base_dtype(plan) == torch.bfloat16
+    assert frozen_base_dtype(load_plan_dict({**BASE_PLAN, "peft": LORA})) == torch.float32  # fp32 plan
+    config = build_config(plan.model)
+    reference = build_adapted_model(config, plan)
+    model = add_adapters(build_meta(config), plan)
+    store_frozen_base(model, plan)
+    init = ModelInit(model, config, plan.seed)
+    prepare_init(init, plan)
+    materialize(model, init, torch.device("cpu"))
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert dtypes["model.layers.0.self_attn.q_proj.base_layer.weight"] == torch.bfloat16
+    assert dtypes["model.layers.0.mlp.down_proj.weight"] == torch.bfloat16
+    assert dtypes["model.layers.0.self_attn.q_proj.lora_A.default.weight"] == torch.float32
+    assert dtypes["model.embed_tokens.weight"] == torch.float32 and dtypes["model.norm.weight"] == torch.float32
+    ids = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    results = []
+    for m in (reference, model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b), (loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys() and all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    assert frozen < 0.75 * sum(p.numel() * 4 for p in reference.parameters() if not p.requires_grad)
+
+
+def test_the_24gb_space_fits_a_7b_lora_and_rejects_its_full_fine_tune(tmp_path, capsys):
+    """search_spaces/qwen2.5_7b_lora_1x24gb.yaml through `paratune plan` on one 24 GB L4: a DDP
+    LoRA plan fits (its frozen linears in bf16); the same plans without `peft` do not, and say
+    that the model's own states are what overflows."""
+    import json
+
+    from paratune.cli import main
+    from paratune.devices import get_device
+    from paratune.estimate import estimate
+
+    out = tmp_path / "plans.json"
+    assert main(["plan", "search_spaces/qwen2.5_7b_lora_1x24gb.yaml", "--device", "l4-24gb", "--nodes", "1",
+                 "--gpus-per-node", "1", "--json", str(out)]) == 0
+    assert "fastest first" in capsys.readouterr().out
+    rows = json.loads(out.read_text())
+    fitting = [r for r in rows if r["fits"]]
+    assert fitting and all(r["plan"]["strategy"] == "ddp" and r["plan"]["peft"]["r"] == 16 for r in fitting)
+    assert all(r["predicted_peak_memory_gib"] <= 22 for r in fitting)
+    assert all(r["predicted_weights_gib"] < 16 for r in fitting)  # 7.6B parameters: the linears at 2 bytes
+    device = get_device("l4-24gb")
+    for row in fitting:
+        full = estimate(load_plan_dict({**row["plan"], "peft": None}), device)
+        assert not full.fits and "weights+grads+optimizer" in full.overflow, full.overflow
+
+
+def test_a_space_fixes_lora_and_does_not_sweep_it():
+    import yaml
+
+    from paratune.space import SpaceError, space_from_dict
+
+    data = yaml.safe_load(open("search_spaces/qwen2.5_7b_lora_1x8.yaml"))
+    assert space_from_dict(data).spec.fixed["peft"]["r"] == 16
+    data["space"]["peft"] = [{"r": 8}, {"r": 64}]
+    with pytest.raises(SpaceError, match=r"peft: .*training's meaning.*allowed: set it under fixed.peft"):
+        space_from_dict(data)

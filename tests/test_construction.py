@@ -56,7 +56,9 @@ TRACKED = {  # the step's peak measured (MemTracker, one extra step) and predict
     "zero-3": {"strategy": "zero", "seq_len": 64, "global_batch": 4, "zero": {"stage": 3, "reduce_bucket_size": 100_000}},  # no accumulation
     "fsdp-full": {"strategy": "fsdp", "seq_len": 64},
     # LoRA: the frozen base has no gradient, bucket or Adam state, and its linears keep no input
-    "ddp-lora-accumulating": {"strategy": "ddp", "micro_batch": 1, "seq_len": 64, "peft": {"r": 8, "alpha": 16}},
+    # (bf16 DDP: the frozen linears kept in bf16, paratune.adapters.store_frozen_base)
+    "ddp-lora-bf16-accumulating": {"strategy": "ddp", "micro_batch": 1, "seq_len": 64, "precision": "bf16",
+                                   "peft": {"r": 8, "alpha": 16}},
     "fsdp-lora-all-linear": {"strategy": "fsdp", "micro_batch": 1, "seq_len": 64,
                              "peft": {"r": 8, "alpha": 16, "target_modules": "all-linear"}},
 }

@@ -251,7 +251,7 @@ def _trace_micro_batch(config, tokens: int, checkpointing: str, precision: str, 
         if peft_json:
             from paratune.adapters import add_traced_adapters
 
-            add_traced_adapters(model, peft_json)
+            add_traced_adapters(model, peft_json, precision)
         if checkpointing == "full":
             enable_full_recompute(model)
         elif checkpointing == "selective":

@@ -79,15 +79,19 @@ def prepare_init(init: ModelInit, plan: Plan) -> None:
     init.sources.insert(0, lora_values(plan.seed))
 
 
-def add_traced_adapters(model: nn.Module, peft_json: str) -> None:
+def add_traced_adapters(model: nn.Module, peft_json: str, precision: str) -> None:
     """A plan's adapters (its `peft`, as JSON) on the memory trace's model, made of fake tensors:
     on meta first (peft's own move to the base layer's device cannot swap fake tensors), then each
-    adapter parameter made anew where torch makes tensors now (the trace's fake mode)."""
+    adapter parameter made anew where torch makes tensors now (the trace's fake mode). Under
+    autocast ("bf16": DDP) the frozen linears in bf16, as `store_frozen_base` keeps them."""
     add_adapters(model, PeftSpec.model_validate_json(peft_json))
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is not None and param.is_meta:
                 module._parameters[name] = nn.Parameter(torch.zeros(param.shape, dtype=param.dtype))
+    if precision == "bf16":
+        for param in _frozen_linear_params(model):
+            param.data = param.data.to(torch.bfloat16)
 
 
 def build_adapted_model(config: Any, plan: Plan, sources: list | None = None,
@@ -125,22 +129,30 @@ def adapter_refusal(plan: Plan, config: Any = None) -> str | None:
         return f"float8: '{plan.float8}' with peft: float8 would convert the adapters' linears; allowed: 'none'"
     if plan.compile:
         return "compile: true with peft: not tested with LoRA layers; allowed: false"
-    if config is None:
-        from paratune.models import build_config
+    from paratune.models import config_key
+    from paratune.shapes import model_config_key
 
-        config = build_config(plan.model, plan.model_overrides)
+    return _target_refusal(config_key(config) if config is not None else model_config_key(plan), plan.peft.model_dump_json())
+
+
+@functools.lru_cache(maxsize=64)
+def _target_refusal(key: str, peft_json: str) -> str | None:
+    """Why the adapters' target modules cannot be adapted, checked on a one-block meta model (the
+    blocks repeat; a space's plans share one answer)."""
     from paratune.materialize import build_meta
+    from paratune.models import config_from_key
 
+    spec = PeftSpec.model_validate_json(peft_json)
     try:
-        model = add_adapters(build_meta(config), plan)
+        model = add_adapters(build_meta(config_from_key(key, num_hidden_layers=1)), spec)
     except ValueError as err:  # peft: "Target modules {...} not found in the base model"
-        return f"peft.target_modules: {plan.peft.target_modules!r}: {err}; allowed: names of the model's linear layers"
+        return f"peft.target_modules: {spec.target_modules!r}: {err}; allowed: names of the model's linear layers"
     wrapped = [(n, m) for n, m in model.named_modules() if is_lora_layer(m)]
     if not wrapped:
-        return f"peft.target_modules: {plan.peft.target_modules!r} adapts no module of the model"
+        return f"peft.target_modules: {spec.target_modules!r} adapts no module of the model"
     other = [n for n, m in wrapped if type(m.base_layer) is not nn.Linear]
     if other:
-        return (f"peft.target_modules: {plan.peft.target_modules!r} adapts {other[0]} "
+        return (f"peft.target_modules: {spec.target_modules!r} adapts {other[0]} "
                 f"({type(dict(wrapped)[other[0]].base_layer).__name__}); allowed: nn.Linear layers only")
     return None
 
@@ -153,6 +165,8 @@ class AdapterCounts:
     per_block: int  # the adapters of one decoder block (they repeat)
     root: int  # adapters outside the blocks (e.g. an adapted lm_head)
     largest: int  # the largest single adapter tensor
+    frozen_linear_per_block: int = 0  # one block's frozen nn.Linear weights and biases (`store_frozen_base`)
+    frozen_linear_root: int = 0  # ... outside the blocks (an untied lm_head)
 
 
 @functools.lru_cache(maxsize=64)
@@ -166,7 +180,42 @@ def _counts_of(config_key: str, peft_json: str) -> AdapterCounts:
     in_block = {id(p) for block in decoder_blocks(model) for p in block.parameters()}
     adapters = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
     block = sum(p.numel() for _, p in adapters if id(p) in in_block)
-    return AdapterCounts(block, sum(p.numel() for _, p in adapters) - block, max((p.numel() for _, p in adapters), default=0))
+    linears = {id(p): p.numel() for p in _frozen_linear_params(model)}
+    linear_block = sum(n for pid, n in linears.items() if pid in in_block)
+    return AdapterCounts(block, sum(p.numel() for _, p in adapters) - block, max((p.numel() for _, p in adapters), default=0),
+                         linear_block, sum(linears.values()) - linear_block)
+
+
+def _frozen_linear_params(model: nn.Module) -> list[nn.Parameter]:
+    """The frozen nn.Linear weights and biases (the base layers, an untied head), not one tied to
+    another module (a tied head is the embedding, which autocast does not cast)."""
+    elsewhere = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
+    return list({id(p): p for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False)
+                 if not p.requires_grad and id(p) not in elsewhere}.values())
+
+
+def frozen_base_dtype(plan: Plan) -> torch.dtype:
+    """The dtype LoRA's frozen linears are kept in: bf16 in a bf16 DDP plan, where autocast would
+    round their fp32 copies to the same bf16 at every matmul (`store_frozen_base`), else fp32."""
+    if plan.peft is not None and plan.precision == "bf16" and plan.strategy == "ddp":
+        return torch.bfloat16
+    return torch.float32
+
+
+def store_frozen_base(model: nn.Module, plan: Plan) -> None:
+    """Keep the frozen linears of a meta-built LoRA model in `frozen_base_dtype` before it is
+    materialized (the values are then filled, rounded, into them): autocast's own cast of an fp32
+    weight to bf16 rounds to nearest as the fill does, so each matmul sees the same numbers, and
+    the base costs 2 bytes a parameter, not 4 (a 7B base: 15 GB, not 30). Norms and embeddings,
+    which autocast leaves in fp32, stay fp32."""
+    dtype = frozen_base_dtype(plan)
+    if dtype == torch.float32:
+        return
+    frozen = {id(p) for p in _frozen_linear_params(model)}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and id(param) in frozen and param.is_meta:
+                module._parameters[name] = nn.Parameter(param.to(dtype), requires_grad=False)
 
 
 def adapter_counts(plan: Plan) -> AdapterCounts | None:
@@ -191,3 +240,11 @@ def adapted_params(plan: Plan, held: HeldParams, layers_here: int) -> tuple[Held
     trains = HeldParams(local=local, layer=counts.per_block, first=counts.per_block, root=counts.root,
                         head=counts.root, embedding=0.0, largest=counts.largest)
     return holds, trains
+
+
+def frozen_base_saving(plan: Plan, layers_here: int) -> float:
+    """Bytes a rank's weights take less when its frozen linears are kept in bf16 (`store_frozen_base`)."""
+    counts = adapter_counts(plan)
+    if counts is None or frozen_base_dtype(plan) == torch.float32:
+        return 0.0
+    return 2.0 * (counts.frozen_linear_per_block * layers_here + counts.frozen_linear_root)

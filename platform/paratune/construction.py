@@ -6,6 +6,7 @@ one that cannot train (paratune.estimate).
 
 from __future__ import annotations
 
+from paratune.adapters import adapted_params, frozen_base_saving
 from paratune.moe_costs import held_with_experts, shard_params
 from paratune.plan import Plan
 from paratune.shapes import BYTES, ModelShape, fsdp_shard_degree, local_params, model_shape
@@ -53,4 +54,5 @@ def construction_bytes(plan: Plan, shape: ModelShape | None = None) -> float:
     exchange = 4 * largest if plan.num_workers > 1 and plan.pp == 1 else 0.0
     if plan.strategy == "fsdp":
         return 4 * shard_params(held.local, share.local if share else 0.0, fsdp_shard_degree(plan), share) + exchange
-    return 4 * held.local + exchange
+    held, _ = adapted_params(plan, held, shape.layers)  # DDP: LoRA's adapters too, its frozen linears maybe bf16
+    return 4 * held.local - frozen_base_saving(plan, shape.layers) + exchange

@@ -59,7 +59,7 @@ from paratune.activations import (
     ActivationModel,
     activation_coefficients,
 )
-from paratune.adapters import adapted_params
+from paratune.adapters import adapted_params, frozen_base_saving
 from paratune.devices import Device
 from paratune.construction import construction_bytes  # noqa: F401 - its home before the split
 from paratune.moe_costs import DEFAULT_IMBALANCE, ExpertShare, add_dispatch, held_with_experts, shard_params
@@ -221,7 +221,9 @@ def _ddp_moments(plan: Plan, shape: ModelShape, held: HeldParams, trained: HeldP
     no bucket, gradient or optimizer state."""
     ga, p = plan.grad_accum, trained.local
     view = plan.ddp is None or plan.ddp.gradient_as_bucket_view
-    weights, optim, buckets = 4 * held.local, 8 * p, 4 * p
+    # LoRA under autocast keeps its frozen linears in bf16 (paratune.adapters.store_frozen_base)
+    weights = 4 * held.local - frozen_base_saving(plan, math.ceil(shape.layers / plan.pp))
+    optim, buckets = 8 * p, 4 * p
     after_head = ("after_head", "blocks")
     if view:  # the accumulated tensors, until the synchronised backward replaces them by views
         outside = ({**{ph: p for ph in PHASES}, **{ph: p - trained.head for ph in after_head},
@@ -535,7 +537,8 @@ def model_states(plan: Plan, shape: ModelShape | None = None) -> ModelStates:
     if plan.strategy == "ddp":
         # Autocast keeps fp32 parameters; gradients live in DDP's buckets (as views by default).
         unbucketed = plan.ddp is not None and not plan.ddp.gradient_as_bucket_view
-        return ModelStates(4 * local, 4 * g, 8 * g, 4 * g if unbucketed else 0.0)
+        weights = 4 * local - frozen_base_saving(plan, math.ceil(shape.layers / plan.pp))
+        return ModelStates(weights, 4 * g, 8 * g, 4 * g if unbucketed else 0.0)
     if plan.strategy == "fsdp":
         f = plan.fsdp
         assert f is not None

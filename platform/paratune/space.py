@@ -137,6 +137,14 @@ class SpacePart(_Strict):
     # The data loader (paratune.data.step_loader): worker processes and steps kept ready per worker.
     data: dict[Literal["loader_workers", "prefetch"], list[int]] = Field(default_factory=dict)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _meaning_is_not_swept(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "peft" in value:
+            raise ValueError("peft: what LoRA trains (its rank, alpha, targets) is the training's meaning, like the "
+                             "global batch, not a speed knob; allowed: set it under fixed.peft, one per space")
+        return value
+
     @field_validator("strategy")
     @classmethod
     def _known_strategies_and_knobs(cls, value: dict[str, dict[str, list[Any]]]) -> dict:

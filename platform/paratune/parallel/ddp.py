@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paratune.parallel.runner import (StepRunner, apply_activation_checkpointing, compile_blocks, convert_linears,
                                       make_optimizer)
+from paratune.adapters import store_frozen_base
 from paratune.materialize import ModelInit, materialize
 from paratune.plan import Plan
 
@@ -70,6 +71,7 @@ def parallelize_ddp(model: nn.Module, init: ModelInit, plan: Plan, device: torch
 
         meshes = expert_meshes(plan, device.type)
         experts = shard_experts(model, meshes)
+    store_frozen_base(model, plan)  # LoRA under autocast: the frozen linears in bf16, as each matmul sees them
     materialize(model, init, device)  # DDP replicates: every rank holds the whole model (ep: its experts)
     if experts is not None:
         mark_expert_params(experts)
