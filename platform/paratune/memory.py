@@ -222,8 +222,7 @@ def _ddp_moments(plan: Plan, shape: ModelShape, held: HeldParams, trained: HeldP
     ga, p = plan.grad_accum, trained.local
     view = plan.ddp is None or plan.ddp.gradient_as_bucket_view
     # LoRA under autocast keeps its frozen linears in bf16 (paratune.adapters.store_frozen_base)
-    weights = 4 * held.local - frozen_base_saving(plan, math.ceil(shape.layers / plan.pp))
-    optim, buckets = 8 * p, 4 * p
+    weights, optim, buckets = 4 * held.local - frozen_base_saving(plan, math.ceil(shape.layers / plan.pp)), 8 * p, 4 * p
     after_head = ("after_head", "blocks")
     if view:  # the accumulated tensors, until the synchronised backward replaces them by views
         outside = ({**{ph: p for ph in PHASES}, **{ph: p - trained.head for ph in after_head},
