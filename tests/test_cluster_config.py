@@ -381,7 +381,10 @@ def test_the_mlflow_restart_line_survives_the_launchers_wrapper(which, tmp_path)
         bystander = f"sqlite3 {db} .tables --port 5000"  # mentions mlflow.db and the port: must stay
         spawn = " ".join(f"(exec -a {shlex.quote(c)} sleep 300) >/dev/null 2>&1 &" for c in [*old_server, bystander])
         assert node.enter(["/bin/bash", "-c", spawn]).returncode == 0
-        assert {*old_server, bystander} <= {p.removesuffix(" 300") for p in node.processes()}
+        deadline = time.time() + 10  # the backgrounded subshells exec their `sleep` a moment later (under load)
+        while not {*old_server, bystander} <= {p.removesuffix(" 300") for p in node.processes()}:
+            assert time.time() < deadline, node.processes()
+            time.sleep(0.1)
 
         done = node.launch(line)
         ui_args = node.home / "ui-args"
