@@ -1,5 +1,6 @@
 """LoRA adapters (paratune.adapters): deterministic init, frozen base, preflight refusals, and ddp /
-fsdp losses equal to the single-process reference with the base unchanged and the adapters trained."""
+fsdp / ZeRO-1-3 losses equal to the single-process reference with the base unchanged and the
+adapters trained."""
 
 import math
 
@@ -40,7 +41,6 @@ def test_adapter_init_is_peft_default_seeded_and_only_adapters_train():
 
 @pytest.mark.parametrize("changes, field", [
     ({"num_workers": 2, "tp": 2}, "peft: LoRA with tp 2"),
-    ({"strategy": "zero"}, "strategy: 'zero' with peft"),
     ({"peft": {"target_modules": ["nope"]}}, "peft.target_modules: ['nope']"),
     ({"peft": {"target_modules": ["embed_tokens"]}}, "allowed: nn.Linear layers only"),
 ])
@@ -54,7 +54,9 @@ def test_preflight_refuses_what_lora_cannot_run(changes, field):
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+    """This rank's values of a parameter: its DTensor shard, its ZeRO-3 partition, or itself."""
+    local = t.to_local() if hasattr(t, "to_local") else getattr(t, "ds_tensor", t)
+    return local.detach().clone()
 
 
 def lora_measure(plan, rank, world, local_world, device):
@@ -87,11 +89,12 @@ def lora_measure(plan, rank, world, local_world, device):
             "only_adapters_trainable": bool(flags[2]), "trainable": len(trainable)}
 
 
-LAYOUTS = {"ddp": {"strategy": "ddp"}, "fsdp": {"strategy": "fsdp", "fsdp": {"sharding": "full"}}}
+LAYOUTS = {"ddp": {"strategy": "ddp"}, "fsdp": {"strategy": "fsdp", "fsdp": {"sharding": "full"}},
+           **{f"zero{stage}": {"strategy": "zero", "zero": {"stage": stage}} for stage in (1, 2, 3)}}
 
 
 @pytest.mark.integration
-def test_ddp_and_fsdp_lora_match_the_reference_and_train_only_adapters():
+def test_lora_under_ddp_fsdp_and_zero_matches_the_reference_and_trains_only_adapters():
     plans = [load_plan_dict({**BASE_PLAN, "peft": LORA, **case}) for case in LAYOUTS.values()]
     outs = run_plans_on_gloo(plans, measure="test_adapters:lora_measure")
     reference = reference_for(plans[0])
@@ -238,3 +241,49 @@ def test_a_space_fixes_lora_and_does_not_sweep_it():
     data["space"]["peft"] = [{"r": 8}, {"r": 64}]
     with pytest.raises(SpaceError, match=r"peft: .*training's meaning.*allowed: set it under fixed.peft"):
         space_from_dict(data)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_lora_states_partition_the_base_and_keep_only_the_adapters_master_and_moments(stage):
+    """ZeRO under LoRA (8B, one node, bf16): the base's weights are held as under full fine-tuning
+    (whole at stages 1/2, partitioned at 3), while gradients, the fp32 master and Adam's moments
+    are the adapters' partitions only."""
+    from paratune.adapters import adapter_counts
+    from paratune.memory import model_states
+
+    fixed = {"model": "llama3-8b", "seq_len": 2048, "global_batch": 16, "micro_batch": 1, "num_workers": 8,
+             "strategy": "zero", "zero": {"stage": stage}, "precision": "bf16", "device": "cuda"}
+    full, lora = (load_plan_dict({**fixed, "peft": peft}) for peft in (None, {"r": 16, "alpha": 32}))
+    counts = adapter_counts(lora)
+    adapters = counts.per_block * 32 + counts.root
+    states_full, states_lora = model_states(full), model_states(lora)
+    held = 1 if stage < 3 else 8  # the ranks the weights are divided over
+    assert states_lora.weights - states_full.weights == pytest.approx(2 * adapters / held, rel=1e-6)
+    assert states_lora.optimizer == pytest.approx(12 * adapters / 8)  # fp32 master + 2 moments, partitioned
+    assert states_lora.step_gradients == pytest.approx(4 * adapters / 8)
+    assert states_full.optimizer > 500 * states_lora.optimizer
+
+
+@pytest.mark.parametrize("layout", [{"strategy": "ddp"}, {"strategy": "fsdp"}, {"strategy": "zero", "zero": {"stage": 2}},
+                                    {"strategy": "zero", "zero": {"stage": 3}}])
+def test_lora_steps_and_reduces_only_the_adapters_while_zero3_still_gathers_the_base(layout):
+    """The time model's optimizer step and the gradient traffic under LoRA are the adapters'; the
+    parameter gathers of FSDP2 and ZeRO-3 still carry the frozen base (every micro-batch)."""
+    from paratune.adapters import adapter_counts
+    from paratune.estimate import comm_volume
+    from paratune.profile import optimizer_params
+
+    fixed = {"model": "llama3-8b", "seq_len": 2048, "global_batch": 16, "micro_batch": 1, "num_workers": 8,
+             "precision": "bf16", "device": "cuda", **layout}
+    full, lora = (load_plan_dict({**fixed, "peft": peft}) for peft in (None, {"r": 16, "alpha": 32}))
+    counts = adapter_counts(lora)
+    adapters = counts.per_block * 32 + counts.root
+    sharded = 1 if layout["strategy"] == "ddp" else 8
+    assert optimizer_params(lora) == int(adapters / sharded)
+    assert optimizer_params(full) > 1000 * optimizer_params(lora)
+    comm_full, comm_lora = comm_volume(full).dp, comm_volume(lora).dp
+    gathers_base = layout["strategy"] == "fsdp" or layout.get("zero", {}).get("stage") == 3
+    if gathers_base:  # the base's gathers stay; only the gradients' reduce-scatter shrinks
+        assert 0.3 * comm_full < comm_lora < 0.75 * comm_full, (comm_full, comm_lora)
+    else:
+        assert comm_lora < comm_full / 1000, (comm_full, comm_lora)

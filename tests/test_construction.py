@@ -61,6 +61,12 @@ TRACKED = {  # the step's peak measured (MemTracker, one extra step) and predict
                                    "peft": {"r": 8, "alpha": 16}},
     "fsdp-lora-all-linear": {"strategy": "fsdp", "micro_batch": 1, "seq_len": 64,
                              "peft": {"r": 8, "alpha": 16, "target_modules": "all-linear"}},
+    # ZeRO under LoRA: the base partitioned (3) or whole (1/2), gradients and master of the
+    # adapters only; ZeRO-2's bucket comes with the first adapter gradient
+    "zero-3-lora": {"strategy": "zero", "seq_len": 64, "global_batch": 4, "peft": {"r": 8, "alpha": 16},
+                    "zero": {"stage": 3, "reduce_bucket_size": 100_000}},
+    "zero-2-lora-accumulating": {"strategy": "zero", "micro_batch": 1, "seq_len": 64, "peft": {"r": 8, "alpha": 16},
+                                 "zero": {"stage": 2, "reduce_bucket_size": 100_000}},
 }
 
 

@@ -119,7 +119,7 @@ def test_zero3_bf16_keeps_the_references_fp32_rotary_tables(one_process_group):
     plan = load_plan_dict({"model": "tiny-llama", "strategy": "zero", "zero": {"stage": 3}, "num_workers": 1,
                            "global_batch": 4, "micro_batch": 2, "precision": "bf16"})
     config = build_config(plan.model)
-    model = build_zero3(ModelInit(build_meta(config), config, seed=5), deepspeed_config(plan, False), torch.device("cpu"))
+    model = build_zero3(ModelInit(build_meta(config), config, seed=5), deepspeed_config(plan, False), torch.device("cpu"), plan)
     reference = build_model(config, seed=5)
     buffers = dict(reference.named_buffers())
     for name, buf in model.named_buffers():

@@ -25,9 +25,6 @@ from paratune.materialize import ModelInit, module_seed
 from paratune.plan import PeftSpec, Plan
 from paratune.shapes import HeldParams
 
-# Layouts LoRA runs under (tested for loss parity against the reference); the rest are refused
-# before any worker starts (`adapter_refusal`).
-SUPPORTED_STRATEGIES = ("ddp", "fsdp")
 ADAPTER_NAME = "default"
 
 
@@ -40,16 +37,18 @@ def lora_config(spec: PeftSpec):
                       target_modules=list(targets) if isinstance(targets, (list, tuple)) else targets)
 
 
-def add_adapters(model: nn.Module, plan: Plan | PeftSpec) -> nn.Module:
+def add_adapters(model: nn.Module, plan: Plan | PeftSpec, device: torch.device | None = None) -> nn.Module:
     """The plan's LoRA adapters (a plan, or its `peft` section) injected into `model` in place, on
-    meta (nothing allocated); only the adapters stay trainable. No `peft`: the model as it is."""
+    meta (nothing allocated); only the adapters stay trainable. No `peft`: the model as it is.
+    `device`: allocated there instead, in the base layers' dtype (peft's own placement), as on a
+    model ZeRO-3 has already partitioned (HF's LoRA under ZeRO-3: DeepSpeed partitions them next)."""
     spec = plan.peft if isinstance(plan, Plan) else plan
     if spec is None:
         return model
     from peft import inject_adapter_in_model
 
-    with torch.device("meta"):
-        inject_adapter_in_model(lora_config(spec), model, adapter_name=ADAPTER_NAME, low_cpu_mem_usage=True)
+    with torch.device(device if device is not None else "meta"):
+        inject_adapter_in_model(lora_config(spec), model, adapter_name=ADAPTER_NAME, low_cpu_mem_usage=device is None)
     return model
 
 
@@ -122,9 +121,6 @@ def adapter_refusal(plan: Plan, config: Any = None) -> str | None:
     if degrees:
         return (f"peft: LoRA with {', '.join(f'{k} {v}' for k, v in degrees.items())}: not supported (the tp/pp/cp/ep "
                 "plans name the original linears, which peft wraps); allowed: tp = pp = cp = ep = 1 with peft")
-    if plan.strategy not in SUPPORTED_STRATEGIES:
-        return (f"strategy: '{plan.strategy}' with peft: not supported (DeepSpeed's own construction and "
-                f"optimizer do not see the frozen base); allowed with peft: {', '.join(SUPPORTED_STRATEGIES)}")
     if plan.float8 != "none":
         return f"float8: '{plan.float8}' with peft: float8 would convert the adapters' linears; allowed: 'none'"
     if plan.compile:

@@ -166,9 +166,9 @@ def comm_volume(plan: Plan, imbalance: float = DEFAULT_IMBALANCE) -> CommVolume:
             if plan.float8_all_gather:  # the blocks' linears gathered as float8 (1 byte), the root in bf16
                 gathered = (params - root) + d.param_bytes * root
             return ring / 2 * ga * (d.gathers_per_micro_batch * gathered + d.grad_bytes * grads)
-        # reduce-scatters (every micro-batch or at the boundary), the partition gathered once
+        # reduce-scatters (every micro-batch or at the boundary), the updated partition gathered once
         reduces = ga if d.grads_every_micro_batch else 1
-        return ring / 2 * (reduces * d.grad_bytes * grads + d.gathers_per_step * d.param_bytes * params)
+        return ring / 2 * (reduces * d.grad_bytes * grads + d.gathers_per_step * d.param_bytes * grads)
 
     # LoRA: the frozen base is gathered (FSDP2) but has no gradient to reduce
     trained = adapted_params(plan, held, math.ceil(shape.layers / plan.pp))[1].local if plan.peft else None

@@ -370,7 +370,8 @@ def _fsdp_offloaded(plan: Plan, moments: dict[str, _Moment], per_shard: float, t
     return moments
 
 
-def _zero_moments(plan: Plan, shape: ModelShape, held: HeldParams, model: dict[str, tuple[float, float]], host: bool) -> dict[str, _Moment]:
+def _zero_moments(plan: Plan, shape: ModelShape, held: HeldParams, trained: HeldParams,
+                  model: dict[str, tuple[float, float]], host: bool) -> dict[str, _Moment]:
     """DeepSpeed ZeRO 0-3 (0.19.8), as its runtime allocates.
 
     - Stage 1/2 (stage_1_and_2.py): with contiguous_gradients (DeepSpeed's default) the first
@@ -396,21 +397,26 @@ def _zero_moments(plan: Plan, shape: ModelShape, held: HeldParams, model: dict[s
       does not fetch it, stay to the step (seen). The last bucket's reduce-scatter flattens it
       into a new tensor (gloo reduce-scatters a copy of that). At the step, an fp32 copy of the
       partition's gradients.
+    - LoRA (`trained`: the adapters): the frozen base is held as any weight; gradients, buckets'
+      contents, the fp32 master and moments are the adapters'. ZeRO-1/2's bucket comes with the
+      first gradient: without a head adapter, in the first block's backward.
     - The optimizer: paratune's torch AdamW over DeepSpeed's flat fp32 partition on CPU (two
       partition-sized temporaries per step), DeepSpeed's fused torch AdamW on GPUs (none)."""
     z = plan.zero
     assert z is not None
     stage, dp, ga, pb = z.stage, replicas(plan), plan.grad_accum, BYTES[plan.precision]
     p = shape.total / plan.tp if stage == 3 and plan.tp > 1 else held.local
+    g, t = (p, held) if trained is held else (trained.local, trained)  # what has gradients (LoRA: adapters)
+    bucketed = _AFTER_FIRST_GRAD if trained is held or t.head else ("last_block", "embedding")
     part = dp if stage >= 1 else 1
     bucket = pb * z.reduce_bucket_size * (2 if z.overlap_comm and stage in (1, 2) else 1)
-    flat = pb * min(z.reduce_bucket_size, p)
+    flat = pb * min(z.reduce_bucket_size, g)
     fused = not host and plan.optimizer in ("auto", "deepspeed")
-    temps = 0.0 if fused else (2 if host else 1) * 4 * p / part
-    optim = (12 if stage >= 1 else 8) * p / part
-    step_grads = 4 * p / part + (pb * p / part if pb != 4 or stage < 3 else 0.0)
+    temps = 0.0 if fused else (2 if host else 1) * 4 * g / part
+    optim = (12 if stage >= 1 else 8) * g / part
+    step_grads = 4 * g / part + (pb * g / part if pb != 4 or stage < 3 else 0.0)
     if z.offload_optimizer:  # master weights, moments and the fp32 gradients live in host memory
-        optim, temps, step_grads = 0.0, 0.0, (pb * p / part if stage < 3 else 0.0)
+        optim, temps, step_grads = 0.0, 0.0, (pb * g / part if stage < 3 else 0.0)
     moments: dict[str, _Moment] = {}
     if stage == 3:
         own = 0.0 if z.offload_param else pb * p / dp
@@ -427,52 +433,50 @@ def _zero_moments(plan: Plan, shape: ModelShape, held: HeldParams, model: dict[s
         gathered = {"forward": whole, "logits": whole, "loss": whole, "head": whole, "first_grad": whole,
                     "after_head": resident(embedding + blocks), "blocks": resident(embedding + blocks),
                     "last_block": resident(embedding + first), "embedding": resident(embedding)}
-        grads = pb * p / dp
+        grads = pb * g / dp
         # The forward's flat buffer, beside the parameters copied out of it, until the LM head.
         fetch = pb * min(embedding + blocks + head, max(z.stage3_prefetch_bucket_size, held.largest)) if dp > 1 else 0.0
         for phase, (acts, forming) in model.items():
             moments[phase] = _Moment(own + gathered[phase] + (fetch if phase == "forward" else 0.0), grads + forming,
                                      optim, acts, bucket)
         moments["reduce"] = _Moment(own + resident(embedding), grads, optim, 0.0, bucket + flat * (2 if host else 1))
-        moments["step"] = _step(own, grads, step_grads, optim, temps, pb, p / dp, bucket)
+        moments["step"] = _step(own, grads, step_grads, optim, temps, pb, g / dp, bucket)
         return moments
     weights = pb * p
     if stage == 2:
-        partition = pb * p / dp  # grads_in_partition: the averaged gradients of the rank's partition
+        partition = pb * g / dp  # grads_in_partition: the averaged gradients of the rank's partition
         # It exists from the first bucket's reduction: an earlier micro-batch's, or, in a lone
         # micro-batch, once reduce_bucket_size elements of gradients have arrived.
-        filled = p > z.reduce_bucket_size
+        filled = g > z.reduce_bucket_size
         earlier = ({phase: partition for phase in (*PHASES, "last_block")} if ga > 1
                    else {"last_block": partition, "embedding": partition} if filled else {})
         for phase, (acts, forming) in model.items():
             moments[phase] = _Moment(weights, earlier.get(phase, 0.0) + forming, optim, acts,
-                                     bucket if phase in _AFTER_FIRST_GRAD else 0.0)
+                                     bucket if phase in bucketed else 0.0)
         # The last bucket's flattened copy beside the partition's gradients: kept from the earlier
         # micro-batches; in a lone micro-batch, allocated once the copy is garbage.
         # A full bucket is reduced while the gradient that did not fit in it waits.
-        pending = pb * held.largest if filled else 0.0
+        pending = pb * t.largest if filled else 0.0
         moments["reduce"] = _Moment(weights, (partition if ga > 1 else 0.0) + pending, optim, 0.0,
                                     bucket + (flat if ga > 1 else max(flat, partition)))
-        moments["step"] = _step(weights, 0.0, step_grads, optim, temps, pb, p / dp)
+        moments["step"] = _step(weights, 0.0, step_grads, optim, temps, pb, g / dp)
         return moments
     # Stage 0/1: whole gradients accumulate in param.grad; reduced at the boundary.
-    whole = ({phase: pb * p for phase in (*PHASES, "last_block")} if ga > 1
-             else {"after_head": pb * held.head, "blocks": pb * held.head,
-                   "last_block": pb * (p - held.embedding - held.first), "embedding": pb * (p - held.embedding)})
+    whole = ({phase: pb * g for phase in (*PHASES, "last_block")} if ga > 1
+             else {"after_head": pb * t.head, "blocks": pb * t.head,
+                   "last_block": pb * (g - t.embedding - t.first), "embedding": pb * (g - t.embedding)})
     keep = bucket if stage == 1 else 0.0
     for phase, (acts, forming) in model.items():
         moments[phase] = _Moment(weights, whole.get(phase, 0.0) + forming, optim, acts,
-                                 keep if ga > 1 or phase in _AFTER_FIRST_GRAD else 0.0)
+                                 keep if ga > 1 or phase in bucketed else 0.0)
     # Reducing: the gradients not yet in a bucket, the bucket and its flattened copy; then the
     # partition's gradients (`grads_in_partition`), once the copy is garbage.
-    partition = pb * p / dp if stage == 1 else 0.0
-    moments["reduce"] = _Moment(weights, pb * max(0.0, p - z.reduce_bucket_size), optim, 0.0,
+    partition = pb * g / dp if stage == 1 else 0.0
+    moments["reduce"] = _Moment(weights, pb * max(0.0, g - z.reduce_bucket_size), optim, 0.0,
                                 keep + max(flat, partition))
-    step_temps = temps if stage == 1 else (0.0 if fused else _adamw_temporaries(p, held.largest, host))
-    if stage == 1:
-        moments["step"] = _step(weights, 0.0, step_grads, optim, step_temps, pb, p / dp, 0.0)
-    else:
-        moments["step"] = _Moment(weights, pb * p, optim + step_temps)
+    step_temps = temps if stage == 1 else (0.0 if fused else _adamw_temporaries(g, t.largest, host))
+    moments["step"] = (_step(weights, 0.0, step_grads, optim, step_temps, pb, g / dp, 0.0) if stage == 1
+                       else _Moment(weights, pb * g, optim + step_temps))
     return moments
 
 
@@ -502,8 +506,8 @@ def memory_moments(plan: Plan, model: ActivationModel = "trace", device: "Device
         moments = _fsdp_moments(plan, shape, held, trained, per_phase, host, share)
     elif plan.strategy == "ddp":
         moments = _ddp_moments(plan, shape, held, trained, per_phase, host)
-    else:  # ZeRO with LoRA is refused before any estimate (paratune.adapters.adapter_refusal)
-        moments = _zero_moments(plan, shape, held, per_phase, host)
+    else:
+        moments = _zero_moments(plan, shape, held, trained, per_phase, host)
     if share is not None:
         add_dispatch(plan, moments, imbalance)
     return moments
@@ -558,11 +562,10 @@ def model_states(plan: Plan, shape: ModelShape | None = None) -> ModelStates:
         if f.cpu_offload:  # shards, their gradients and the optimizer live in host memory
             weights, optim, grads, step = weights - 4 * per_shard, 0.0, 0.0, 0.0
         return ModelStates(weights, grads, optim, buffers, step)
-    # ZeRO with LoRA is refused before any estimate (paratune.adapters.adapter_refusal).
     z = plan.zero
     assert z is not None
     if z.stage == 3 and plan.tp > 1:  # ZeRO-3 partitions what AutoTP leaves whole over the tp ranks too
-        local = shape.total / plan.tp
+        local = g = shape.total / plan.tp  # (LoRA: tp 1)
     stage, part = z.stage, dp if z.stage >= 1 else 1
     weights = pb * local / (dp if stage == 3 else 1)
     if stage == 3 and dp > 1:
@@ -570,18 +573,15 @@ def model_states(plan: Plan, shape: ModelShape | None = None) -> ModelStates:
         # 1e9 elements) plus the module in use; DeepSpeed's estimator assumes only its largest layer.
         largest = max(layer, shape.embedding / plan.tp, shape.head / plan.tp)
         weights += pb * min(local, ZERO3_MAX_LIVE_PARAMETERS + largest)
-    # An fp32 flat copy of each partition (the master; DeepSpeed makes it in fp32 too) + 2 moments.
-    optim = (12 if stage >= 1 else 8) * local / part
+    # An fp32 flat copy of each trained partition (the master; in fp32 too) + 2 moments.
+    optim = (12 if stage >= 1 else 8) * g / part
     step = 0.0
-    if stage == 3:
-        grads = pb * local / dp  # grad_partitions_flat_buffer, in the model dtype
-        step = 4 * local / dp  # + its fp32 copy for the optimizer step
-    elif stage == 2:
-        grads = pb * local / dp  # the averaged gradient partition (bucket by bucket in backward)
-        step = 4 * local / dp  # + its fp32 copy for the optimizer step
+    if stage in (2, 3):  # ZeRO-3's grad_partitions_flat_buffer / ZeRO-2's averaged partition
+        grads = pb * g / dp  # in the model dtype
+        step = 4 * g / dp  # + its fp32 copy for the optimizer step
     else:
-        grads = pb * local if ga > 1 else 0.0  # whole gradients, reduced at the boundary
-        step = 4 * local / part if stage == 1 else 0.0
+        grads = pb * g if ga > 1 else 0.0  # whole gradients, reduced at the boundary
+        step = 4 * g / part if stage == 1 else 0.0
     # The reduce bucket (ZeRO 1-3: DeepSpeed's contiguous_gradients) is allocated at its configured
     # size whatever the model's: the default 5e8 elements is 2 GB in fp32. Two with overlap_comm
     # (ZeRO-1/2).

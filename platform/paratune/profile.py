@@ -260,6 +260,12 @@ def optimizer_params(plan: Plan) -> int:
         local = held.local
         if plan.strategy == "fsdp" and share is not None:
             return max(1, int(shard_params(local, share.local, fsdp_shard_degree(plan), share)))
+    if plan.peft is not None:  # LoRA: the optimizer steps the adapters only
+        import math
+
+        from paratune.adapters import adapted_params
+
+        local = adapted_params(plan, held_with_experts(plan, shape)[0], math.ceil(shape.layers / plan.pp))[1].local
     if plan.strategy == "fsdp" and plan.fsdp is not None:
         local /= fsdp_shard_degree(plan)
     elif plan.strategy == "zero" and plan.zero is not None and plan.zero.stage >= 1:

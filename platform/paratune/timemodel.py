@@ -343,8 +343,9 @@ def compose(plan: Plan, profile: Profile, imbalance: float = DEFAULT_IMBALANCE) 
         else:
             z = plan.zero
             pb = d.param_bytes
-            red = _buckets(d.grad_bytes * local, d.grad_bytes * (z.reduce_bucket_size if z else 5e8))
-            gat = _buckets(pb * local, pb * (z.allgather_bucket_size if z else 5e8))
+            # LoRA: the adapters' gradients reduced, their updated partitions gathered (ZeRO 1-2)
+            red = _buckets(d.grad_bytes * g_local, d.grad_bytes * (z.reduce_bucket_size if z else 5e8))
+            gat = _buckets(pb * g_local, pb * (z.allgather_bucket_size if z else 5e8))
             if not d.gathers_per_micro_batch:  # ZeRO 0-2: reduce buckets; the partition gathered once
                 reduce = AR if d.gradients == "all_reduce" else RS
                 grads = sum(reduce(b) for b in red)

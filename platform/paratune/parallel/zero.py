@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paratune.adapters import add_adapters
 from paratune.materialize import ModelInit, attn_implementation, materialize
 from paratune.parallel.loss import apply_loss_form
 from paratune.parallel.runner import (ADAM_BETAS, ADAM_EPS, StepRunner, apply_activation_checkpointing, compile_blocks,
@@ -132,12 +133,14 @@ class DeepSpeedRunner(StepRunner):
             raise RuntimeError(f"DeepSpeed found no checkpoint under {path}")
 
 
-def build_zero3(init: ModelInit, ds_config: dict[str, Any], device: torch.device) -> nn.Module:
+def build_zero3(init: ModelInit, ds_config: dict[str, Any], device: torch.device, plan: Plan) -> nn.Module:
     """ZeRO-3 construction as DeepSpeed does it: under `zero.Init` each module's parameters are
     partitioned as soon as the module is built (to the host under parameter offload), so a rank
     never holds more than one whole module. Values are then written one module at a time through
     `GatheredParameters` (the copy of the rank that made them is broadcast; ranks take turns):
-    the same values as the reference's."""
+    the same values as the reference's. LoRA adapters (plan.peft) are added after zero.Init, as a
+    Hugging Face LoRA run under ZeRO-3 adds them: whole on every rank (a rank-sized few MB), each
+    rank writes peft's seeded values itself, and deepspeed.initialize partitions them."""
     import deepspeed
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -153,8 +156,10 @@ def build_zero3(init: ModelInit, ds_config: dict[str, Any], device: torch.device
         model = AutoModelForCausalLM.from_config(init.config, attn_implementation=attn_implementation(init.config))
     if getattr(init.config, "tie_word_embeddings", False):
         model.tie_weights()  # no_init_weights also skipped the tying
+    add_adapters(model, plan, device)
     model_init = ModelInit(model, init.config, init.seed, init.dtype)
     model_init.sources = list(init.sources)  # pretrained weights: read by the rank that makes a module
+    model_init.template_hooks = list(init.template_hooks)  # the adapters' structure on the host template
     by_owner = model_init.targets_by_owner()
     rank, world = dist.get_rank(), dist.get_world_size()
     with torch.no_grad():
@@ -162,6 +167,12 @@ def build_zero3(init: ModelInit, ds_config: dict[str, Any], device: torch.device
             src = i % world  # module i's values are made by one rank (round-robin), then broadcast
             values = model_init.host_values(owner) if rank == src else None
             params = [t.module._parameters[t.attr] for t in targets if t.kind == "param"]
+            if params and not any(hasattr(p, "ds_id") for p in params):  # adapters, not yet partitioned
+                own = values if values is not None else model_init.host_values(owner)
+                for target in targets:
+                    if target.kind == "param":
+                        target.module._parameters[target.attr].data.copy_(own[target.owner_attr])
+                continue
             with deepspeed.zero.GatheredParameters(params, modifier_rank=src):
                 for target in targets:
                     if target.kind == "param" and rank == src:
@@ -252,7 +263,7 @@ def parallelize_zero(model: nn.Module, init: ModelInit, plan: Plan, device: torc
     on_gpu = device.type == "cuda"
     config = deepspeed_config(plan, on_gpu)
     if plan.zero.stage == 3:
-        model = build_zero3(init, config, device)
+        model = build_zero3(init, config, device, plan)
     else:  # ZeRO 0-2 replicate the weights: every rank holds the whole model (AutoTP shards it next)
         materialize(model, init, device)
     if init.meter is not None:
