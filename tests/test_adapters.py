@@ -90,7 +90,10 @@ def lora_measure(plan, rank, world, local_world, device):
 
 
 LAYOUTS = {"ddp": {"strategy": "ddp"}, "fsdp": {"strategy": "fsdp", "fsdp": {"sharding": "full"}},
-           **{f"zero{stage}": {"strategy": "zero", "zero": {"stage": stage}} for stage in (1, 2, 3)}}
+           **{f"zero{stage}": {"strategy": "zero", "zero": {"stage": stage}} for stage in (1, 2, 3)},
+           # bf16 ZeRO-3: the adapters made in the partitioned base's bf16, DeepSpeed's fp32 master
+           "zero3-bf16": {"strategy": "zero", "zero": {"stage": 3}, "precision": "bf16"}}
+TOLERANCE = {"zero3-bf16": 1e-3}  # bf16 weights against the fp32 reference (seen: 1.6e-4)
 
 
 @pytest.mark.integration
@@ -99,7 +102,7 @@ def test_lora_under_ddp_fsdp_and_zero_matches_the_reference_and_trains_only_adap
     outs = run_plans_on_gloo(plans, measure="test_adapters:lora_measure")
     reference = reference_for(plans[0])
     for name, plan, out in zip(LAYOUTS, plans, outs):
-        assert max_loss_difference(out["losses"], reference) < 1e-5, (name, out["losses"], reference)
+        assert max_loss_difference(out["losses"], reference) < TOLERANCE.get(name, 1e-5), (name, out["losses"], reference)
         assert out["base_unchanged"] and out["adapters_trained"] and out["only_adapters_trainable"], (name, out)
         assert out["trainable"] > 0, name
 
