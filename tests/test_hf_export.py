@@ -32,6 +32,8 @@ LAYOUTS = {
     "tp2": {"tp": 2},
     "pp2": {"pp": 2},
     "fsdp-lora": {"strategy": "fsdp", "peft": {"method": "lora", "r": 4, "alpha": 8}},  # merged into the weights
+    "zero-3-lora": {"strategy": "zero", "zero": {"stage": 3}, "peft": {"method": "lora", "r": 4, "alpha": 8}},  # the frozen base gathered
+    "tp2-lora": {"tp": 2, "peft": {"method": "lora", "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj"]}},
     "zero-2": {"strategy": "zero", "zero": {"stage": 2}},  # the fp32 masters of its optimizer's partitions
     "zero-3": {"strategy": "zero", "zero": {"stage": 3}},
 }
@@ -90,7 +92,8 @@ def test_every_layout_writes_a_folder_from_pretrained_loads_with_the_trained_val
             assert torch.allclose(loaded[key], value, atol=TOLERANCE, rtol=0), \
                 (name, key, float((loaded[key] - value).abs().max()))
             moved = float((loaded[key] - initial[key]).abs().max())
-            if plan.peft is None or any(f".{t}." in key for t in ("q_proj", "v_proj")):  # LoRA: its targets only
+            targets = (plan.peft.target_modules or ("q_proj", "v_proj")) if plan.peft is not None else ()  # peft's Llama default
+            if plan.peft is None or any(f".{t}." in key for t in targets):  # LoRA: its targets only
                 assert moved > 20 * TOLERANCE, (name, key, "not trained")
             else:
                 assert moved == 0.0, (name, key, "a frozen weight moved")

@@ -114,13 +114,17 @@ def is_lora_layer(module: nn.Module) -> bool:
 
 def adapter_refusal(plan: Plan, config: Any = None) -> str | None:
     """Why the plan's adapters cannot run as laid out, or None: layouts not tested with LoRA, levers
-    that rewrite the adapted linears, and target modules the model lacks or that are not nn.Linear."""
+    that rewrite the adapted linears, and target modules the model lacks or that are not nn.Linear
+    (under tp: outside the blocks, whose linears paratune.parallel.tp lays out with their adapters)."""
     if plan.peft is None:
         return None
-    degrees = {k: getattr(plan, k) for k in ("tp", "pp", "cp", "ep") if getattr(plan, k) > 1}
+    degrees = {k: getattr(plan, k) for k in ("pp", "cp", "ep") if getattr(plan, k) > 1}
     if degrees:
-        return (f"peft: LoRA with {', '.join(f'{k} {v}' for k, v in degrees.items())}: not supported (the tp/pp/cp/ep "
-                "plans name the original linears, which peft wraps); allowed: tp = pp = cp = ep = 1 with peft")
+        return (f"peft: LoRA with {', '.join(f'{k} {v}' for k, v in degrees.items())}: not supported (not tested "
+                "with peft's wrapped linears); allowed: pp = cp = ep = 1 with peft (tp: with ddp or fsdp)")
+    if plan.tp > 1 and plan.strategy == "zero":
+        return (f"peft: LoRA with ZeRO and tp {plan.tp}: not supported (DeepSpeed's AutoTP shards linears by name and "
+                "would split peft's adapters as base layers); allowed with peft and tp > 1: strategy ddp or fsdp")
     if plan.float8 != "none":
         return f"float8: '{plan.float8}' with peft: float8 would convert the adapters' linears; allowed: 'none'"
     if plan.compile:
@@ -128,7 +132,12 @@ def adapter_refusal(plan: Plan, config: Any = None) -> str | None:
     from paratune.models import config_key
     from paratune.shapes import model_config_key
 
-    return _target_refusal(config_key(config) if config is not None else model_config_key(plan), plan.peft.model_dump_json())
+    key = config_key(config) if config is not None else model_config_key(plan)
+    refusal = _target_refusal(key, plan.peft.model_dump_json())
+    if refusal is None and plan.tp > 1 and _counts_of(key, plan.peft.model_dump_json()).root:
+        return (f"peft.target_modules: {plan.peft.target_modules!r} adapts a module outside the decoder blocks (the LM "
+                f"head) with tp {plan.tp}: not supported; allowed with tp > 1: the blocks' linears")
+    return refusal
 
 
 @functools.lru_cache(maxsize=64)

@@ -95,6 +95,11 @@ def _full_value(tensor: torch.Tensor) -> torch.Tensor | None:
         if full is not None:
             return full.detach().to("cpu", torch.float32).reshape(tensor.ds_shape if hasattr(tensor, "ds_shape")
                                                                   else tensor.shape).clone()
+        if hasattr(tensor, "ds_id"):  # a frozen ZeRO-3 parameter (LoRA's base): no master, gathered
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([tensor]):
+                return tensor.detach().to("cpu", torch.float32).clone()
     if isinstance(tensor, DTensor):
         return tensor.full_tensor().detach().cpu().clone()
     return tensor.detach().cpu().clone()

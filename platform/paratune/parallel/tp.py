@@ -130,6 +130,41 @@ def block_plan(model: nn.Module, sequence_parallel: bool, expert_parallel: bool 
     return plan
 
 
+def adapted_plan(block: nn.Module, plan: dict, sequence_parallel: bool = False) -> dict:
+    """A block's plan with each LoRA-wrapped linear (paratune.adapters) laid out as peft lays LoRA
+    under transformers' tp (peft tuners/lora/model.py): the base layer keeps the style; beside a
+    column-parallel base, lora_B is column-parallel the same way (its r inputs whole) and lora_A
+    stays whole, its gradient summed by lora_B's input; beside a row-parallel base, lora_A is
+    row-parallel (its partial r outputs reduced to whole, or reduce-scattered along the sequence
+    under sequence parallelism) and lora_B stays whole, its gradient summed over the tp group
+    when each rank saw only its part of the sequence. Under sequence parallelism a column-parallel
+    wrapper's input arrives as a replicated DTensor (the attention's / MLP's PrepareModuleInput):
+    made local first, as without it, for the whole lora_A."""
+    from paratune.adapters import ADAPTER_NAME, is_lora_layer
+
+    out: dict = {}
+    for key, style in plan.items():
+        module = block.get_submodule(key) if "*" not in key else None
+        if module is None or not is_lora_layer(module):
+            out[key] = style
+            continue
+        out[f"{key}.base_layer"] = style
+        a, b = f"{key}.lora_A.{ADAPTER_NAME}", f"{key}.lora_B.{ADAPTER_NAME}"
+        if isinstance(style, ColwiseParallel):
+            out[b] = ColwiseParallel(output_layouts=style.output_layouts[0], use_local_output=style.use_local_output)
+            if sequence_parallel:
+                out[key] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                              use_local_output=True)
+        elif isinstance(style, RowwiseParallel):
+            out[a] = RowwiseParallel(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0])
+            if style.output_layouts[0] != Replicate():
+                out[b] = ReplicatedWithGradAllReduce()
+        else:
+            raise ValueError(f"peft: LoRA on {key} under tp style {type(style).__name__}: not supported; "
+                             "allowed: column- or row-parallel linears")
+    return out
+
+
 def head_style(model: nn.Module, input_layout) -> ColwiseParallel:
     """The LM head's layout: column-parallel (sharded over the vocabulary). With the vocab-parallel
     loss (paratune.parallel.loss, recorded on the model) its logits stay a DTensor sharded over the
@@ -140,6 +175,18 @@ def head_style(model: nn.Module, input_layout) -> ColwiseParallel:
 
 
 def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False, expert_parallel: bool = False) -> None:
+    """The model's tp layout, in place (the blocks' from transformers' plan, the adapters beside
+    their base layers). Frozen parameters stay frozen: torch's SequenceParallel makes the norms'
+    parameters anew without their requires_grad (style.py `_replicate_module_fn`), which under
+    LoRA trained the frozen norms (seen: losses 1e-4 off the reference after one step)."""
+    frozen = [(module, name) for module in model.modules() for name, p in module._parameters.items()
+              if p is not None and not p.requires_grad]
+    _apply_tp(model, tp_mesh, sequence_parallel, expert_parallel)
+    for module, name in frozen:
+        module._parameters[name].requires_grad_(False)
+
+
+def _apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, expert_parallel: bool) -> None:
     parts = decoder_parts(model)
     embedding, head = parts.embedding, parts.head
     tied = head.weight is embedding.weight
@@ -152,7 +199,7 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False, expert_
         head.weight = embedding.weight
     plan = block_plan(model, sequence_parallel, expert_parallel)
     for block in decoder_blocks(model):
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, adapted_plan(block, plan, sequence_parallel))
 
 
 @torch.no_grad()
