@@ -7,6 +7,7 @@ exception there, after the last trial, would lose the whole sweep's winner).
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
@@ -19,7 +20,7 @@ from gloo_harness import one_torch_thread  # noqa: F401 (fixture: in-process ref
 from paratune.models import build_config, load_config_dict, parameter_counts
 from paratune.parity import PROXY_HEAD_DIM, Parity, parity_proxy, proxy_shape, reference_losses, winner_parity
 from paratune.plan import Plan, load_plan_dict
-from paratune.space import load_space
+from paratune.space import load_space as _load_space
 from paratune.trial import TrialResult
 
 SPACES = sorted((Path(__file__).resolve().parents[1] / "search_spaces").glob("*.yaml"))
@@ -27,6 +28,12 @@ SPACES = sorted((Path(__file__).resolve().parents[1] / "search_spaces").glob("*.
 # degrees, batch split, precision, recomputation, data, env, ...) must stay the plan's own.
 CHANGED = {"model_overrides", "seq_len", "warmup_steps", "measure_steps"}
 PROXY_MAX_PARAMS = 5_000_000  # the reference runs on the driver's CPU
+
+
+@functools.lru_cache(maxsize=None)
+def load_space(path: Path):
+    """A shipped space, loaded once for the module's tests (the 70B space's plans take ~20 s)."""
+    return _load_space(path)
 
 
 def _check_proxy(plan: Plan, max_params: int = PROXY_MAX_PARAMS) -> Plan:
