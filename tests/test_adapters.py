@@ -295,3 +295,18 @@ def test_lora_steps_and_reduces_only_the_adapters_while_zero3_still_gathers_the_
         assert 0.3 * comm_full < comm_lora < 0.75 * comm_full, (comm_full, comm_lora)
     else:
         assert comm_lora < comm_full / 1000, (comm_full, comm_lora)
+
+
+def test_the_profiles_lora_block_is_built_with_the_frozen_base_a_trial_runs():
+    """The calibrated profile times a LoRA plan's block as a trial runs it: peft's adapters on the
+    block, the base frozen (its backward computes no weight gradients), only the adapters trained."""
+    from paratune.profile import plan_blocks, profile_requests_for
+    from paratune.profiling import _build_levered, lever_plan
+
+    plan = load_plan_dict({**BASE_PLAN, "num_workers": 1, "peft": LORA})
+    (request,) = profile_requests_for([plan])
+    (shape,) = plan_blocks(plan)
+    _, _, model = _build_levered(request, 1, 1, lever_plan(request, shape), torch.device("cpu"))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable), trainable
+    assert {n.split(".")[-4] for n in trainable if "lora_A" in n} == {"q_proj", "v_proj"}  # ...q_proj.lora_A.default.weight

@@ -440,3 +440,25 @@ def test_levers_the_profile_did_not_measure_are_derived_and_said_so():
     assert model.predict(plan(micro_batch=2, tp=2, precision="bf16", loss="standard")).note is None
     with pytest.raises(ValueError, match="'layers' has no block of its own"):
         profile.block(2, 128, 1, "layers")
+
+
+def test_a_lora_plan_times_the_frozen_base_block_it_runs():
+    """A LoRA plan's block is its own lever (the frozen base's backward has no weight gradients):
+    measured, the time model takes it; never measured, the prior (4/6 of the full block), said so."""
+    profile = lever_profile()
+    eager = profile.block(2, 128, 1, "none")
+    lora = plan(micro_batch=2, precision="bf16", peft={"r": 8, "alpha": 16})
+    prior = profile.block(2, 128, 1, "none", peft=lora.peft.model_dump_json())
+    assert prior.block_s == pytest.approx(4 / 6 * eager.block_s) and "prior" in prior.derived
+    assert "not profiled" in StepTimeModel([profile]).predict(lora).note
+    measured = BlockTime(shape=BlockShape(micro_batch=2, seq_len=128, peft=lora.peft.model_dump_json()),
+                         block_s=0.8 * eager.block_s, embed_s=eager.embed_s, head_s=eager.head_s)
+    with_lora = profile.model_copy(update={"blocks": profile.blocks + [measured]})
+    m = lora.grad_accum
+    assert compose(lora, with_lora)["compute"] == pytest.approx(m * (4 * 0.8 * eager.block_s + eager.embed_s + eager.head_s))
+    assert StepTimeModel([with_lora]).predict(lora).note is None
+    # the profile a LoRA sweep asks for has the frozen-base block beside the full one's
+    from paratune.profile import profile_requests_for
+
+    (request,) = profile_requests_for([lora, plan(micro_batch=2, precision="bf16")])
+    assert sorted(b.peft != "" for b in request.blocks) == [False, True]

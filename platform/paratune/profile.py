@@ -50,13 +50,16 @@ COLLECTIVE_OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter",
 HeadLoss = Literal["standard", "vocab_parallel", "chunked"]
 # What a lever costs a block against none of it when a profile never measured the pair (the time
 # model says so in its note): full recompute runs the forward twice (~4/3 of forward + backward),
-# selective only the cheap ops again (CPU probe: +7% step); compile and float8 assumed neutral.
+# selective only the cheap ops again (CPU probe: +7% step); compile and float8 assumed neutral;
+# LoRA (`peft`: the plan's adapters as JSON, "" none) drops the frozen weights' gradient matmuls,
+# 2 of forward + backward's 6 FLOPs per weight (keyed "lora" for any adapters).
 LEVER_PRIORS: dict[str, dict[Any, float]] = {
     "checkpointing": {"none": 1.0, "selective": 1.07, "full": 4 / 3},
     "compile": {False: 1.0, True: 1.0},
     "float8": {"none": 1.0, "tensorwise": 1.0, "rowwise": 1.0},
+    "peft": {"": 1.0, "lora": 4 / 6},
 }
-LEVER_FIELDS: tuple[str, ...] = ("checkpointing", "compile", "float8")
+LEVER_FIELDS: tuple[str, ...] = ("checkpointing", "compile", "float8", "peft")
 
 
 class ProfileError(ValueError):
@@ -76,6 +79,7 @@ class BlockShape(_Strict):
     checkpointing: Checkpointing = "none"
     compile: bool = False
     float8: Float8Recipe = "none"
+    peft: str = ""  # the plan's LoRA adapters (PeftSpec JSON): a frozen base's backward; "" none
 
     @field_validator("checkpointing")
     @classmethod
@@ -88,6 +92,9 @@ class BlockShape(_Strict):
     @property
     def key(self) -> str:
         levers = (":compiled" if self.compile else "") + (f":f8-{self.float8}" if self.float8 != "none" else "")
+        if self.peft:
+            spec = json.loads(self.peft)
+            levers += f":lora-r{spec['r']}-{spec['target_modules'] or 'default'}".replace(" ", "")
         return f"mb{self.micro_batch}:s{self.seq_len}:tp{self.tp}:{self.checkpointing}{levers}"
 
     @property
@@ -221,8 +228,9 @@ def plan_groups(plan: Plan) -> list[GroupSpec]:
 def plan_blocks(plan: Plan) -> list[BlockShape]:
     """The block shapes a plan's step runs: one, or a `none` and a `full` one for `layers`."""
     modes = ("none", "full") if plan.activation_checkpointing == "layers" else (plan.activation_checkpointing,)
+    peft = plan.peft.model_dump_json() if plan.peft is not None else ""
     return [BlockShape(micro_batch=plan.micro_batch, seq_len=plan.seq_len // plan.cp, tp=plan.tp, checkpointing=mode,
-                       compile=plan.compile, float8=plan.float8) for mode in modes]
+                       compile=plan.compile, float8=plan.float8, peft=peft) for mode in modes]
 
 
 def head_loss(plan: Plan) -> str:
@@ -285,7 +293,7 @@ def profile_requests_for(plans: list[Plan], reps: int | None = None) -> list[Pro
         # Each (shape, levers) once: a space sweeping compile x float8 x checkpointing asks for each
         # combination it has, no more (a compiled shape costs a compile on the workers).
         blocks = sorted({b for p in group for b in plan_blocks(p)},
-                        key=lambda b: (b.tp, b.checkpointing, b.compile, b.float8, b.seq_len, b.micro_batch))
+                        key=lambda b: (b.tp, b.checkpointing, b.compile, b.float8, b.peft, b.seq_len, b.micro_batch))
         heads = sorted({h for p in group for h in plan_heads(p)}, key=lambda h: (h.tp, h.loss, h.seq_len, h.micro_batch))
         groups = sorted({g for p in group for g in plan_groups(p)}, key=lambda g: (g.size, g.stride))
         if first.num_workers > 1 and GroupSpec(size=first.num_workers) not in groups:
@@ -382,7 +390,7 @@ class Profile(BaseModel):
 
     # ---- lookups the time model uses ------------------------------------------------------
     def block(self, micro_batch: int, seq_len: int, tp: int, checkpointing: str = "none", compile: bool = False,
-              float8: str = "none") -> BlockTime:
+              float8: str = "none", peft: str = "") -> BlockTime:
         """The measured block at this shape and these levers; else interpolated in tokens over the
         measured ones with the same tp and levers (a + b x tokens), else from the nearest tp
         (x tp_measured/tp). With no entry for these levers at all: the block of the nearest lever
@@ -393,12 +401,12 @@ class Profile(BaseModel):
             raise ProfileError("checkpointing: 'layers' has no block of its own; allowed: 'none', 'selective', "
                                "'full' (paratune.timemodel composes 'layers' from 'none' and 'full' blocks)")
         want = BlockShape(micro_batch=micro_batch, seq_len=seq_len, tp=tp, checkpointing=checkpointing,
-                          compile=compile, float8=float8)
+                          compile=compile, float8=float8, peft=peft)
         measured = {b.shape.levers for b in self.blocks}
         if want.levers in measured:
             return self._at_shape([b for b in self.blocks if b.shape.levers == want.levers], want)
         nearest = min(measured, key=lambda lv: (sum(a != b for a, b in zip(lv, want.levers)),
-                                                lv != ("none", False, "none"), str(lv)))
+                                                lv != ("none", False, "none", ""), str(lv)))
         have = dict(zip(LEVER_FIELDS, nearest))
         base = self._at_shape([b for b in self.blocks if b.shape.levers == nearest], want.model_copy(update=have))
         factor, how = 1.0, []
@@ -445,6 +453,8 @@ class Profile(BaseModel):
             best = [r for off_tp, r in pairs if off_tp == min(o for o, _ in pairs)]
             return math.exp(sum(math.log(r) for r in best) / len(best)), f"measured on {len(best)} shape(s)"
         prior = LEVER_PRIORS[field]
+        if field == "peft":  # any adapters: a frozen base
+            wanted, had = ("lora" if wanted else ""), ("lora" if had else "")
         return prior[wanted] / prior[had], "not measured: prior"
 
     def head(self, micro_batch: int, seq_len: int, tp: int, loss: str = "standard") -> tuple[float, str | None]:

@@ -8,8 +8,8 @@ group layout at a few message sizes, the optimizer step (torch AdamW with clippi
 as the trials step) and the host link; warm-up excluded, the device synchronised before each
 clock read, the minimum (or the median) of a few repetitions, the slowest rank's figure.
 
-The lever values a block shape carries (checkpointing, compile, float8) and the head's loss form
-are applied through the trials' own call sites (paratune.parallel.runner: convert_linears,
+The lever values a block shape carries (checkpointing, compile, float8, LoRA's frozen base) and the
+head's loss form are applied through the trials' own call sites (paratune.parallel.runner: convert_linears,
 apply_activation_checkpointing, compile_blocks) on a model built as a trial builds it.
 
 `run_profile` runs it as one Ray Train job (paratune.launch, like a trial), or through a
@@ -19,6 +19,7 @@ optimizer line (`profile_from_result`).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
@@ -28,8 +29,8 @@ from datetime import timedelta
 from typing import Any, Callable
 
 from paratune.plan import Plan
-from paratune.profile import (COLLECTIVE_OPS, BlockShape, BlockTime, Curve, HeadShape, HeadTime, LinearFit, Profile,
-                              ProfileError, ProfileRequest)
+from paratune.profile import (COLLECTIVE_OPS, LEVER_FIELDS, BlockShape, BlockTime, Curve, HeadShape, HeadTime, LinearFit,
+                              Profile, ProfileError, ProfileRequest)
 
 # A profile's collectives (world group and the sub-groups it measures) time out after this.
 PROFILE_COMM_TIMEOUT_S = 300.0
@@ -89,7 +90,7 @@ def lever_plan(request: ProfileRequest, shape: BlockShape | None = None, loss: s
     """A one-rank plan carrying a block shape's levers (and a loss form): what the lever functions
     of paratune.parallel read, so the profile's block runs what a trial's does."""
     levers = {} if shape is None else {"activation_checkpointing": shape.checkpointing, "compile": shape.compile,
-                                       "float8": shape.float8}
+                                       "float8": shape.float8, "peft": json.loads(shape.peft) if shape.peft else None}
     return Plan(model=request.model, model_overrides=request.model_overrides, num_workers=1, global_batch=1,
                 micro_batch=1, precision=request.precision, device=request.device_type, loss=loss, **levers)
 
@@ -100,13 +101,15 @@ def _build_levered(request: ProfileRequest, tp: int, layers: int, plan: Plan, de
     checkpointing, compile), then materialized. (config, full vocab size, model)."""
     import torch
 
+    from paratune.adapters import add_adapters, prepare_init
     from paratune.materialize import ModelInit, build_meta, materialize
     from paratune.parallel.runner import apply_activation_checkpointing, compile_blocks, convert_linears
 
     config, full_vocab = _local_config(request, tp, layers)
     torch.manual_seed(0)
-    model = build_meta(config)
+    model = add_adapters(build_meta(config), plan)  # LoRA: the frozen base, as build_runner adds it
     init = ModelInit(model, config, seed=0)
+    prepare_init(init, plan)
     convert_linears(model, plan)
     apply_activation_checkpointing(model, plan)
     compile_blocks(model, plan)
@@ -147,7 +150,7 @@ def _profile_block_shapes(request: ProfileRequest, device, barrier: Callable[[],
                 config, full_vocab, model = _build_levered(request, shape.tp, 1, lever_plan(request, shape), device)
             except NotImplementedError as err:
                 built[key] = None
-                notes.append(f"blocks with {dict(zip(('checkpointing', 'compile', 'float8'), shape.levers))} not "
+                notes.append(f"blocks with {dict(zip(LEVER_FIELDS, shape.levers))} not "
                              f"profiled: {err}")
                 continue
             stages = [StageModule(model, (0, 1), first=False, last=False),

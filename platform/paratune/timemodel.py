@@ -182,10 +182,11 @@ def plan_blocks_times(plan: Plan, profile: Profile) -> tuple[BlockTime, BlockTim
     """(the block a plan's step runs, the one it runs where the forward is recomputed whole):
     the same one unless checkpointing is `layers` (then `none`'s and `full`'s)."""
     mb, seq, ac = plan.micro_batch, plan.seq_len // plan.cp, plan.activation_checkpointing
-    plain = profile.block(mb, seq, plan.tp, "none" if ac == "layers" else ac, plan.compile, plan.float8)
+    peft = plan.peft.model_dump_json() if plan.peft is not None else ""  # LoRA: a frozen base's backward
+    plain = profile.block(mb, seq, plan.tp, "none" if ac == "layers" else ac, plan.compile, plan.float8, peft)
     if ac != "layers":
         return plain, plain
-    return plain, profile.block(mb, seq, plan.tp, "full", plan.compile, plan.float8)
+    return plain, profile.block(mb, seq, plan.tp, "full", plan.compile, plan.float8, peft)
 
 
 def lever_notes(plan: Plan, profile: Profile) -> list[str]:
