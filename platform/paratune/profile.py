@@ -225,10 +225,15 @@ def plan_groups(plan: Plan) -> list[GroupSpec]:
     return out
 
 
+def peft_lever(plan: Plan) -> str:
+    """A plan's LoRA as a block shape's `peft` lever: its adapters as JSON, "" without."""
+    return plan.peft.model_dump_json() if plan.peft is not None else ""
+
+
 def plan_blocks(plan: Plan) -> list[BlockShape]:
     """The block shapes a plan's step runs: one, or a `none` and a `full` one for `layers`."""
     modes = ("none", "full") if plan.activation_checkpointing == "layers" else (plan.activation_checkpointing,)
-    peft = plan.peft.model_dump_json() if plan.peft is not None else ""
+    peft = peft_lever(plan)
     return [BlockShape(micro_batch=plan.micro_batch, seq_len=plan.seq_len // plan.cp, tp=plan.tp, checkpointing=mode,
                        compile=plan.compile, float8=plan.float8, peft=peft) for mode in modes]
 
@@ -269,8 +274,6 @@ def optimizer_params(plan: Plan) -> int:
         if plan.strategy == "fsdp" and share is not None:
             return max(1, int(shard_params(local, share.local, fsdp_shard_degree(plan), share)))
     if plan.peft is not None:  # LoRA: the optimizer steps the adapters only
-        import math
-
         from paratune.adapters import adapted_params
 
         local = adapted_params(plan, held_with_experts(plan, shape)[0], math.ceil(shape.layers / plan.pp))[1].local

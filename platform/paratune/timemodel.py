@@ -51,7 +51,7 @@ from functools import lru_cache
 from paratune.moe_costs import DEFAULT_IMBALANCE
 from paratune.plan import Plan
 from paratune.predict import StepPrediction
-from paratune.profile import BlockTime, Profile, head_loss
+from paratune.profile import BlockTime, Profile, head_loss, peft_lever
 
 MULTIPLIERS = ("compute", "tp_comm", "pp_comm", "dp_comm", "optimizer", "offload", "ep_comm")
 FAMILIES = ("ddp", "fsdp", "deepspeed", "zero3", "dtensor_tp", "autotp", "pipeline")
@@ -182,7 +182,7 @@ def plan_blocks_times(plan: Plan, profile: Profile) -> tuple[BlockTime, BlockTim
     """(the block a plan's step runs, the one it runs where the forward is recomputed whole):
     the same one unless checkpointing is `layers` (then `none`'s and `full`'s)."""
     mb, seq, ac = plan.micro_batch, plan.seq_len // plan.cp, plan.activation_checkpointing
-    peft = plan.peft.model_dump_json() if plan.peft is not None else ""  # LoRA: a frozen base's backward
+    peft = peft_lever(plan)  # LoRA: a frozen base's backward
     plain = profile.block(mb, seq, plan.tp, "none" if ac == "layers" else ac, plan.compile, plan.float8, peft)
     if ac != "layers":
         return plain, plain
