@@ -310,3 +310,19 @@ def test_the_profiles_lora_block_is_built_with_the_frozen_base_a_trial_runs():
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_" in n for n in trainable), trainable
     assert {n.split(".")[-4] for n in trainable if "lora_A" in n} == {"q_proj", "v_proj"}  # ...q_proj.lora_A.default.weight
+
+
+def test_adapters_added_to_a_built_model_follow_its_base_layers_dtype_on_the_given_device():
+    """What ZeRO-3's LoRA relies on (parallel.zero.build_zero3): adapters added after zero.Init are
+    made on the trial's device (cuda on a GPU: the `torch.device` context) in the base layers'
+    dtype (bf16 under ZeRO's bf16, peft's own placement), so DeepSpeed partitions them as it does
+    the base. On CPU the dtype rule is what can be seen; the device is the context's."""
+    from paratune.adapters import add_adapters
+    from paratune.materialize import build_meta
+
+    config = build_config("tiny-llama")
+    model = build_meta(config).to_empty(device="cpu").to(torch.bfloat16)
+    add_adapters(model, load_plan_dict({**BASE_PLAN, "peft": LORA}), torch.device("cpu"))
+    adapters = [p for n, p in model.named_parameters() if ".lora_" in n]
+    assert adapters and all(p.dtype == torch.bfloat16 and p.device.type == "cpu" and p.requires_grad for p in adapters)
+    assert all(not p.requires_grad for n, p in model.named_parameters() if ".lora_" not in n)
