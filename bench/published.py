@@ -262,11 +262,16 @@ def markdown(rows: list[Row], summaries: dict[str, dict[str, dict[str, Any]]], i
     for source, by_mode in summaries.items():
         for mode in modes:
             s = by_mode.get(mode)
-            if not s or not s["rows"]:
+            if not s:
+                continue
+            if not s["rows"]:
+                lines.append(f"| {source} | {mode} | 0 ({s['not_replayed']} listed, not replayed) "
+                             "| - | - | - | - | - | - | - | - | - |")
                 continue
             taus = ", ".join(f"{m} {v['tau']:+.2f} ({v['n']})" for m, v in s["tau_by_model"].items()) or "-"
+            skipped = f" (+{s['not_replayed']} not replayed)" if s["not_replayed"] else ""
             lines.append(
-                f"| {source} | {mode} | {s['rows']} | {_abs_pct(s.get('tokens_median_abs'))} | "
+                f"| {source} | {mode} | {s['rows']}{skipped} | {_abs_pct(s.get('tokens_median_abs'))} | "
                 f"{_pct(s.get('tokens_worst'))} ({s.get('tokens_worst_row', '-')}) | "
                 f"{s.get('tokens_too_slow', 0)} of {s['rows']} | {s.get('memory_rows', 0)} | "
                 f"{_abs_pct(s.get('memory_median_abs'))} | {_pct(s.get('memory_worst'))} "
