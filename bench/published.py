@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -381,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         for mode, s in by_mode.items():
             console.print(f"[bold]{source} \\[{mode}][/bold] {json.dumps(s, default=str)}")
     if args.no_write:
+        if not args.cache:
+            shutil.rmtree(cache, ignore_errors=True)
         return 0
     info = describe()
     out = Path(args.out)
@@ -398,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
                              for mode, res in r.results.items()}}
                  for r in rows]}, indent=1, default=str) + "\n")
     console.print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+    if not args.cache:  # the fresh folder held this run's traces only
+        shutil.rmtree(cache, ignore_errors=True)
     return 0
 
 
