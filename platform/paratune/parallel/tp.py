@@ -130,6 +130,28 @@ def block_plan(model: nn.Module, sequence_parallel: bool, expert_parallel: bool 
     return plan
 
 
+def linear_splits(model: nn.Module, expert_parallel: bool = False) -> dict[int, str]:
+    """Which dimension tp splits of each block linear (by module id): "out" for a column-parallel
+    one (its out_features / tp on each rank), "in" for a row-parallel one (in_features / tp): what
+    a rank's matmuls see after `apply_tp`, from the same per-block plan."""
+    from fnmatch import fnmatch
+
+    plan = block_plan(model, sequence_parallel=False, expert_parallel=expert_parallel)
+    splits: dict[int, str] = {}
+    for block in decoder_blocks(model):
+        for name, module in block.named_modules():
+            if not isinstance(module, nn.Linear):
+                continue
+            for key, style in plan.items():
+                if fnmatch(name, key):
+                    if isinstance(style, ColwiseParallel):
+                        splits[id(module)] = "out"
+                    elif isinstance(style, RowwiseParallel):
+                        splits[id(module)] = "in"
+                    break
+    return splits
+
+
 def adapted_plan(block: nn.Module, plan: dict, sequence_parallel: bool = False) -> dict:
     """A block's plan with each LoRA-wrapped linear (paratune.adapters) laid out as peft lays LoRA
     under transformers' tp (peft tuners/lora/model.py): the base layer keeps the style; beside a
