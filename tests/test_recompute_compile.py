@@ -44,8 +44,8 @@ def test_modes_set_the_blocks_transformers_checkpoints(mode, every, expected):
     recompute.apply_checkpointing(model, plan)
     assert recompute.checkpointed_blocks(model) == expected
     settings = recompute.checkpoint_settings(plan)
-    if mode == "selective":
-        assert "context_fn" in settings[0] and settings[0]["use_reentrant"] is False
+    assert settings is None if mode == "none" else settings == ({"layers": "full"}.get(mode, mode), every if
+                                                                 mode == "layers" else 1)
 
 
 def test_selective_policy_saves_matmuls_attention_and_under_tp_the_collectives():
@@ -239,3 +239,29 @@ def test_compiled_blocks_train_like_eager_with_compile_time_apart(name):
     assert out["compile_s"] is not None and out["compile_s"] >= 0
     assert len(out["step_times_s"]) == plan.measure_steps  # the compiling step is not among them
     assert set(out["linear_matmul_dtypes"]) == {"float32"}  # recorded in the extra eager step
+
+
+@pytest.mark.parametrize("site", ["dev", "gpu-image"])
+def test_the_checkpoint_sits_inside_forward_and_inside_the_compiled_graph_on_both_transformers(site):
+    """transformers 5.17 (the GPU image's) checkpoints a block's `__call__`, 5.23 its `forward`;
+    paratune checkpoints the forward itself on both: a block's module hooks (FSDP2's unshard) run
+    once per forward + backward while the block is recomputed, and a compiled selective block
+    holds the checkpoint in its Dynamo graph (seen with transformers' own hook on 5.17: hooks
+    twice, no checkpoint in the graph)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    if site == "gpu-image":
+        image = Path(sys.prefix) / "gpu-image-site"
+        assert (image / "transformers").is_dir(), f"{image} is missing: run `make install`"
+        env["PYTHONPATH"] = f"{root / 'tests' / 'image_shaped'}:{image}"
+    proc = subprocess.run([sys.executable, str(root / "tests" / "checkpoint_placement.py")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["transformers"].startswith("5.17" if site == "gpu-image" else "5.2"), seen
+    assert (seen["hook_calls"], seen["mlp_calls"], seen["graph_has_checkpoint"]) == (1, 2, True), seen
