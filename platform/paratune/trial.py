@@ -162,6 +162,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         runner = build_runner(config, plan, device, local_world, meter)
     finally:
         meter.abandon()
+    devices.warm_up_process_groups(device)  # communicators and cuBLAS before step 0, not in compile_s
     torch.manual_seed(plan.seed + 1 + dp_rank)  # dropout differs per data rank (same within a tp group)
     data = TokenBatches(plan.data, config.vocab_size, plan.seq_len, plan.global_batch, plan.seed)
 

@@ -128,6 +128,9 @@ class _Session:
     optimizer: Any = None
     window: MeasuredPeak | None = None  # the allocator's peak over the measured steps, as the trial's
 
+    def __post_init__(self) -> None:
+        self.window = self.window or MeasuredPeak(self.device)
+
 
 _SESSION: _Session | None = None
 
@@ -257,7 +260,7 @@ def run(plan_: Plan, rank: int, world: int, device_: torch.device,
 
     global _SESSION
     loop = import_loop(plan_.env[TRAIN_LOOP_ENV], plan_.env.get(TRAIN_LOOP_PATH_ENV))
-    _SESSION = s = _Session(plan_, rank, world, device_, stop_rule, window=MeasuredPeak(device_))
+    _SESSION = s = _Session(plan_, rank, world, device_, stop_rule)
     try:
         loop({"plan": plan_.to_dict(), "rank": rank, "world": world})
     finally:
