@@ -75,6 +75,40 @@ def test_meta_conversion_keeps_modules_names_and_values_and_skips_what_cuda_cann
     assert all(torch.equal(p, reference[n]) for n, p in model.named_parameters())
 
 
+def test_tp_splits_decide_what_converts_by_the_shape_each_rank_multiplies():
+    """Conversion runs before tp, but CUDA's _scaled_mm sees a rank's shard: at tp 2 tiny-llama's
+    MLP (176 wide) is 88 a rank, so gate/up (column-parallel: out/tp) and down (row-parallel:
+    in/tp) stay bf16 while q/k/v/o (64/tp = 32, 32/tp = 16) convert; at tp 1 all 14 convert."""
+    from paratune.parallel.float8 import skipped_linears
+
+    plan = _plan(tp=2, num_workers=2)
+    _, model = _meta_model(plan)
+    skipped = skipped_linears(model, plan)
+    mlp = {f"model.layers.{i}.mlp.{p}_proj" for i in range(2) for p in ("gate", "up", "down")}
+    assert set(skipped) == {"lm_head"} | mlp
+    assert "out_features 176 / tp 2 = 88 per rank" in skipped["model.layers.0.mlp.up_proj"]
+    assert "in_features 176 / tp 2 = 88 per rank" in skipped["model.layers.0.mlp.down_proj"]
+    assert set(skipped_linears(model, _plan())) == {"lm_head"}
+    convert_to_float8(model, plan)
+    assert len(converted_linears(model)) == TINY_CONVERTED - len(mlp)
+    # 192 / 2 = 96 a rank: the MLP converts at tp 2 too.
+    wide = _plan(tp=2, num_workers=2, model_overrides={"intermediate_size": 192})
+    assert set(skipped_linears(_meta_model(wide, {"intermediate_size": 192})[1], wide)) == {"lm_head"}
+
+
+def test_a_float8_plan_that_would_convert_nothing_is_refused_before_launch():
+    """hidden 48 at tp 2: every projection is 24 or 12 wide a rank, the MLP 88 whole: all bf16."""
+    from paratune.plan import PlanError
+    from paratune.preflight import check_plan_against_model
+
+    overrides = {"hidden_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 12,
+                 "intermediate_size": 88}
+    plan = _plan(tp=2, num_workers=2, model_overrides=overrides)
+    with pytest.raises(PlanError, match="float8: 'tensorwise' converts no linear of 'tiny-llama' at tp 2"):
+        check_plan_against_model(plan)
+    check_plan_against_model(_plan(tp=2, num_workers=2))  # the attention converts: accepted
+
+
 def test_float8_all_gather_weights_materialize_with_the_reference_values():
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
@@ -142,7 +176,8 @@ CASES = {
     "fsdp-rowwise": {"strategy": "fsdp", "float8": "rowwise"},
     "fsdp-tensorwise-float8-all-gather": {"strategy": "fsdp", "float8_all_gather": True},
     "pp2-tensorwise": {"pp": 2},
-    "tp2-tensorwise": {"tp": 2},  # plain DTensor TP on torchao's Float8Linear
+    # plain DTensor TP on torchao's Float8Linear; an MLP of 192 (96 a rank) so every block linear converts
+    "tp2-tensorwise": {"tp": 2, "model_overrides": {"intermediate_size": 192}},
 }
 # Same numbers as one process with the same float8 linears (no bf16 parameter copy, no tp split).
 # (Kept to what differs, for the suite's time: rowwise under fsdp, tensorwise under ddp, pp, tp and

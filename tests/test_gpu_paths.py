@@ -192,19 +192,112 @@ def test_deepspeed_takes_the_gpu_ray_assigned_on_a_16_gpu_node(monkeypatch):
 def test_a_user_loops_steps_are_timed_between_two_device_syncs(monkeypatch):
     """CUDA runs asynchronously: a user loop's step is timed only if the clock is read after the
     device has finished the step's work. On a CUDA device each `user_loop.steps()` body sits between
-    two `torch.cuda.synchronize` calls (paratune.devices.sync_device, the trial's own); on CPU none."""
+    two `torch.cuda.synchronize` calls (paratune.devices.sync_device, the trial's own); on CPU none.
+    The allocator's peak counter is reset as the first measured step starts (after warm-up, as the
+    trial's) and read as the last one ends, before whatever the loop does after it."""
     from paratune import user_loop
 
     events: list[str] = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(f"sync:{device}"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: events.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: events.append("read") or 7)
     plan = load_plan_dict({**BASE, "warmup_steps": 1, "measure_steps": 2})
     for device, expect_syncs in ((torch.device("cuda", 0), True), (torch.device("cpu"), False)):
         events.clear()
-        monkeypatch.setattr(user_loop, "_SESSION", user_loop._Session(plan, 0, 1, device, None))
+        session = user_loop._Session(plan, 0, 1, device, None)
+        monkeypatch.setattr(user_loop, "_SESSION", session)
         for step in user_loop.steps():
             events.append(f"step:{step}")
+        events.append("after the loop")
         steps = [f"step:{i}" for i in range(plan.total_steps)]
         if expect_syncs:
-            assert events == [e for s in steps for e in ("sync:cuda:0", s, "sync:cuda:0")], events
+            synced = [e for s in steps for e in ("sync:cuda:0", s, "sync:cuda:0")]
+            assert events == synced[:3] + ["reset"] + synced[3:] + ["read", "after the loop"], events
+            assert session.window.bytes == 7 and session.window.steps == [1, 2]
         else:
-            assert events == steps, events
+            assert events == steps + ["after the loop"], events
+
+
+@pytest.fixture
+def gloo_world_of_one(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_model_parallel_clipping_reduces_once_per_group_set_and_never_syncs(gloo_world_of_one, monkeypatch):
+    """tp/pp/cp/ep plans clip with paratune's own global norm (torch's cannot mix meshes). It must
+    not cost what DDP/FSDP plans do not pay: one all-reduce per distinct set of groups the
+    gradients span (here: the tp mesh's, DDP's tp shards', the experts' ep group, the pp
+    stages'), however many parameters, and no host sync (no `item()`/`float()` of a device
+    tensor: a dispatch mode sees every op). The norm and the clipped gradients are torch's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from paratune.parallel.tp import clip_grad_norm
+
+    mesh = init_device_mesh("cpu", (1,))
+    gen = torch.Generator().manual_seed(0)
+    params = []
+    for i in range(6):  # DTensor weights (sharded and replicated), plain, DDP's tp shards, experts
+        value, grad = torch.randn(4, 3, generator=gen), torch.randn(4, 3, generator=gen) * 10
+        if i < 2:
+            placement = [Shard(0)] if i == 0 else [Replicate()]
+            p = torch.nn.Parameter(distribute_tensor(value, mesh, placement))
+            p.grad = distribute_tensor(grad, mesh, placement)
+        else:
+            p = torch.nn.Parameter(value)
+            p.grad = grad.clone()
+            if i == 3:
+                p._st_info = object()
+            if i >= 4:
+                p._paratune_expert = True
+        params.append(p)
+    plain = [(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone() for p in params]
+    expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in plain]))
+    reduces: list = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **kw: reduces.append(kw.get("group")) or real(t, *a, **kw))
+
+    class HostSyncs(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
+                self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    groups = {name: dist.new_group([0]) for name in ("tp", "ep", "pp")}
+    with HostSyncs():
+        total = clip_grad_norm(params, 1.0, pp_group=groups["pp"], tp_group=groups["tp"], ep_group=groups["ep"])
+    assert HostSyncs.seen == []
+    # Sharded DTensor (its mesh), DDP's tp shards (tp), experts (ep): 3 sets; replicated and plain need
+    # none; then the pp stages' sum.
+    assert len(reduces) == 4 and reduces[-1] is groups["pp"], reduces
+    assert torch.allclose(total, expected)
+    coef = 1.0 / (float(expected) + 1e-6)
+    for p, g in zip(params, plain):
+        got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        assert torch.allclose(got, g * coef, atol=1e-6)
+
+
+def test_every_process_group_is_connected_before_the_first_step(gloo_world_of_one, monkeypatch):
+    """NCCL creates a group's communicator at its first collective, and cuBLAS its handle at the
+    first matmul: both would land in a compiled plan's first step and be counted as compile time
+    (gloo connects eagerly, so a CPU trial never shows it). The warm-up runs one collective on
+    every group the rank belongs to, in the order they were made (the same on every rank: NCCL's
+    communicator set-up is a collective of its own), and one matmul."""
+    import torch.distributed as dist
+
+    from paratune.devices import warm_up_process_groups
+
+    made = [dist.new_group([0]) for _ in range(3)]
+    seen: list = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **kw: seen.append(kw.get("group")) or real(t, *a, **kw))
+    assert warm_up_process_groups(torch.device("cpu")) == 4
+    assert seen[1:] == made and seen[0] in (None, dist.group.WORLD)

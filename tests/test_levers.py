@@ -31,11 +31,24 @@ BASE = {"model": "tiny-llama", "num_workers": 2, "global_batch": 8, "micro_batch
     ({"loss": "chunked", "tp": 2}, "loss: 'chunked' with tp 2", "'vocab_parallel'"),
     ({"async_tp": True, "device": "cpu"}, "async_tp: true with device 'cpu'", "symmetric memory"),
     ({"async_tp": True, "tp": 2}, "async_tp: true needs compile: true, sequence_parallel: true", "allowed: false"),
+    # CUDA's _scaled_mm reduces the weight gradient over a rank's tokens: 2 x 20 = 40 is no multiple of 16.
+    ({"float8": "tensorwise", "precision": "bf16", "seq_len": 20}, "float8: 'tensorwise' with micro_batch 2 x "
+     "seq_len 20 = 40 tokens a rank", "allowed: micro_batch a multiple of 4 at seq_len 20"),
+    ({"float8": "rowwise", "precision": "bf16", "seq_len": 40, "cp": 2, "num_workers": 2, "strategy": "fsdp"},
+     "micro_batch 2 x seq_len 40 / cp 2 = 40 tokens a rank", "micro_batch a multiple of 4 at seq_len 40 and cp 2"),
 ])
 def test_a_lever_that_no_device_can_run_is_refused_with_its_reason(changes, field, says):
     with pytest.raises(PlanError) as err:
         load_plan_dict({**BASE, **changes})
     assert field in str(err.value) and says in str(err.value), str(err.value)
+
+
+def test_float8_token_rule_allows_what_it_says():
+    """The allowed micro-batches of the token rule make plans (4 x 20 = 80 = 5 x 16)."""
+    for micro in (4, 8):
+        plan = load_plan_dict({**BASE, "precision": "bf16", "float8": "tensorwise", "seq_len": 20,
+                               "micro_batch": micro, "global_batch": 16})
+        assert plan.micro_batch * plan.seq_len % 16 == 0
 
 
 def test_the_levers_that_compose_make_a_plan():

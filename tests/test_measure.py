@@ -256,6 +256,19 @@ def test_cuda_comm_share_counts_device_nccl_kernels_only():
     assert measure.comm_share_from_events(host_only, STEP_US / 1e6, "cuda") == 0.0
 
 
+def test_async_tps_symmetric_memory_transfers_count_as_communication():
+    """Async TP moves its tp traffic with torch's symmetric memory, not NCCL: peer copies of the
+    copy engine and kernels of c10d::symmetric_memory, overlapping the fused matmuls. They count
+    (their union with NCCL's); the matmuls they overlap do not. Names from torch's sources and
+    CUPTI's naming of peer copies: not yet seen in a real async-TP profile."""
+    step = [("Memcpy PtoP (Device -> Device)", 0.0, 300.0, True),
+            ("void c10d::symmetric_memory::barrier_kernel<(c10d::symmetric_memory::...)>", 250.0, 400.0, True),
+            ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", 0.0, 900.0, True),
+            ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 900.0, 1000.0, True),
+            ("symm_mem::fused_all_gather_matmul", 0.0, 950.0, False)]  # the host op: a launch span
+    assert measure.comm_share_from_events(step, 0.002, "cuda") == pytest.approx(0.25)  # [0, 400] + [900, 1000]
+
+
 def test_overlapping_kernels_are_counted_once_and_the_share_is_capped():
     same = [("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 0.0, 600.0, True),
             ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 100.0, 500.0, True),

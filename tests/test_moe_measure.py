@@ -8,6 +8,7 @@ dispatch; the all-to-all share is found by the names gloo really records, 0 with
 from __future__ import annotations
 
 import pytest
+import torch
 
 from paratune import measure
 from paratune.plan import load_plan_dict
@@ -53,6 +54,50 @@ def test_every_routed_pair_of_the_measured_steps_counted_once(runs, case):
     assert len(result.routing_balance_per_layer) == 2
     assert result.routing_balance == max(result.routing_balance_per_layer)
     assert 1.0 <= result.routing_balance <= EXPERTS / TOP_K
+
+
+def test_the_gpu_peak_window_closes_before_the_profiled_step(runs):
+    """The allocator's peak is read after the last measured step, before the extra profiled step
+    (what a CUDA trial reports: steps 1-2 of 3, though 4 ran)."""
+    _, out = batch_result(runs["ddp"])
+    assert out["memory_window_steps"] == [1, 2] and out["steps_run"] == 4
+
+
+def test_the_routing_hook_never_leaves_the_routers_device():
+    """A timed step must not wait for the host: the hook counts on the index's device with
+    index_add_ (no `.to("cpu")`, no bincount, which syncs on CUDA to size its output, no item()).
+    On the meta device any host transfer raises, and a dispatch mode lists every op it ran."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from paratune.models import build_config, build_model
+    from paratune.routing import RoutingCounter
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    model = build_model(build_config("tiny-mixtral", {}), seed=0)
+    counter = RoutingCounter(model, ep=1, counts_tokens=True, device="meta")
+    counter.counting = True
+    experts = next(m for n, m in model.named_modules() if n.endswith("experts"))
+    hook = next(iter(experts._forward_pre_hooks.values()))
+    index = torch.randint(0, EXPERTS, (16, TOP_K)).to("meta")
+    with Ops() as ops:
+        hook(experts, (torch.empty(16, 8, device="meta"), index), {})
+    assert not ops.seen & {"aten._local_scalar_dense", "aten.bincount", "aten.item"}, ops.seen
+    assert all(c.device.type == "meta" for c in counter.counts.values())
+    counter.remove()
+    real = RoutingCounter(model, ep=1, counts_tokens=True)
+    real.counting = True
+    hook = next(iter(experts._forward_pre_hooks.values()))
+    real_index = torch.tensor([[0, 1], [1, 7]])
+    hook(experts, (None, real_index), {})
+    assert next(iter(real.counts.values())).tolist() == [1, 2, 0, 0, 0, 0, 0, 1]
 
 
 def test_all_to_all_share_only_with_ep(runs):

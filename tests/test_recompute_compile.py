@@ -44,8 +44,8 @@ def test_modes_set_the_blocks_transformers_checkpoints(mode, every, expected):
     recompute.apply_checkpointing(model, plan)
     assert recompute.checkpointed_blocks(model) == expected
     settings = recompute.checkpoint_settings(plan)
-    if mode == "selective":
-        assert "context_fn" in settings[0] and settings[0]["use_reentrant"] is False
+    assert settings is None if mode == "none" else settings == ({"layers": "full"}.get(mode, mode), every if
+                                                                 mode == "layers" else 1)
 
 
 def test_selective_policy_saves_matmuls_attention_and_under_tp_the_collectives():
@@ -143,7 +143,11 @@ def test_compile_under_tp_copies_the_embeddings_async_output_once():
 
 def test_async_tp_refused_off_cuda_and_sets_inductors_pass_and_symmetric_memory(tmp_path):
     """async_tp on a CPU device: refused with levers' reason. What it sets (the same function a
-    CUDA run calls after the device check), read back on a one-process gloo group."""
+    CUDA run calls after the device check), read back on a one-process gloo group: symmetric
+    memory for the tp group, and Inductor's micro-pipeline pass in the blocks' own compile
+    options, never in Inductor's global config (which a reused worker group's next plan would
+    inherit). Dynamo keys cached graphs by those options: an async and a plain plan's compiles
+    are different backends, so neither reuses the other's graph."""
     import torch._inductor.config
     import torch.distributed as dist
     from torch.distributed import _symmetric_memory as symm
@@ -154,17 +158,41 @@ def test_async_tp_refused_off_cuda_and_sets_inductors_pass_and_symmetric_memory(
     plan = _plan(compile=True, tp=2, sequence_parallel=True).model_copy(update={"async_tp": True})
     with pytest.raises(ValueError, match=f"async_tp: true on device 'cpu': {ASYNC_TP_CPU_REASON[:30]}"):
         block_compile.enable_async_tp(plan, torch.device("cpu"), "0")
-    assert torch._inductor.config._micro_pipeline_tp is False
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         group_name = dist.group.WORLD.group_name
         block_compile.set_async_tp(group_name)
-        assert torch._inductor.config._micro_pipeline_tp is True
         assert symm.is_symm_mem_enabled_for_group(group_name)
     finally:
-        torch._inductor.config._micro_pipeline_tp = False
         symm._group_name_to_store.pop(group_name, None)
         dist.destroy_process_group()
+    assert torch._inductor.config._micro_pipeline_tp is False  # nothing global
+    fused, plain = block_compile.compile_options(plan), block_compile.compile_options(_plan(compile=True))
+    assert fused == {"dynamic": False, "options": {"_micro_pipeline_tp": True}} and plain == {"dynamic": False}
+    backends = [torch._TorchCompileInductorWrapper("default", kw.get("options"), kw["dynamic"]) for kw in (fused, plain)]
+    assert backends[0].config["_micro_pipeline_tp"] is True and backends[0] != backends[1]
+
+
+def test_an_async_tp_plans_workers_serve_it_alone():
+    """torch's symmetric-memory registry outlives a process group and refuses a group name twice
+    (names restart at 0 in every fresh group): an async-TP plan gets a worker group of its own key,
+    retired after its one plan; other keys keep being reused."""
+    from types import SimpleNamespace
+
+    from paratune.launch import WorkerDemand
+    from paratune.pool import SessionPool
+    from paratune.session import GroupKey
+
+    cuda = {"device": "cuda", "num_workers": 2, "gpus_per_node": 2}
+    async_plan = _plan(compile=True, tp=2, sequence_parallel=True, async_tp=True, **cuda)
+    plain = _plan(compile=True, tp=2, sequence_parallel=True, **cuda)
+    keys = [GroupKey.for_workers(WorkerDemand.for_plan(p, use_gpu=True)) for p in (async_plan, plain)]
+    assert keys[0].single_use and not keys[1].single_use and keys[0] != keys[1]
+    assert keys[0].workers.single_use  # through the group's own demand too
+    pool = SessionPool(max_groups=1)
+    served = lambda key, n: SimpleNamespace(key=key, requests_served=n)  # noqa: E731
+    assert pool._retired(served(keys[0], 1)) and not pool._retired(served(keys[0], 0))
+    assert not pool._retired(served(keys[1], 5))
 
 
 def test_a_block_first_called_under_a_dispatch_mode_is_caught_and_reset():
@@ -239,3 +267,56 @@ def test_compiled_blocks_train_like_eager_with_compile_time_apart(name):
     assert out["compile_s"] is not None and out["compile_s"] >= 0
     assert len(out["step_times_s"]) == plan.measure_steps  # the compiling step is not among them
     assert set(out["linear_matmul_dtypes"]) == {"float32"}  # recorded in the extra eager step
+
+
+@pytest.mark.parametrize("site", ["dev", "gpu-image"])
+def test_the_checkpoint_sits_inside_forward_and_inside_the_compiled_graph_on_both_transformers(site):
+    """transformers 5.17 (the GPU image's) checkpoints a block's `__call__`, 5.23 its `forward`;
+    paratune checkpoints the forward itself on both: a block's module hooks (FSDP2's unshard) run
+    once per forward + backward while the block is recomputed, and a compiled selective block
+    holds the checkpoint in its Dynamo graph (seen with transformers' own hook on 5.17: hooks
+    twice, no checkpoint in the graph)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    if site == "gpu-image":
+        image = Path(sys.prefix) / "gpu-image-site"
+        assert (image / "transformers").is_dir(), f"{image} is missing: run `make install`"
+        env["PYTHONPATH"] = f"{root / 'tests' / 'image_shaped'}:{image}"
+    proc = subprocess.run([sys.executable, str(root / "tests" / "checkpoint_placement.py")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["transformers"].startswith("5.17" if site == "gpu-image" else "5.2"), seen
+    assert (seen["hook_calls"], seen["mlp_calls"], seen["graph_has_checkpoint"]) == (1, 2, True), seen
+
+
+def test_compiled_blocks_stay_static_when_a_later_plan_changes_shapes():
+    """Dynamo's automatic-dynamic state lives per code object, and every block class of every plan
+    in a worker group runs the same forward: by default a second plan with another micro-batch
+    recompiles with that dimension dynamic (slower kernels). The blocks compile with
+    dynamic=False (parallel.compile.compile_options): each shape gets a static graph of its own."""
+
+    def graphs_for(kwargs: dict) -> list[bool]:
+        seen: list[bool] = []
+
+        def capture(gm, example_inputs):  # noqa: ANN001 - Dynamo's backend signature
+            seen.append(any(isinstance(d, torch.SymInt) for x in example_inputs if isinstance(x, torch.Tensor)
+                            for d in x.shape) or any(isinstance(x, torch.SymInt) for x in example_inputs))
+            return gm.forward
+
+        torch._dynamo.reset()
+        block = _Block()
+        block.compile(backend=capture, **kwargs)
+        for batch in (2, 4, 6):  # three plans' micro-batches
+            block(torch.randn(batch, 8))
+        return seen
+
+    assert graphs_for({k: v for k, v in block_compile.compile_options(_plan(compile=True)).items()
+                       if k != "options"}) == [False, False, False]
+    assert True in graphs_for({})  # what the default did: the second shape compiled dynamic
+    torch._dynamo.reset()

@@ -69,6 +69,50 @@ def test_steps_stop_early_when_the_incumbent_is_out_of_reach(one_rank):
     rule = measure.TrialStopRule(incumbent_tokens_per_s_per_gpu=1e12, min_steps=2)
     out = user_loop.run(plan, 0, 1, torch.device("cpu"), stop_rule=rule)
     assert out["stopped_early"] is True and len(out["step_times_s"]) == 2
+    assert out["memory_window_steps"] == [1, 2]  # the allocator's window: the measured steps run
+
+
+def test_the_peak_window_is_the_trials_measured_steps(one_rank):
+    """The GPU allocator's peak of a user loop covers what a trial's covers: reset after warm-up
+    (not before the loop builds its model), read after the last measured step."""
+    plan = _plan(f"{__name__}:sleepy_loop", warmup_steps=2, measure_steps=3)
+    out = user_loop.run(plan, 0, 1, torch.device("cpu"))
+    assert out["memory_window_steps"] == [2, 4]
+
+
+def sharded_loop(config):
+    """The example's model, prepared (FSDP2 under an fsdp plan) and stepped."""
+    from paratune.models import build_config, build_model
+
+    plan = user_loop.plan()
+    config = build_config(plan.model, plan.model_overrides)
+    model, optimizer = user_loop.prepare(build_model(config, seed=plan.seed), torch.optim.AdamW)
+    batches = user_loop.batches(config.vocab_size)
+    for step in user_loop.steps():
+        for ids in batches(step):
+            model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        user_loop.log_loss(0.0)
+
+
+@pytest.mark.parametrize("strategy, moved_whole", [("fsdp", False), ("ddp", True)])
+def test_fsdp_prepare_shards_the_model_where_it_was_built(one_rank, monkeypatch, strategy, moved_whole):
+    """FSDP2 moves each unit's states to the mesh's device as it shards it, so `prepare` must not
+    move the whole model first (on a GPU that put the unsharded model into the peak). A CPU device
+    cannot show where bytes land; what is checked is that the root is never moved whole under
+    fsdp (DDP replicates: there it is)."""
+    moved: list[str] = []
+    real_to = torch.nn.Module.to
+
+    def recording_to(self, *args, **kwargs):
+        moved.append(type(self).__name__)
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "to", recording_to)
+    out = user_loop.run(_plan(f"{__name__}:sharded_loop", strategy=strategy), 0, 1, torch.device("cpu"))
+    assert len(out["step_times_s"]) == 2
+    assert ("LlamaForCausalLM" in moved) is moved_whole, moved
 
 
 @pytest.mark.parametrize("loop, match", [("quitting_loop", "after 1 of 3 steps"), ("idle_loop", "ran no step")])

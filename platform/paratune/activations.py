@@ -239,7 +239,7 @@ def _trace_micro_batch(config, tokens: int, checkpointing: str, precision: str, 
 
     from paratune.materialize import attn_implementation
     from paratune.models import decoder_blocks
-    from paratune.parallel.recompute import enable_full_recompute
+    from paratune.parallel.recompute import checkpoint_blocks
 
     modes = (FakeTensorMode(), _grouped_mm_traceable(), _masks_as_in_a_real_run()) if fake else ()
     with contextlib.ExitStack() as stack:
@@ -252,10 +252,8 @@ def _trace_micro_batch(config, tokens: int, checkpointing: str, precision: str, 
             from paratune.adapters import add_traced_adapters
 
             add_traced_adapters(model, peft_json, precision)
-        if checkpointing == "full":
-            enable_full_recompute(model)
-        elif checkpointing == "selective":
-            _enable_selective_recompute(model)
+        if checkpointing in ("full", "selective"):  # the trace runs the runtime's own checkpoint (tp's is not traced)
+            checkpoint_blocks(model, checkpointing)
         ids = torch.randint(0, config.vocab_size, (sequences, tokens // sequences))
         known = [t.untyped_storage() for t in (*model.parameters(), *model.buffers())]
         tracker = _LiveBytes(known)
@@ -333,35 +331,6 @@ def _trace_micro_batch(config, tokens: int, checkpointing: str, precision: str, 
                 tracker.held -= sum(held.pop(pid) for pid in [pid for pid in held if owner.get(pid) == len(blocks) - 1])
                 tracker.held_peak["block_reduced"] = tracker.live + tracker.held
     return saved, dict(tracker.peak), dict(tracker.held_peak)
-
-
-def _selective_policy():
-    """The per-op policy of selective checkpointing: save the outputs of
-    paratune.parallel.recompute.SAVED_OPS (matmuls, attention), recompute every other op."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    from paratune.parallel.recompute import SAVED_OPS
-
-    def policy(ctx, func, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - torch's signature
-        return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
-
-
-def _enable_selective_recompute(model) -> None:  # noqa: ANN001 - a transformers PreTrainedModel
-    """Every decoder block under torch's selective checkpointing with `_selective_policy`, through
-    transformers' own hook (as bench/probes/levers/sac_check.py ran it): the trace then holds
-    exactly what the policy saves (`create_selective_checkpoint_contexts` under fake tensors),
-    not an estimate from per-op bytes."""
-    from functools import partial
-
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    kwargs = {"use_reentrant": False, "context_fn": partial(create_selective_checkpoint_contexts, _selective_policy())}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 @lru_cache(maxsize=256)

@@ -379,3 +379,37 @@ def sync_device(device) -> None:
         import torch
 
         torch.cuda.synchronize(device)
+
+
+def process_groups() -> list:
+    """The process groups this rank belongs to, default first, in the order they were made (the
+    same order on every rank: groups are made collectively). Read from c10d's registry behind
+    feature detection; without it, the default group alone."""
+    import torch.distributed as dist
+
+    c10d = dist.distributed_c10d
+    registry = getattr(getattr(c10d, "_world", None), "pg_map", None)
+    if not isinstance(registry, dict):
+        return [dist.group.WORLD]
+    outsider = getattr(getattr(c10d, "GroupMember", None), "NON_GROUP_MEMBER", None)
+    return [group for group in registry if group is not None and group is not outsider]
+
+
+def warm_up_process_groups(device) -> int:
+    """Connect every process group of this rank and create the device's matmul handle before the
+    first step, so neither lands in it: NCCL creates a group's communicator at its first collective
+    (ProcessGroupNCCL's lazy init), cuBLAS its handle and workspace at the first matmul, and a
+    compiled plan's `compile_s` is its first step's time beyond a measured one. One 1-element
+    all-reduce per group, in creation order (NCCL's communicator set-up is itself a collective of
+    the group's ranks); pipeline p2p pairs keep their lazy communicators. Returns the groups touched."""
+    import torch
+    import torch.distributed as dist
+
+    groups = process_groups()
+    probe = torch.zeros(1, device=device)
+    for group in groups:
+        dist.all_reduce(probe, group=group)
+    square = torch.ones(16, 16, device=device)
+    square @ square
+    sync_device(device)
+    return len(groups)

@@ -138,12 +138,17 @@ class WorkerDemand:
     per_worker: dict[str, float]
     demand: placement.Demand
     env: dict[str, str]
+    # The plan leaves state in its processes that no reset removes (async TP: torch's symmetric-memory
+    # registry keeps each tp group's rank, size and store by group name, refuses a name twice, and
+    # group names count from 0 again in every fresh process group): its workers serve it alone.
+    single_use: bool = False
 
     @classmethod
     def for_plan(cls, plan: Plan, use_gpu: bool, nodes: list[dict[str, Any]] | None = None) -> "WorkerDemand":
         """The demand on GPU (use_gpu) or CPU workers; `nodes`: ray.nodes(), for a GPU worker's CPUs."""
         per_worker = worker_resources(plan, use_gpu, nodes)
-        return cls(use_gpu, per_worker, placement.demand_for(plan, per_worker), worker_env(plan, use_gpu))
+        return cls(use_gpu, per_worker, placement.demand_for(plan, per_worker), worker_env(plan, use_gpu),
+                   single_use=bool(plan.async_tp))
 
     @property
     def workers(self) -> int:

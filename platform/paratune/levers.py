@@ -49,6 +49,10 @@ VOCAB_PARALLEL_PP_REASON = ("the pipeline schedule runs the last stage's backwar
 VOCAB_PARALLEL_CP_REASON = "context parallel's step computes its loss over sequence shards with its own scaling"
 CHUNKED_TP_REASON = ("under tp the head's logits are already split over tp ranks: use 'vocab_parallel' "
                      "(or 'auto')")
+FLOAT8_TOKENS_REASON = ("the weight gradient's float8 matmul reduces over a rank's tokens (torchao "
+                        "float8_linear.py: grad_output.t() @ input) and CUDA's _scaled_mm needs that inner "
+                        "dimension in multiples of 16")
+FLOAT8_MULTIPLE = 16  # CUDA's _scaled_mm (torch/_meta_registrations.py _check_scaled_mm_sizes)
 DEVICES_WITHOUT_FP8_REASON = "float8 matmuls need FP8 tensor cores (Hopper, Ada, Blackwell: sm_89+)"
 
 
@@ -65,6 +69,12 @@ def check_levers(plan: Plan) -> None:
         if plan.strategy == "zero":
             raise ValueError(f"float8: '{plan.float8}' with strategy 'zero': {FLOAT8_ZERO_REASON}; "
                              "allowed: strategy 'ddp' or 'fsdp' with float8")
+        tokens = float8_rank_tokens(plan)
+        if tokens % FLOAT8_MULTIPLE:
+            raise ValueError(f"float8: '{plan.float8}' with micro_batch {plan.micro_batch} x seq_len {plan.seq_len}"
+                             f"{f' / cp {plan.cp}' if plan.cp > 1 else ''} = {tokens:g} tokens a rank: "
+                             f"{FLOAT8_TOKENS_REASON}; allowed: {float8_allowed_micro_batches(plan)}, "
+                             "or float8 'none'")
     if plan.float8_all_gather:
         if plan.strategy != "fsdp":
             raise ValueError(f"float8_all_gather: true needs strategy 'fsdp' (it is FSDP2's all-gather of "
@@ -106,6 +116,23 @@ def check_levers(plan: Plan) -> None:
         if needs:
             raise ValueError(f"async_tp: true needs {', '.join(needs)} (it fuses the sequence-parallel "
                              "all-gather / reduce-scatter into the compiled blocks' matmuls); allowed: false")
+
+
+def float8_rank_tokens(plan: Plan) -> float:
+    """Tokens a rank's float8 linears see per micro-batch: sequence parallelism gathers the
+    sequence before the column-parallel matmuls, context parallelism keeps seq_len / cp of it."""
+    return plan.micro_batch * plan.seq_len / plan.cp
+
+
+def float8_allowed_micro_batches(plan: Plan) -> str:
+    """What the token rule allows at the plan's sequence length, in words."""
+    from math import gcd
+
+    per_sequence = plan.seq_len // plan.cp if plan.seq_len % plan.cp == 0 else None
+    if per_sequence is None:
+        return f"seq_len a multiple of cp {plan.cp} x {FLOAT8_MULTIPLE}"
+    step = FLOAT8_MULTIPLE // gcd(per_sequence, FLOAT8_MULTIPLE)
+    return f"micro_batch a multiple of {step} at seq_len {plan.seq_len}" + (f" and cp {plan.cp}" if plan.cp > 1 else "")
 
 
 def loss_form(plan: Plan) -> str:

@@ -54,6 +54,16 @@ def _is_nccl_kernel(name: str) -> bool:
     return "nccl" in lowered and not lowered.startswith("nccl:")
 
 
+def _is_symmetric_memory_transfer(name: str) -> bool:
+    """Async TP's communication on the device (torch's symmetric memory, not NCCL): its kernels,
+    in torch's `c10d::symmetric_memory` namespace (barrier, put/wait signal, one-/two-shot and
+    multimem all-reduce), and the copy engine's peer-to-peer copies the micro-pipelined
+    all-gather / reduce-scatter make ("Memcpy PtoP (Device -> Device)", as CUPTI names a peer
+    copy). Names read from torch's sources; no async-TP profile has been seen here (no GPU)."""
+    lowered = name.lower()
+    return "symmetric_memory" in lowered or lowered.startswith("memcpy ptop")
+
+
 def _union_us(spans: Iterable[tuple[float, float]]) -> float:
     """Total length of the union of intervals (overlapping kernels on several streams count once)."""
     busy, cur_start, cur_end = 0.0, None, None
@@ -73,12 +83,14 @@ def comm_share_from_events(events: Iterable[tuple[str, float, float, bool]], ste
                            device_type: str) -> float:
     """Fraction of a step with a collective in flight: the union of collective intervals / step.
 
-    On "cuda" only NCCL kernels on the device count: the host-side spans (c10d's `nccl:*` ranges,
-    `record_param_comms`, FSDP's `all_gather_copy_in`) are launches and copies, and a launch
+    On "cuda" only communication on the device counts: NCCL kernels, and async TP's symmetric-memory
+    kernels and peer copies (`_is_symmetric_memory_transfer`); the host-side spans (c10d's `nccl:*`
+    ranges, `record_param_comms`, FSDP's `all_gather_copy_in`) are launches and copies, and a launch
     returns long before its kernel ends. On "cpu" (gloo) the collective runs in the host spans."""
     events = [ProfileEvent(*e) for e in events]
     if device_type == "cuda":
-        spans = [(e.start_us, e.end_us) for e in events if e.on_device and _is_nccl_kernel(e.name)]
+        spans = [(e.start_us, e.end_us) for e in events
+                 if e.on_device and (_is_nccl_kernel(e.name) or _is_symmetric_memory_transfer(e.name))]
     elif device_type == "cpu":
         spans = [(e.start_us, e.end_us) for e in events
                  if not e.on_device and any(n in e.name.lower() for n in _CPU_COLLECTIVE_NAMES)]

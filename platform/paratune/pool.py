@@ -162,7 +162,9 @@ class SessionPool:
         return session
 
     def _retired(self, session: WorkerSession) -> bool:
-        return self.max_requests_per_group is not None and session.requests_served >= self.max_requests_per_group
+        """Served its share: `max_requests_per_group`, or its one plan (a single-use key: async TP)."""
+        limit = 1 if session.key.single_use else self.max_requests_per_group
+        return limit is not None and session.requests_served >= limit
 
     def _release(self, session: WorkerSession) -> None:
         with self._cond:

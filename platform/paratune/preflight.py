@@ -85,7 +85,7 @@ def check_plan_against_model(plan: Plan, config=None) -> None:
         if refusal is not None:
             raise PlanError(refusal)
     ep = getattr(plan, "ep", 1)
-    if plan.tp == 1 and plan.pp == 1 and cp == 1 and ep == 1:
+    if plan.tp == 1 and plan.pp == 1 and cp == 1 and ep == 1 and plan.float8 == "none":
         return  # data parallelism keeps every layer whole: nothing family-specific to check
     from paratune.models import build_config, config_key
 
@@ -101,12 +101,29 @@ def check_plan_against_model(plan: Plan, config=None) -> None:
         _check_autotp(plan, config, model)
     elif plan.tp > 1:
         _check_tp(plan, config, model)
+    if plan.float8 != "none":  # after tp's check: it reads tp's plan
+        _check_float8(plan, model)
     if cp > 1:
         _check_cp(plan, config, cp)
     if plan.sequence_parallel:
         _check_sequence_parallel(plan, config, model)
     if plan.pp > 1:
         _check_pp(plan, config, model)
+
+
+def _check_float8(plan: Plan, model: nn.Module) -> None:
+    """A float8 plan converts at least one linear: every linear whose shape on a rank CUDA's
+    _scaled_mm cannot take stays bf16 (paratune.parallel.float8), and a plan where that is all of
+    them would measure bf16 under a float8 label (its trial fails the float8 dtype check, late)."""
+    from paratune.parallel.float8 import skipped_linears
+
+    linears = [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    skipped = skipped_linears(model, plan)
+    if linears and len(skipped) == len(linears):
+        example = next((f"{n}: {why}" for n, why in skipped.items() if "LM head" not in why), "")
+        raise PlanError(f"float8: '{plan.float8}' converts no linear of '{plan.model}' at tp {plan.tp} (every one stays "
+                        f"bf16; e.g. {example}); allowed: float8 'none', or a tp whose per-rank widths are multiples "
+                        "of 16")
 
 
 def attention_windows(config) -> list[int | None]:

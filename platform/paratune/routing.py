@@ -20,9 +20,15 @@ class RoutingCounter:
     expert parallelism the module's forward is the dispatch (an instance attribute), and its
     pre-hooks still run before it, on the router's global expert ids. Activation checkpointing's
     recompute runs the forward again inside backward (the autograd engine is executing a node
-    then): such a call is not counted, so each routed token counts once."""
+    then): such a call is not counted, so each routed token counts once.
 
-    def __init__(self, model: torch.nn.Module, ep: int, counts_tokens: bool) -> None:
+    The counts stay on the router's device and grow by `index_add_`, which queues like any
+    kernel: no host transfer and no sync inside a timed step (a `.to("cpu")` per MoE layer
+    drained the stream each time; CUDA's bincount syncs too, to size its output from the
+    largest id). They reach the host once, after the measured steps (`summed_over_ranks`)."""
+
+    def __init__(self, model: torch.nn.Module, ep: int, counts_tokens: bool,
+                 device: torch.device | str = "cpu") -> None:
         from paratune.models import routed_experts
 
         self.counting = False
@@ -33,7 +39,7 @@ class RoutingCounter:
             # ep's experts module keeps E / ep local experts (`_ep_rows` marks it): the router's ids span all E.
             experts = count * ep if getattr(module, "_ep_rows", None) else count
             path = _model_path(model, path)
-            self.counts[path] = torch.zeros(experts, dtype=torch.int64)
+            self.counts[path] = torch.zeros(experts, dtype=torch.int64, device=device)
             self.handles.append(module.register_forward_pre_hook(self._hook(path, experts), with_kwargs=True))
 
     def _hook(self, path: str, experts: int):
@@ -43,8 +49,11 @@ class RoutingCounter:
             index = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
             if index is None:
                 return None
-            flat = index.detach().reshape(-1).to("cpu", torch.int64)
-            self.counts[path] += torch.bincount(flat, minlength=experts)[:experts]
+            flat = index.detach().reshape(-1)
+            counts = self.counts[path]
+            if counts.device != flat.device:  # made elsewhere than the router runs: moved once
+                counts = self.counts[path] = counts.to(flat.device)
+            counts.index_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int64))
             return None
 
         return count_routed

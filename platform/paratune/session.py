@@ -71,6 +71,7 @@ class GroupKey:
     env: tuple[tuple[str, str], ...]  # worker_env(plan, use_gpu), sorted
     slots_per_node: int | None = None  # the plan's gpus_per_node
     exclusive: bool = False  # on whole nodes of its own (paratune.placement)
+    single_use: bool = False  # one plan per group (paratune.launch.WorkerDemand.single_use: async TP)
 
     @classmethod
     def for_plan(cls, plan: Plan, use_gpu: bool, nodes: list[dict[str, Any]] | None = None) -> "GroupKey":
@@ -81,7 +82,7 @@ class GroupKey:
     def for_workers(cls, workers: WorkerDemand) -> "GroupKey":
         demand = workers.demand
         return cls(demand.workers, workers.use_gpu, tuple(sorted((k, float(v)) for k, v in workers.per_worker.items())),
-                   tuple(sorted(workers.env.items())), demand.slots_per_node, demand.exclusive)
+                   tuple(sorted(workers.env.items())), demand.slots_per_node, demand.exclusive, workers.single_use)
 
     @property
     def placement_demand(self) -> placement.Demand:
@@ -90,7 +91,7 @@ class GroupKey:
     @property
     def workers(self) -> WorkerDemand:
         """What the group's workers need of Ray (paratune.launch.build_trainer's input)."""
-        return WorkerDemand(self.use_gpu, dict(self.resources), self.placement_demand, dict(self.env))
+        return WorkerDemand(self.use_gpu, dict(self.resources), self.placement_demand, dict(self.env), self.single_use)
 
     def demand(self) -> dict[str, float]:
         """Cluster resources the whole group holds."""

@@ -1,12 +1,53 @@
-"""Peak tensor memory of one training step on CPU, by PyTorch's MemTracker (the trial's tracked step).
+"""A trial's peak memory: the device allocator's over the measured steps (GPU), or one tracked step's
+by PyTorch's MemTracker (CPU).
 
-Kept apart from paratune.trial: what the tracker must be told of that it cannot see by itself
-(DeepSpeed's own buffers, DDP's buckets, frozen parameters it would try to hook).
+Kept apart from paratune.trial: the window the allocator's counter covers (`MeasuredPeak`, the
+trial and a user's loop alike), and what the tracker must be told of that it cannot see by
+itself (DeepSpeed's own buffers, DDP's buckets, frozen parameters it would try to hook).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class MeasuredPeak:
+    """The device allocator's peak over the measured steps, and only those: its counter is reset
+    as the first measured step starts (warm-up's compile, lazy communicator and cuBLAS set-up left
+    out) and read as the last one ends, before any extra step (a compiled plan's eager dtype step,
+    the profiled step, the tracked step) can raise it. `steps`: [first, last] step run in the
+    window, counted by the caller across every step it runs, extra ones too, so the window is
+    visible on a CPU too, where no allocator counter exists. `bytes` is None off CUDA."""
+
+    device: torch.device
+    first: int | None = None
+    last: int | None = None
+    bytes: int | None = None
+
+    def open(self, steps_run: int) -> None:
+        """Before the first measured step (`steps_run` steps done so far)."""
+        self.first = steps_run
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def close(self, steps_run: int) -> None:
+        """After the last measured step; a window never opened (no measured step) stays empty."""
+        if self.first is None or self.last is not None:
+            return
+        self.last = steps_run - 1
+        if self.device.type == "cuda":
+            self.bytes = int(torch.cuda.max_memory_allocated(self.device))
+
+    @property
+    def steps(self) -> list[int] | None:
+        return None if self.first is None or self.last is None else [self.first, self.last]
+
+    def method(self, what: str = "") -> str:
+        """How the GPU figure was read, for the trial result."""
+        return f"torch.cuda.max_memory_allocated over the measured steps {self.steps}{what}"
 
 
 class _NoHook:

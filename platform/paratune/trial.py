@@ -34,7 +34,7 @@ from paratune.launch import (Deadline, WorkerDemand, build_trainer, ensure_ray, 
 from paratune.plan import Plan, PlanError, load_plan_dict
 from paratune.results import TrialResult
 from paratune.routing import RoutingCounter
-from paratune.step_memory import tracked_peak_bytes
+from paratune.step_memory import MeasuredPeak, tracked_peak_bytes
 
 # Public here too (users import them from paratune.trial): TrialResult (paratune.results) and
 # TrialTimeout (paratune.failures).
@@ -162,6 +162,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         runner = build_runner(config, plan, device, local_world, meter)
     finally:
         meter.abandon()
+    devices.warm_up_process_groups(device)  # communicators and cuBLAS before step 0, not in compile_s
     torch.manual_seed(plan.seed + 1 + dp_rank)  # dropout differs per data rank (same within a tp group)
     data = TokenBatches(plan.data, config.vocab_size, plan.seq_len, plan.global_batch, plan.seed)
 
@@ -176,7 +177,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     # Tokens per expert over the measured steps; a compiled plan's blocks would trace the hook, so
     # it counts in its extra eager step instead (see below).
     stages = runner.model if isinstance(runner.model, torch.nn.Module) else torch.nn.ModuleList(runner.model)  # pp: a list
-    routing = RoutingCounter(stages, plan.ep, counts_tokens=dims.coords(rank)[2] == 0)
+    routing = RoutingCounter(stages, plan.ep, counts_tokens=dims.coords(rank)[2] == 0, device=device)
     losses, times = [], []
     slowest: list[float] = []  # measured steps, slowest rank (only with a stop rule)
     stopped = False
@@ -184,10 +185,18 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     dtypes = LinearMatmulDtypes()
     watch = watch_compiled(runner.model, plan)  # compiled plans: one graph per block class, none measured
     compile_graphs = None
+    window = MeasuredPeak(device)  # the allocator's peak over the measured steps only
+    ran = 0  # steps run so far, extra ones too (the window's clock)
+
+    def train(micro: list[torch.Tensor]):
+        nonlocal ran
+        ran += 1
+        return runner.train_step(micro)
+
     for step in range(plan.total_steps):
         maybe_inject_fault(rank, step, plan.seed)
-        if step == plan.warmup_steps and device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        if step == plan.warmup_steps:
+            window.open(ran)
         routing.counting = step >= plan.warmup_steps and watch is None
         sync_device(device)
         t0 = time.perf_counter()
@@ -199,9 +208,9 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         # (a dispatch mode around it would make Dynamo skip the blocks): it records in an extra eager step.
         if step == 0 and plan.warmup_steps > 0 and watch is None:
             with dtypes:
-                loss = runner.train_step(micro)
+                loss = train(micro)
         else:
-            loss = runner.train_step(micro)
+            loss = train(micro)
         sync_device(device)
         times.append(time.perf_counter() - t0)
         losses.append(loss)
@@ -216,6 +225,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
                 break
 
     routing.counting = False
+    window.close(ran)  # before any extra step below can raise the allocator's peak
     del loader  # its workers end here (a trial stopped early leaves steps unread)
     if watch is not None:
         on_every_rank(watch.measured, device)
@@ -243,7 +253,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     if watch is not None and not stopped:  # the compute dtypes of a compiled plan: one eager step
         routing.counting = True
         with eager_blocks(), dtypes:
-            runner.train_step(batches(extra_step))
+            train(batches(extra_step))
         routing.counting = False
         routing_method = "forward pre-hook on the experts: top_k_index per expert over one eager step, all ranks"
         extra_step += 1
@@ -261,7 +271,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         sync_device(device)
         with profile(activities=acts) as prof:
             t0 = time.perf_counter()
-            runner.train_step(micro)
+            train(micro)
             sync_device(device)
             seconds = time.perf_counter() - t0
         events = measure.profile_events(prof)
@@ -273,8 +283,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         out["all_to_all_share"] = float(share[1]) / world
         out["comm_method"] = "profiler: collectives in flight / step time (one extra step, rank mean)"
     if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-        method = "torch.cuda.max_memory_allocated over the measured steps"
+        peak, method = window.bytes or 0, window.method()
     elif stopped:
         peak, method = 0, "not measured (stopped early)"
     elif plan.track_memory and plan.pp > 1:
@@ -288,6 +297,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         try:
             with eager_blocks() if watch is not None else contextlib.nullcontext():  # a dispatch mode too
                 peak, method = tracked_peak_bytes(runner, batches(extra_step))
+                ran += 1
         except Exception as err:  # the tracker cannot follow every framework's tensors
             import resource
 
@@ -302,6 +312,8 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     dist.all_gather_object(held, _local_parameter_count(runner))
     out["local_parameter_counts"] = held
     out["memory_method"] = method
+    out["memory_window_steps"] = window.steps  # the steps the GPU allocator's peak covers
+    out["steps_run"] = ran
     construction: list[Any] = [None] * world
     dist.all_gather_object(construction, meter.peak_bytes)
     out["construction_peak_bytes"] = construction

@@ -34,6 +34,7 @@ import torch
 from paratune import measure
 from paratune.devices import sync_device
 from paratune.plan import Plan
+from paratune.step_memory import MeasuredPeak
 
 TRAIN_LOOP_ENV = "PARATUNE_TRAIN_LOOP"
 TRAIN_LOOP_PATH_ENV = "PARATUNE_TRAIN_LOOP_PATH"
@@ -125,6 +126,10 @@ class _Session:
     first_step_at: float | None = None
     model: torch.nn.Module | None = None
     optimizer: Any = None
+    window: MeasuredPeak | None = None  # the allocator's peak over the measured steps, as the trial's
+
+    def __post_init__(self) -> None:
+        self.window = self.window or MeasuredPeak(self.device)
 
 
 _SESSION: _Session | None = None
@@ -153,8 +158,12 @@ def prepare(model: torch.nn.Module, optimizer_factory: Callable[[Any], Any]) -> 
     every decoder block and the root sharded (the plan's reshard, offload, bf16 policy)."""
     s = _current()
     p = s.plan
-    model = model.to(s.device)
     if p.strategy == "fsdp":
+        # Sharded from where the loop built it: fully_shard moves each unit's parameters and
+        # buffers to the mesh's device as it shards them (torch/distributed/fsdp/_fully_shard/
+        # _fsdp_init.py `_move_states_to_device`), so the device never holds the whole model at once
+        # (moving it first put the unsharded model into the GPU peak, and could OOM where the
+        # trial's plan fits).
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -174,7 +183,7 @@ def prepare(model: torch.nn.Module, optimizer_factory: Callable[[Any], Any]) -> 
     else:
         from paratune.parallel.ddp import wrap_ddp
 
-        model = wrap_ddp(model, p, s.device)
+        model = wrap_ddp(model.to(s.device), p, s.device)
     s.model, s.optimizer = model, optimizer_factory(model.parameters())
     return model, s.optimizer
 
@@ -212,6 +221,8 @@ def steps() -> Iterator[int]:
     s = _current()
     p = s.plan
     for step in range(p.total_steps):
+        if step == p.warmup_steps:
+            s.window.open(step)  # reset as the trial's: after warm-up, not before the loop's set-up
         sync_device(s.device)
         t0 = time.perf_counter()
         s.first_step_at = s.first_step_at or time.time()
@@ -227,7 +238,9 @@ def steps() -> Iterator[int]:
             s.slowest.append(float(agreed))
             if step + 1 < p.total_steps and s.stop_rule.cannot_reach(p.tokens_per_step, s.slowest, s.world):
                 s.stopped = True
+                s.window.close(s.steps_run)
                 return
+    s.window.close(s.steps_run)  # before whatever the loop does after its last step
 
 
 def import_loop(value: str, root: str | None) -> Callable[[dict[str, Any]], Any]:
@@ -247,8 +260,6 @@ def run(plan_: Plan, rank: int, world: int, device_: torch.device,
 
     global _SESSION
     loop = import_loop(plan_.env[TRAIN_LOOP_ENV], plan_.env.get(TRAIN_LOOP_PATH_ENV))
-    if device_.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device_)
     _SESSION = s = _Session(plan_, rank, world, device_, stop_rule)
     try:
         loop({"plan": plan_.to_dict(), "rank": rank, "world": world})
@@ -265,7 +276,7 @@ def run(plan_: Plan, rank: int, world: int, device_: torch.device,
     time_t = torch.tensor(s.times, dtype=torch.float64, device=device_)
     dist.all_reduce(time_t, op=dist.ReduceOp.MAX)
     if device_.type == "cuda":
-        peak, method = torch.cuda.max_memory_allocated(device_), "torch.cuda.max_memory_allocated (user loop)"
+        peak, method = s.window.bytes or 0, s.window.method(" (user loop)")
     else:
         peak, method = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process max RSS (user loop)"
     gathered: list[Any] = [None] * world
@@ -277,6 +288,7 @@ def run(plan_: Plan, rank: int, world: int, device_: torch.device,
         "env_seen": {key: os.environ.get(key) for key in plan_.env}, "stopped_early": s.stopped,
         "device": torch.cuda.get_device_name(device_) if device_.type == "cuda" else "cpu",
         "peak_memory_bytes": [g[0] for g in gathered], "memory_method": method,
+        "memory_window_steps": s.window.steps,
         "local_parameter_counts": [g[1] for g in gathered],
         "optimizer_class": type(inner).__name__ if inner is not None else None,
         "train_loop": plan_.env[TRAIN_LOOP_ENV],

@@ -57,10 +57,27 @@ def resolve_async_embedding(model: nn.Module) -> None:
         embedding._paratune_plain_output = True
 
 
+# Inductor's options for an async-TP plan's blocks: its micro-pipeline pass fuses the
+# sequence-parallel all-gather / reduce-scatter into the matmuls. Passed to this plan's compile,
+# never set in Inductor's global config: a global flag outlived the plan in a reused worker group
+# (the next plan's graphs fused too), and Dynamo tells cached graphs apart by their compile options,
+# not by the global config (torch/__init__.py _TorchCompileInductorWrapper.__eq__), so a later
+# async plan would have reused an unfused graph. Static shapes for every plan (`dynamic=False`):
+# Dynamo's automatic-dynamic state is kept per code object, every checkpointed block class shares
+# one forward, so a second plan of the group with another micro-batch or width compiled those
+# dimensions dynamic (slower kernels); static, it compiles a graph of its own instead.
+ASYNC_TP_OPTIONS = {"_micro_pipeline_tp": True}
+
+
+def compile_options(plan: Plan) -> dict:
+    """`nn.Module.compile` kwargs of the plan's blocks (see ASYNC_TP_OPTIONS)."""
+    return {"dynamic": False, **({"options": dict(ASYNC_TP_OPTIONS)} if plan.async_tp else {})}
+
+
 def enable_async_tp(plan: Plan, device: torch.device, tp_group_name: str) -> None:
-    """Async TP (torchtitan's way): Inductor's micro-pipeline pass fuses the sequence-parallel
-    all-gather / reduce-scatter into the compiled blocks' matmuls over symmetric memory of the tp
-    group. CUDA only; set before the blocks compile (the pass runs when Inductor compiles them)."""
+    """Async TP (torchtitan's way): Inductor's micro-pipeline pass (ASYNC_TP_OPTIONS, in the
+    blocks' compile) over symmetric memory of the tp group. CUDA only; set before the blocks
+    compile. Its workers serve no other plan (paratune.launch.WorkerDemand.single_use)."""
     if not plan.async_tp:
         return
     if device.type != "cuda":
@@ -72,14 +89,18 @@ def enable_async_tp(plan: Plan, device: torch.device, tp_group_name: str) -> Non
 
 
 def set_async_tp(tp_group_name: str) -> None:
-    """What async TP sets, device-free (so a CPU test can read it back): Inductor's
-    `_micro_pipeline_tp` pass on, and symmetric memory registered for the tp group (its rank,
-    size and store: torch/distributed/_symmetric_memory/__init__.py enable_symm_mem_for_group)."""
-    import torch._inductor.config
+    """Symmetric memory for the tp group (its rank, size and store: torch/distributed/
+    _symmetric_memory/__init__.py enable_symm_mem_for_group, which the micro-pipeline pass asks
+    about by group name; deprecated in torch 2.13, still what the pass reads), device-free, so a
+    CPU test can read it back. torch's registry is process-wide and refuses a group name twice:
+    the reason an async-TP plan's workers are single-use."""
+    import warnings
+
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
-    torch._inductor.config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(tp_group_name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        enable_symm_mem_for_group(tp_group_name)
 
 
 class CompileFallback(RuntimeError):
@@ -160,8 +181,9 @@ def compile_blocks(model: nn.Module, plan: Plan, device: torch.device | None = N
     # Never a silent eager fallback: at the recompile limit Dynamo raises instead (a trial failure).
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     make_room_for_graphs(blocks)
+    kwargs = compile_options(plan)
     for block in blocks:
-        block.compile()
+        block.compile(**kwargs)
 
 
 @dataclass

@@ -122,10 +122,27 @@ def under_experts(pattern: str, experts: list[str]) -> bool:
     return any(pattern == e or pattern.startswith(e + ".") for e in experts)
 
 
+def ep_unavailable() -> str | None:
+    """Why this transformers cannot dispatch experts across ranks (None: it can): ep runs
+    transformers' AllToAllEP (transformers/distributed/expert_parallel.py, 5.2x); 5.17, the GPU
+    image's, has no such module."""
+    import importlib.util
+
+    import transformers
+
+    if importlib.util.find_spec("transformers.distributed.expert_parallel") is None:
+        return (f"transformers {transformers.__version__} has no transformers.distributed.expert_parallel "
+                "(AllToAllEP, the dispatch ep runs; in transformers 5.2x)")
+    return None
+
+
 def ep_refusal(plan: Plan, model: nn.Module) -> str | None:
     """Why the plan's ep cannot split this model's experts (None: it can); for the preflight."""
     if plan.ep == 1:
         return None
+    missing = ep_unavailable()
+    if missing is not None:
+        return f"ep: {plan.ep}: {missing}; allowed: ep 1, or transformers >= 5.20"
     from paratune.models import routed_experts
 
     if not routed_experts(model):

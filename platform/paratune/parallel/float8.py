@@ -9,9 +9,16 @@ layout. Three things paratune needs beyond torchao's own swap:
   Each converted linear therefore keeps its object: it takes the Float8Linear's class and state
   (parameter names, and so the values materialize fills, unchanged).
 - Eligibility. The LM head stays in bf16 (torchtitan's rule: its logits feed the loss), and so
-  does any linear whose in or out features are not multiples of 16: CUDA's `_scaled_mm` requires
-  it (CPU's does not check, so the rule is applied on every device: a CPU trial converts what a
-  GPU trial converts).
+  does any linear whose in or out features *on a rank* are not multiples of 16: CUDA's
+  `_scaled_mm` requires both dimensions of its second operand, and the inner one of its first, in
+  multiples of 16 (torch/_meta_registrations.py `_check_scaled_mm_sizes`, checked only off CPU).
+  Conversion runs before tp (paratune.parallel.nd), so the rank's shape is the layer's with tp's
+  split applied: a column-parallel linear's out_features / tp, a row-parallel one's in_features /
+  tp (tiny-llama's MLP, 176 wide, is 88 a rank at tp 2). The weight gradient's matmul reduces over
+  the tokens (torchao float8_linear.py: grad_output.t() @ input), so a rank's tokens per
+  micro-batch must be a multiple of 16 too: that one is a plan rule (paratune.levers). CPU's
+  `_scaled_mm` checks neither, so both rules hold on every device: a CPU trial converts what a
+  GPU trial converts.
 - CPU autocast. `Float8Linear.forward` casts its input to the autocast dtype only under GPU
   autocast (`torch.is_autocast_enabled()` is CUDA's; `float8_linear.py:258-261`). Under CPU
   autocast (bf16 DDP, pipeline stages, tp without FSDP2) torchao alone would quantize the fp32
@@ -77,15 +84,45 @@ def float8_config(plan: Plan):
     return config
 
 
-def skip_reason(module: nn.Linear, name: str, head: nn.Module | None) -> str | None:
-    """Why a linear stays in bf16 (None: it is converted)."""
+def skip_reason(module: nn.Linear, name: str, head: nn.Module | None, tp: int = 1,
+                split: str | None = None) -> str | None:
+    """Why a linear stays in bf16 (None: it is converted). `split`: the dimension tp splits over
+    `tp` ranks ("out" column-parallel, "in" row-parallel, None: whole on every rank)."""
     if module is head or name.rpartition(".")[2] == "lm_head":
         return "the LM head (its logits feed the loss in bf16)"
-    bad = [f"{what} {n}" for what, n in (("in_features", module.in_features), ("out_features", module.out_features))
-           if n % SCALED_MM_MULTIPLE]
+    bad = []
+    for what, n in (("in_features", module.in_features), ("out_features", module.out_features)):
+        if split is not None and what.startswith(split) and tp > 1:
+            if (n // tp) % SCALED_MM_MULTIPLE or n % tp:
+                bad.append(f"{what} {n} / tp {tp} = {n / tp:g} per rank")
+        elif n % SCALED_MM_MULTIPLE:
+            bad.append(f"{what} {n}")
     if bad:
         return f"{', '.join(bad)} not a multiple of {SCALED_MM_MULTIPLE} (CUDA's _scaled_mm)"
     return None
+
+
+def tp_splits(model: nn.Module, plan: Plan) -> dict[int, str]:
+    """The dimension the plan's tp splits of each block linear, by module id (empty at tp 1)."""
+    if plan.tp == 1:
+        return {}
+    from paratune.parallel.tp import linear_splits
+
+    return linear_splits(model, expert_parallel=plan.ep > 1)
+
+
+def skipped_linears(model: nn.Module, plan: Plan) -> dict[str, str]:
+    """Every nn.Linear the plan's float8 leaves in bf16 (name -> why), on the model as built (the
+    meta model before any layout, as `convert_to_float8` and the preflight see it)."""
+    from paratune.models import decoder_parts
+
+    try:
+        head = decoder_parts(model).head
+    except Exception:  # noqa: BLE001 - a model without one stack still has its head by name
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    splits = tp_splits(model, plan)
+    return {name: why for name, m in model.named_modules() if type(m) is nn.Linear
+            and (why := skip_reason(m, name, head, plan.tp, splits.get(id(m)))) is not None}
 
 
 def _autocast_input_on_cpu(module: nn.Module, args: tuple) -> tuple | None:
@@ -112,18 +149,12 @@ def convert_to_float8(model: nn.Module, plan: Plan) -> None:
     Records the skipped linears on the model (`paratune_float8_skipped`: name -> reason)."""
     if plan.float8 == "none":
         return
-    from paratune.models import decoder_parts
-
     float8 = import_torchao_float8()
     from torchao.float8.float8_linear import Float8Linear
 
     config = float8_config(plan)
-    try:
-        head = decoder_parts(model).head
-    except Exception:  # noqa: BLE001 - a model without one stack still has its head by name
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
-    skipped = {name: why for name, m in linears.items() if (why := skip_reason(m, name, head)) is not None}
+    skipped = skipped_linears(model, plan)
     float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, name: name in linears
                                       and name not in skipped)
     for name, old in linears.items():

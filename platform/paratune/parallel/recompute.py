@@ -1,15 +1,22 @@
 """Activation checkpointing: none, selective (per op), every N-th layer, full (paratune.levers).
 
-Every mode goes through transformers' own hook (`activation_checkpointing_enable`): it wraps each
-decoder block's class `forward` (transformers/modeling_layers.py GradientCheckpointingLayer), so
-module hooks (FSDP2's, DDP's) stay outside the recomputed region and any caller of the block
-(the model's forward, a pipeline stage's loop, a compiled `__call__`) gets the same checkpoint.
-The blocks checkpoint only in training mode (`self.training`).
+Each checkpointed decoder block's class `forward` is recomputed (`checkpoint_blocks`: the block
+takes a subclass of its own class, made once per class and mode, whose forward runs the family's
+inside torch.utils.checkpoint). Module hooks (FSDP2's, DDP's) run in `__call__`, so they stay
+outside the recomputed region, and any caller of the block (the model's forward, a pipeline
+stage's loop, a compiled `__call__`) gets the same checkpoint; a compiled block traces it inside
+its graph (Dynamo starts its frame at the forward), so selective checkpointing's policy is
+applied by the compiler. paratune does this itself rather than through transformers' hook
+(`activation_checkpointing_enable`), because that hook differs by release: 5.2x wraps the
+class `forward` (modeling_layers.py GradientCheckpointingLayer), but 5.17, the GPU image's,
+wraps `__call__`, which puts FSDP2's hooks inside the recompute and the checkpoint outside a
+compiled block's graph, where selective checkpointing's dispatch modes cannot see Inductor's
+kernels. The blocks checkpoint only in training mode (`self.training`).
 """
 
 from __future__ import annotations
 
-from functools import partial
+from functools import lru_cache, partial, wraps
 from typing import Any, Callable
 
 import torch
@@ -66,29 +73,66 @@ def selective_policy(tp: bool) -> Callable[..., CheckpointPolicy]:
     return policy
 
 
+@lru_cache(maxsize=None)
 def selective_context_fn(tp: bool) -> Callable[[], tuple]:
     """torch.utils.checkpoint's `context_fn` for selective checkpointing (a fresh pair of contexts
-    per checkpointed call, as the function must give)."""
+    per checkpointed call, as the function must give). One object per tp flag for the process:
+    a compiled block's guards check its identity, so every block and plan shares it."""
     return partial(create_selective_checkpoint_contexts, selective_policy(tp))
 
 
-def checkpoint_settings(plan: Plan) -> tuple[dict[str, Any], int] | None:
-    """(torch.utils.checkpoint kwargs, transformers' every_n_layers) for the plan's mode; None: off.
+FULL_KWARGS: dict[str, Any] = {"use_reentrant": False}  # the reentrant form cannot run a policy
 
-    transformers checkpoints block i when i % every_n_layers == 0 (modeling_utils.py
-    `_set_gradient_checkpointing`, counting GradientCheckpointingLayer blocks only): blocks
-    0, N, 2N, ... are recomputed whole, the others keep their activations. `layers` with
-    checkpoint_every N is exactly that; `full` and `selective` are N = 1 (every block)."""
+
+@lru_cache(maxsize=None)
+def _checkpointed_class(cls: type, mode: str, tp: bool) -> type:
+    """`cls` whose forward runs inside torch.utils.checkpoint (training mode only), with the mode's
+    kwargs: one class per (block class, mode), so blocks of a class share the forward's code and
+    closure (one compiled graph serves them all). Same name as `cls`: code that finds blocks or
+    layers by class name (transformers' `_no_split_modules`, DeepSpeed's AutoTP) still does."""
+    from torch.utils.checkpoint import checkpoint
+
+    original = cls.forward
+    kwargs = {**FULL_KWARGS, "context_fn": selective_context_fn(tp)} if mode == "selective" else FULL_KWARGS
+
+    @wraps(original)  # the family's signature stays visible (pipeline stages read it)
+    def forward(self, *args, **call_kwargs):
+        if not self.training:
+            return original(self, *args, **call_kwargs)
+        return checkpoint(partial(original, self, **call_kwargs), *args, **kwargs)
+    return type(cls.__name__, (cls,), {"forward": forward, "__qualname__": cls.__qualname__,
+                                       "__module__": cls.__module__, "_paratune_checkpointed": mode})
+
+
+def checkpoint_blocks(model: nn.Module, mode: str, every_n_layers: int = 1, tp: bool = False) -> None:
+    """Blocks 0, N, 2N, ... of the model's decoder (N = every_n_layers) recomputed in backward:
+    `mode` "full" (the whole block) or "selective" (SAVED_OPS kept, under tp the collectives too).
+    In place, on the meta or a real model, before any wrapper (FSDP2 subclasses the block's class
+    again and keeps this forward)."""
+    from paratune.models import decoder_blocks
+
+    for i, block in enumerate(decoder_blocks(model)):
+        if i % every_n_layers:
+            continue
+        base = type(block)
+        while getattr(base, "_paratune_checkpointed", None) is not None:  # set again: from the original
+            base = base.__mro__[1]
+        block.__class__ = _checkpointed_class(base, mode, tp)
+
+
+def checkpoint_settings(plan: Plan) -> tuple[str, int] | None:
+    """(mode, every_n_layers) for the plan's checkpointing; None: off. `layers` with checkpoint_every
+    N recomputes blocks 0, N, 2N, ... whole (transformers' every_n_layers); `full` and `selective`
+    are N = 1 (every block)."""
     mode = plan.activation_checkpointing
     if mode == "none":
         return None
-    kwargs: dict[str, Any] = {"use_reentrant": False}  # the reentrant form cannot run a policy
     if mode == "full":
-        return kwargs, 1
+        return "full", 1
     if mode == "layers":
-        return kwargs, plan.checkpoint_every
+        return "full", plan.checkpoint_every
     if mode == "selective":
-        return {**kwargs, "context_fn": selective_context_fn(tp=plan.tp > 1)}, 1
+        return "selective", 1
     raise ValueError(f"activation_checkpointing: '{mode}' is not a mode; allowed: none, selective, layers, full")
 
 
@@ -97,24 +141,17 @@ def apply_checkpointing(model: nn.Module, plan: Plan) -> None:
     settings = checkpoint_settings(plan)
     if settings is None:
         return
-    kwargs, every_n_layers = settings
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
+    mode, every_n_layers = settings
+    checkpoint_blocks(model, mode, every_n_layers, tp=plan.tp > 1)
 
 
 def enable_full_recompute(model: nn.Module) -> None:
     """Every block recomputed whole (profiling and the activation estimate use it outside a plan)."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    checkpoint_blocks(model, "full")
 
 
 def checkpointed_blocks(model: nn.Module) -> list[bool]:
     """Per decoder block, whether it is set to recompute (what `apply_checkpointing` did)."""
     from paratune.models import decoder_blocks
 
-    return [bool(getattr(block, "gradient_checkpointing", False)) for block in decoder_blocks(model)]
+    return [getattr(type(block), "_paratune_checkpointed", None) is not None for block in decoder_blocks(model)]

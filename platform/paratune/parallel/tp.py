@@ -130,6 +130,28 @@ def block_plan(model: nn.Module, sequence_parallel: bool, expert_parallel: bool 
     return plan
 
 
+def linear_splits(model: nn.Module, expert_parallel: bool = False) -> dict[int, str]:
+    """Which dimension tp splits of each block linear (by module id): "out" for a column-parallel
+    one (its out_features / tp on each rank), "in" for a row-parallel one (in_features / tp): what
+    a rank's matmuls see after `apply_tp`, from the same per-block plan."""
+    from fnmatch import fnmatch
+
+    plan = block_plan(model, sequence_parallel=False, expert_parallel=expert_parallel)
+    splits: dict[int, str] = {}
+    for block in decoder_blocks(model):
+        for name, module in block.named_modules():
+            if not isinstance(module, nn.Linear):
+                continue
+            for key, style in plan.items():
+                if fnmatch(name, key):
+                    if isinstance(style, ColwiseParallel):
+                        splits[id(module)] = "out"
+                    elif isinstance(style, RowwiseParallel):
+                        splits[id(module)] = "in"
+                    break
+    return splits
+
+
 def adapted_plan(block: nn.Module, plan: dict, sequence_parallel: bool = False) -> dict:
     """A block's plan with each LoRA-wrapped linear (paratune.adapters) laid out as peft lays LoRA
     under transformers' tp (peft tuners/lora/model.py): the base layer keeps the style; beside a
@@ -202,43 +224,61 @@ def _apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, expert_paralle
         parallelize_module(block, tp_mesh, adapted_plan(block, plan, sequence_parallel))
 
 
+def _norm_groups(grad: torch.Tensor, p: torch.Tensor, tp_group, ep_group) -> tuple | None:
+    """The process groups over which a gradient's local squared norm is summed into the global one
+    (None: its placements are partial sums, whose squared norms do not add): a DTensor's sharded
+    mesh dims; the tp group for DDP's local shards of a tp weight (`_st_info`); the ep group for
+    expert parameters (each ep rank holds other experts)."""
+    groups: tuple = ()
+    if isinstance(grad, DTensor):
+        if any(pl.is_partial() for pl in grad.placements):
+            return None
+        # Any shard kind (FSDP2 over tp shards a DTensor's dim strided: `_StridedShard`, which is not
+        # `is_shard()` in torch 2.13): a placement neither replicated nor partial splits the tensor.
+        groups = tuple(grad.device_mesh.get_group(d) for d, pl in enumerate(grad.placements) if not pl.is_replicate())
+    if getattr(p, "_paratune_expert", False):
+        groups += (ep_group,) if ep_group is not None else ()
+    elif hasattr(p, "_st_info") and tp_group is not None:
+        groups += (tp_group,)
+    return groups
+
+
 @torch.no_grad()
 def clip_grad_norm(parameters, max_norm: float, pp_group=None, tp_group=None, ep_group=None) -> torch.Tensor:
     """Global-norm clipping over plain and DTensor gradients alike (same formula as torch's).
 
     torch.nn.utils.clip_grad_norm_ cannot mix tensors of different meshes; with pipeline
-    stages the squared norms are summed across stages too. Parameters that DDP holds as local
-    shards of a tensor-parallel weight (marked `_st_info` by torch's DDP transform) contribute
-    their squared norms summed over the tp group; expert parameters (paratune.parallel.ep: each
-    ep rank holds other experts) theirs summed over the ep group.
+    stages the squared norms are summed across stages too. Each gradient's local squared norm is
+    summed over the groups its shards span (`_norm_groups`): gradients of the same groups are
+    summed locally first (torch's `_foreach_norm`), so a step runs one all-reduce per distinct
+    group set (a handful), not one per parameter; the clip coefficient stays on the device
+    (`_foreach_mul_` by a clamped tensor, as torch's clip does), so no step waits for the host.
     """
     params = [p for p in parameters if p.grad is not None]
     device = params[0].grad.device if params else torch.device("cpu")
     total_sq = torch.zeros((), dtype=torch.float32, device=device)
-    shard_sq = torch.zeros((), dtype=torch.float32, device=device)
-    expert_sq = torch.zeros((), dtype=torch.float32, device=device)
+    by_groups: dict[tuple, list[torch.Tensor]] = {}
+    local_grads: list[torch.Tensor] = []
     for p in params:
-        norm = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        if getattr(p, "_paratune_expert", False):
-            expert_sq += norm.to(device) ** 2
-        elif hasattr(p, "_st_info"):
-            shard_sq += norm.to(device) ** 2
-        else:
+        groups = _norm_groups(p.grad, p, tp_group, ep_group)
+        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        local_grads.append(local)
+        if groups is None:  # partial sums: the DTensor's own norm, gathered (rare: not seen in paratune's layouts)
+            norm = torch.linalg.vector_norm(p.grad, dtype=torch.float32).full_tensor()
             total_sq += norm.to(device) ** 2
-    if tp_group is not None:
-        dist.all_reduce(shard_sq, group=tp_group)
-    total_sq += shard_sq
-    if ep_group is not None:
-        dist.all_reduce(expert_sq, group=ep_group)
-    total_sq += expert_sq
-    grads = [p.grad for p in params]
+            continue
+        by_groups.setdefault(groups, []).append(local)
+    for groups, grads in by_groups.items():
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        sq = torch.stack([n.to(device) for n in norms]).pow(2).sum()
+        for group in groups:
+            dist.all_reduce(sq, group=group)
+        total_sq += sq
     if pp_group is not None:
         dist.all_reduce(total_sq, group=pp_group)
     total = total_sq.sqrt()
-    coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
-    if coef < 1.0:
-        for g in grads:
-            g.mul_(coef)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad_device in {g.device for g in local_grads}:
+        same = [g for g in local_grads if g.device == grad_device]
+        torch._foreach_mul_(same, coef.to(grad_device))
     return total
