@@ -74,6 +74,7 @@ from paratune.shapes import (
     fsdp_shard_degree,
     fully_sharded,
     model_shape,
+    pipeline_in_flight,
     replicas,
 )
 
@@ -166,22 +167,6 @@ class _Moment:
         return self.weights + self.gradients + self.optimizer + self.activations + self.comm_buffers
 
 
-def _in_flight(plan: Plan) -> float:
-    """Micro-batches whose activations the first pipeline rank holds at once (of all its
-    blocks): GPipe all; 1F1B pp; interleaved 1F1B (v = 2 stages a rank) its warm-up's chunk
-    forwards and the one running, (v - 1) x micro-batches a round + 2 (pp - 1) + 1 (torch's
-    pipelining/schedules.py `_get_warmup_ops`, rank 0), capped by the micro-batches, over v."""
-    m, pp = plan.grad_accum, plan.pp
-    if pp == 1:
-        return 1.0
-    if plan.pp_schedule == "gpipe":
-        return float(m)
-    if plan.pp_schedule == "interleaved_1f1b":
-        v, per_round = 2, m // max(1, m // pp)
-        return min((v - 1) * per_round + 2 * (pp - 1) + 1, m * v) / v
-    return float(min(m, pp))
-
-
 def _model_phase_bytes(plan: Plan, shape: ModelShape, coeff: ActivationCoefficients,
                        keeps_weight_copies: bool, held: bool = False) -> dict[str, tuple[float, float]]:
     """phase -> (activation bytes, weight-gradient bytes being formed) the model of one rank holds
@@ -194,14 +179,10 @@ def _model_phase_bytes(plan: Plan, shape: ModelShape, coeff: ActivationCoefficie
     being formed."""
     tokens = plan.micro_batch * plan.seq_len // plan.cp
     layers_here = math.ceil(shape.layers / plan.pp)
-    in_flight = _in_flight(plan)
     tp_share = 1.0 / plan.tp if plan.sequence_parallel or plan.tp == 1 else 0.5 + 0.5 / plan.tp
-    # The other micro-batches in flight are held by the stages before the last (1F1B: the last
-    # stage runs each micro-batch's backward right after its forward): their blocks' activations
-    # and, on the first stage, the embedding's output; the head and the loss are the last
-    # stage's, for its one micro-batch (the phases). Counted on one rank, the most a stage holds.
-    embedded = 2 if compute_precision(plan) == "bf16-params" else 4  # the embedding's output, an element
-    others = (in_flight - 1) * tokens * (coeff.per_layer * layers_here + embedded * shape.hidden) * tp_share
+    # Other micro-batches in flight (the first stage's): blocks and embedding output; not the head's and loss's
+    embedded = (2 if compute_precision(plan) == "bf16-params" else 4) * shape.hidden  # the last stage has 1 in flight
+    others = (pipeline_in_flight(plan) - 1) * tokens * (coeff.per_layer * layers_here + embedded) * tp_share
     copies = (coeff.per_layer_fixed * layers_here + coeff.rest_fixed) / plan.tp  # saved for backward
     others += float8_cast_bytes(plan, shape)
     out = {}

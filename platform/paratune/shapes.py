@@ -203,6 +203,22 @@ class HeldParams:
                    embedding=min(shape.embedding / t, root), largest=(shape.largest_leaf or shape.block) / t)
 
 
+def pipeline_in_flight(plan: Plan) -> float:
+    """Micro-batches whose activations the first pipeline rank holds at once (of all its
+    blocks): GPipe all; 1F1B pp; interleaved 1F1B (v = 2 stages a rank) its warm-up's chunk
+    forwards and the one running, (v - 1) x micro-batches a round + 2 (pp - 1) + 1 (torch's
+    pipelining/schedules.py `_get_warmup_ops`, rank 0), capped by the micro-batches, over v."""
+    m, pp = plan.grad_accum, plan.pp
+    if pp == 1:
+        return 1.0
+    if plan.pp_schedule == "gpipe":
+        return float(m)
+    if plan.pp_schedule == "interleaved_1f1b":
+        v, per_round = 2, m // max(1, m // pp)
+        return min((v - 1) * per_round + 2 * (pp - 1) + 1, m * v) / v
+    return float(min(m, pp))
+
+
 def fsdp_shard_degree(plan: Plan) -> int:
     """Ranks that share one parameter's shards under FSDP (1 for no_shard)."""
     f = plan.fsdp
