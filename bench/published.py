@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 CORPUS = Path(__file__).parent / "published"
 RESULTS = Path(__file__).parent / "results"
+BANDS = ROOT / "platform" / "paratune" / "presets" / "prediction_bands.json"
 MODES = ("trace", "formula")
 
 
@@ -131,10 +132,18 @@ def predict(row: Row, mode: str) -> dict[str, Any]:
     est = estimate(plan, device, activation_model=mode)
     seconds = time.perf_counter() - t0
     shape = model_shape(plan)
+    from paratune.bands import band_categories
+
     return {
         "tokens_per_s_per_gpu": est.time.tokens_per_s_per_gpu,
         "memory_gib": est.memory.total / GiB,
+        "construction_gib": est.construction / GiB,
         "fits": est.fits,
+        "refused": est.refusal is not None,
+        "categories": band_categories(plan),
+        "band_tokens": est.band.tokens if est.band else None,
+        "band_memory": est.band.memory if est.band else None,
+        "verdict": est.verdict,
         "overflow": est.overflow,
         "mfu_vs_bf16_peak": est.mfu_vs_bf16_peak,
         "memory_parts_gib": {k: v / GiB for k, v in est.memory.parts().items()},
@@ -194,8 +203,42 @@ def group_key(row: Row, rows: list[Row]) -> str:
     return row.model if row.device == usual else f"{row.model}@{row.device}"
 
 
-def summarize(rows: list[Row], mode: str) -> dict[str, Any]:
-    """Median and worst |error| of tokens/s/GPU and memory, tau per model, false rejections."""
+def corpus_bands(rows: list[Row], mode: str, sources: set[str] | None = None) -> dict[str, dict]:
+    """The error bands of `sources`' replayed rows (all sources: None): per band category
+    (paratune.bands.band_categories), the 80th percentile of |error| and the rows behind it, for
+    tokens/s/GPU and for memory where published."""
+    from paratune.bands import bands_from_errors
+
+    tokens, memory = [], []
+    for r in rows:
+        if mode not in r.results or (sources is not None and r.source not in sources):
+            continue
+        res = r.results[mode]
+        for key, out in (("tokens_per_s_per_gpu", tokens), ("memory_gib", memory)):
+            e = rel_error(res["memory_gib" if key == "memory_gib" else key], r.published.get(key))
+            if e is not None:
+                out.append((res["categories"], e))
+    return {"tokens": bands_from_errors(tokens), "memory": bands_from_errors(memory)}
+
+
+def judge(res: dict[str, Any], bands: dict[str, dict]) -> tuple[str, float, float]:
+    """(memory verdict, tokens band, memory band) of a replayed row under `bands`: fits, tight
+    (within the memory band of the capacity: a sweep measures it) or over (rejected)."""
+    from paratune.bands import CPU_BANDS, memory_verdict, pick_band
+
+    tokens_band, _ = pick_band(bands.get("tokens", {}), res["categories"], CPU_BANDS["tokens"])
+    memory_band, _ = pick_band(bands.get("memory", {}), res["categories"], CPU_BANDS["memory"])
+    if res.get("refused"):
+        return "over", tokens_band, memory_band
+    verdicts = {memory_verdict(g, res["capacity_gib"], memory_band) for g in (res["memory_gib"], res["construction_gib"])}
+    verdict = "over" if "over" in verdicts else "tight" if "tight" in verdicts else "fits"
+    return verdict, tokens_band, memory_band
+
+
+def summarize(rows: list[Row], mode: str, bands: dict[str, dict] | None = None) -> dict[str, Any]:
+    """Median and worst |error| of tokens/s/GPU and memory, tau per model, false rejections (a
+    run that ran, judged `over` under `bands`: beyond the memory band of the capacity), tight
+    rows, and the share of rows whose error lies within their band."""
     done = [r for r in rows if mode in r.results]
     tps = [(r, rel_error(r.results[mode]["tokens_per_s_per_gpu"], r.published.get("tokens_per_s_per_gpu")))
            for r in done]
@@ -226,9 +269,44 @@ def summarize(rows: list[Row], mode: str) -> dict[str, Any]:
     if counted:  # the mapped config's parameters against the source's own count (llm-foundry's NumParams)
         out.update(params_checked=len(counted), params_exact=sum(a == b for a, b in counted),
                    params_max_abs_rel=max(abs(a / b - 1) for a, b in counted))
-    out["false_rejections"] = [r.id for r in done if not r.results[mode]["fits"]]
+    judged = {r.id: judge(r.results[mode], bands or {}) for r in done}
+    out["false_rejections"] = [r.id for r in done if judged[r.id][0] == "over"]
+    out["tight"] = [r.id for r in done if judged[r.id][0] == "tight"]
+    out["over_capacity_unbanded"] = [r.id for r in done if not r.results[mode]["fits"]]
+    if tps:
+        out["tokens_within_band"] = sum(abs(e) <= judged[r.id][1] for r, e in tps) / len(tps)
+    if mem:
+        out["memory_within_band"] = sum(abs(e) <= judged[r.id][2] for r, e in mem) / len(mem)
     out["seconds_total"] = sum(r.results[mode]["seconds"] for r in done)
     out["seconds_max"] = max((r.results[mode]["seconds"] for r in done), default=0.0)
+    return out
+
+
+def leave_one_source_out(rows: list[Row], mode: str) -> dict[str, dict[str, Any]]:
+    """Each source judged with what the other sources' rows give: their error bands (tokens band
+    coverage, false rejections under their memory band), and what one scale fitted to their
+    tokens/s/GPU (1 / (1 + their median signed error): fitting TRAINING_SHARE to a source) would
+    make of this source's errors. No time-model constant is fitted to any source; the bands are."""
+    sources = sorted({r.source for r in rows if r.results})
+    out: dict[str, dict[str, Any]] = {}
+    for source in sources:
+        others = set(sources) - {source}
+        bands = corpus_bands(rows, mode, others)
+        mine = [r for r in rows if r.source == source and mode in r.results]
+        summary = summarize(mine, mode, bands)
+        errs = [rel_error(r.results[mode]["tokens_per_s_per_gpu"], r.published.get("tokens_per_s_per_gpu"))
+                for r in rows if r.source in others and mode in r.results]
+        errs = [e for e in errs if e is not None]
+        scale = 1 / (1 + statistics.median(errs)) if errs else 1.0
+        scaled = [abs((1 + e) * scale - 1) for e in (rel_error(r.results[mode]["tokens_per_s_per_gpu"],
+                                                              r.published.get("tokens_per_s_per_gpu")) for r in mine)
+                  if e is not None]
+        out[source] = {"built_with": sorted(others), "tokens_within_band": summary.get("tokens_within_band"),
+                       "memory_within_band": summary.get("memory_within_band"),
+                       "false_rejections": summary["false_rejections"], "tight": summary["tight"],
+                       "bands_all": {k: v.get("all") for k, v in bands.items()},
+                       "share_scale": scale, "scaled_tokens_median_abs": statistics.median(scaled) if scaled else None,
+                       "scaled_tokens_worst_abs": max(scaled) if scaled else None}
     return out
 
 
@@ -242,7 +320,8 @@ def _abs_pct(x: float | None) -> str:
 
 
 def markdown(rows: list[Row], summaries: dict[str, dict[str, dict[str, Any]]], info: dict[str, str],
-             modes: tuple[str, ...], alternate: bool, wall_s: float, cold: bool) -> str:
+             modes: tuple[str, ...], alternate: bool, wall_s: float, cold: bool,
+             bands: dict[str, dict] | None = None, loso: dict[str, dict[str, Any]] | None = None) -> str:
     from machine import versions_line
 
     lines = ["# Published GPU runs replayed through paratune's cost model (issue 43)", "",
@@ -254,12 +333,15 @@ def markdown(rows: list[Row], summaries: dict[str, dict[str, dict[str, Any]]], i
              "beside each source). Predicted = `paratune plan` (paratune.estimate.estimate on the row's device, "
              "capacity = the device's memory, margin 0); `trace` = traced activations (default), `formula` = "
              "`--formula`. Error = predicted / published - 1. Memory: torchtitan publishes max *reserved* "
-             "GiB, paratune predicts allocated tensor bytes (no allocator reserve). False rejection: a run that "
-             "ran on its GPUs, predicted not to fit.", ""]
+             "GiB, paratune predicts allocated tensor bytes (no allocator reserve). Bands: the 80th percentile "
+             "of |error| over the corpus's rows of a plan's kind (paratune.bands; `paratune plan` prints them). "
+             "Tight: the predicted peak within its memory band of the capacity (a sweep measures it). False "
+             "rejection: a run that ran on its GPUs, predicted over its capacity by more than its band.", ""]
     lines += ["## Per source", "",
-              "| source | mode | rows | tokens/s/GPU median abs err | worst | predicted too slow | memory rows | "
-              "memory median abs err | worst | false rejections | Kendall tau by model (n) | s per row (max) |",
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+              "| source | mode | rows | tokens/s/GPU median abs err | worst | predicted too slow | within band | "
+              "memory rows | memory median abs err | worst | false rejections | tight | over capacity (no band) | "
+              "Kendall tau by model (n) | s per row (max) |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for source, by_mode in summaries.items():
         for mode in modes:
             s = by_mode.get(mode)
@@ -267,16 +349,17 @@ def markdown(rows: list[Row], summaries: dict[str, dict[str, dict[str, Any]]], i
                 continue
             if not s["rows"]:
                 lines.append(f"| {source} | {mode} | 0 ({s['not_replayed']} listed, not replayed) "
-                             "| - | - | - | - | - | - | - | - | - |")
+                             "| - | - | - | - | - | - | - | - | - | - | - | - |")
                 continue
             taus = ", ".join(f"{m} {v['tau']:+.2f} ({v['n']})" for m, v in s["tau_by_model"].items()) or "-"
             skipped = f" (+{s['not_replayed']} not replayed)" if s["not_replayed"] else ""
             lines.append(
                 f"| {source} | {mode} | {s['rows']}{skipped} | {_abs_pct(s.get('tokens_median_abs'))} | "
                 f"{_pct(s.get('tokens_worst'))} ({s.get('tokens_worst_row', '-')}) | "
-                f"{s.get('tokens_too_slow', 0)} of {s['rows']} | {s.get('memory_rows', 0)} | "
-                f"{_abs_pct(s.get('memory_median_abs'))} | {_pct(s.get('memory_worst'))} "
-                f"({s.get('memory_worst_row', '-')}) | {len(s['false_rejections'])} | {taus} | "
+                f"{s.get('tokens_too_slow', 0)} of {s['rows']} | {_abs_pct(s.get('tokens_within_band'))} | "
+                f"{s.get('memory_rows', 0)} | {_abs_pct(s.get('memory_median_abs'))} | {_pct(s.get('memory_worst'))} "
+                f"({s.get('memory_worst_row', '-')}) | {len(s['false_rejections'])} | {len(s.get('tight', []))} | "
+                f"{len(s.get('over_capacity_unbanded', []))} | {taus} | "
                 f"{s['seconds_total'] / max(1, s['rows']):.1f} ({s['seconds_max']:.1f}) |")
     for source, by_mode in summaries.items():
         s = next(iter(by_mode.values()), {})
@@ -291,10 +374,34 @@ def markdown(rows: list[Row], summaries: dict[str, dict[str, dict[str, Any]]], i
             if s.get("false_rejections"):
                 lines.append(f"{source} [{mode}] false rejections: {', '.join(s['false_rejections'])}.")
     lines += [""]
+    if bands:
+        lines += ["## Bands (presets/prediction_bands.json: what `paratune plan` prints)", "",
+                  "| category | tokens/s/GPU band | rows | memory band | rows |", "| --- | ---: | ---: | ---: | ---: |"]
+        cats = sorted(set(bands.get("tokens", {})) | set(bands.get("memory", {})), key=lambda c: (c != "all", c))
+        for c in cats:
+            t, m = bands.get("tokens", {}).get(c, {}), bands.get("memory", {}).get(c, {})
+            lines.append(f"| {c} | {_abs_pct(t.get('band'))} | {t.get('rows', 0)} | {_abs_pct(m.get('band'))} | "
+                         f"{m.get('rows', 0)} |")
+        lines += ["", "A plan's band: the widest of its categories with at least 4 rows (paratune.bands.MIN_ROWS).", ""]
+    if loso:
+        lines += ["## Leave one source out", "",
+                  "No time-model constant is fitted to any corpus row (each names its public source: paratune/"
+                  "efficiency.py); the bands are. Here each source is judged with the bands of the other sources' "
+                  "rows only, and with the one scale a fit of TRAINING_SHARE to the other sources' tokens/s/GPU "
+                  "(their median signed error) would give.", "",
+                  "| judged | bands built with | tokens within band | memory within band | false rejections | tight | "
+                  "scale fitted on the others | tokens median abs err with it | worst |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for source, v in loso.items():
+            lines.append(f"| {source} | {', '.join(v['built_with'])} | {_abs_pct(v.get('tokens_within_band'))} | "
+                         f"{_abs_pct(v.get('memory_within_band'))} | {len(v['false_rejections'])} | {len(v['tight'])} | "
+                         f"x{v['share_scale']:.3f} | {_abs_pct(v.get('scaled_tokens_median_abs'))} | "
+                         f"{_abs_pct(v.get('scaled_tokens_worst_abs'))} |")
+        lines.append("")
     for source in summaries:
         lines += [f"## {source}: every row", "",
                   "| row | model | GPUs | plan | published tok/s/GPU | trace | err | formula | err | published GiB | "
-                  "trace GiB | err | formula GiB | err | fits (trace/formula) | peak moment (trace) | s (trace) |",
+                  "trace GiB | err | formula GiB | err | memory verdict (trace/formula) | peak moment (trace) | s (trace) |",
                   "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
                   "| --- | --- | ---: |"]
         for r in [r for r in rows if r.source == source and r.results]:
@@ -312,7 +419,7 @@ def markdown(rows: list[Row], summaries: dict[str, dict[str, dict[str, Any]]], i
                 f"{_pct(rel_error(f['tokens_per_s_per_gpu'], pub_t)) if f else '-'} | {pub_m if pub_m else '-'} | "
                 f"{cell(t, 'memory_gib', '.1f')} | {_pct(rel_error(t['memory_gib'], pub_m)) if t and pub_m else '-'} | "
                 f"{cell(f, 'memory_gib', '.1f')} | {_pct(rel_error(f['memory_gib'], pub_m)) if f and pub_m else '-'} | "
-                f"{'yes' if t.get('fits') else 'NO'}/{'yes' if f.get('fits') else 'NO'} | "
+                f"{judge(t, bands or {})[0] if t else '-'}/{judge(f, bands or {})[0] if f else '-'} | "
                 f"{t.get('memory_peak_moment', '-')} | {t.get('seconds', 0):.1f} |")
         lines.append("")
     skipped = [r for r in rows if not r.replay]
@@ -360,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
                                         "folder: cold timings)")
     parser.add_argument("--no-write", action="store_true", help="print, do not write bench/results/published.*")
     parser.add_argument("--out", default=str(RESULTS / "published"), help="results path without suffix")
+    parser.add_argument("--write-bands", action="store_true",
+                        help=f"also write the bands paratune ships ({BANDS.relative_to(ROOT)}; whole corpus only)")
     args = parser.parse_args(argv)
 
     from rich.console import Console
@@ -376,11 +485,17 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     replay(rows, modes, console)
     wall = time.perf_counter() - t0
-    summaries = {source: {mode: summarize([r for r in rows if r.source == source], mode) for mode in modes}
+    # the bands `paratune plan` ships (presets/prediction_bands.json): the default (trace) model's
+    # errors over every replayed row; both modes are judged with them, as a user of either gets them
+    band_mode = "trace" if "trace" in modes else modes[0]
+    bands = corpus_bands(rows, band_mode)
+    summaries = {source: {mode: summarize([r for r in rows if r.source == source], mode, bands) for mode in modes}
                  for source in dict.fromkeys(r.source for r in rows)}
+    loso = leave_one_source_out(rows, band_mode)
     for source, by_mode in summaries.items():
         for mode, s in by_mode.items():
             console.print(f"[bold]{source} \\[{mode}][/bold] {json.dumps(s, default=str)}")
+    console.print(f"[bold]leave one source out[/bold] {json.dumps(loso, default=str)}")
     if args.no_write:
         if not args.cache:
             shutil.rmtree(cache, ignore_errors=True)
@@ -388,10 +503,19 @@ def main(argv: list[str] | None = None) -> int:
     info = describe()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    text = markdown(rows, summaries, info, modes, args.alternate, wall, cold=not args.cache)
+    text = markdown(rows, summaries, info, modes, args.alternate, wall, cold=not args.cache, bands=bands, loso=loso)
     out.with_suffix(".md").write_text(text + "\n")
+    whole = not args.only and not args.source and not args.alternate
+    if whole and args.write_bands:  # the bands paratune ships come from the whole corpus only
+        BANDS.write_text(json.dumps({
+            "_comment": "Written by bench/published.py from the published corpus (bench/published/): per band category "
+                        "(paratune.bands.band_categories), the 80th percentile of |predicted / published - 1| of the "
+                        f"{band_mode} model's rows and their count. Read by paratune.bands.prediction_band.",
+            "date": info["date"], "mode": band_mode, "gpu": bands}, indent=1) + "\n")
+        console.print(f"wrote {BANDS}")
     out.with_suffix(".json").write_text(json.dumps({
         "machine": info, "alternate": args.alternate, "modes": list(modes), "wall_s": wall, "summaries": summaries,
+        "bands": bands, "leave_one_source_out": loso,
         "rows": [{"source": r.source, "id": r.id, "model": r.model, "cite": r.cite, "gpus": r.gpus,
                   "device": r.device, "plan": {k: v for k, v in r.plan.items() if k != "model"} | {"model": r.model},
                   "published": r.published, "replayed": r.replay, "reason": r.reason, "predicted": r.results,

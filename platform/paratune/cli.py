@@ -258,10 +258,11 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     console.print(f"{len(estimates)} plans estimated in {time.perf_counter() - t0:.1f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            [{"plan": e.plan.to_dict(), "fits": e.fits, "overflow": e.overflow, **e.summary(),
+            [{"plan": e.plan.to_dict(), "fits": e.fits, "tight": e.tight, "measurable": e.measurable,
+              "overflow": e.overflow, **e.summary(),
               **({"predicted_step_parts_s": e.time_parts} if profiles else {})} for e in estimates],
             indent=1))
-    return 0 if any(e.fits for e in estimates) else 1
+    return 0 if any(e.measurable for e in estimates) else 1
 
 
 def _print_experts(estimates, device, console: Console, top: int, routing_balance: float | None) -> None:
@@ -272,7 +273,7 @@ def _print_experts(estimates, device, console: Console, top: int, routing_balanc
     from paratune.moe_costs import DEFAULT_IMBALANCE, all_to_all_crosses_nodes, expert_layout, expert_share
     from paratune.tables import strategy_label
 
-    shown = [e for e in estimates if e.fits and e.plan.ep > 1][:top]
+    shown = [e for e in estimates if e.measurable and e.plan.ep > 1][:top]
     if not shown:
         return
     table = Table(title="expert parallelism: experts per rank, their copies, the all-to-all")
@@ -305,7 +306,7 @@ def _times_from_profiles(estimates, space, predictor) -> tuple[list, list[str]]:
             if pred.note:
                 notes.add(pred.note)
             out.append(replace(e, plan=plan, time=pred.time_estimate(), time_parts=pred.parts))
-    out.sort(key=lambda e: (not e.fits, -e.time.tokens_per_s_per_gpu if e.fits else e.memory.total))
+    out.sort(key=lambda e: (not e.measurable, -e.time.tokens_per_s_per_gpu if e.measurable else e.memory.total))
     return out, sorted(notes)
 
 
@@ -318,7 +319,7 @@ def _print_time_parts(estimates, profiles, console: Console, top: int) -> None:
     table = Table(title="step time from the profile (s): compute, exposed communication, optimizer, overheads")
     for col in ("#", "plan", "env", "compute", "tp", "pp", "dp", "ep", "optimizer", "other", "step s"):
         table.add_column(col, justify="left" if col in ("plan", "env") else "right")
-    for i, e in enumerate([e for e in estimates if e.fits][:top], 1):
+    for i, e in enumerate([e for e in estimates if e.measurable][:top], 1):
         parts = e.time_parts
         known = ("compute", "tp_comm", "pp_comm", "dp_comm", "ep_comm", "optimizer")
         other = sum(v for k, v in parts.items() if k not in known)
@@ -420,7 +421,7 @@ def _print_levers(estimates, device, console: Console, top: int) -> None:
     from paratune.shapes import float8_cast_bytes, model_shape
     from paratune.tables import strategy_label
 
-    shown = [e for e in estimates if e.fits][:top]
+    shown = [e for e in estimates if e.measurable][:top]
     if not any(e.plan.activation_checkpointing != "none" or e.plan.compile or e.plan.float8 != "none"
                or loss_form(e.plan) != "standard" or e.plan.async_tp for e in shown):
         return
@@ -451,7 +452,7 @@ def _print_construction(estimates, console: Console, top: int) -> None:
 
     from paratune.tables import strategy_label, strategy_options
 
-    fitting = [e for e in estimates if e.fits][:top]
+    fitting = [e for e in estimates if e.measurable][:top]
     if fitting:
         table = Table(title="construction: device GiB per rank while the model is built (before the optimizer)")
         for col in ("#", "plan", "options", "build GiB", "peak GiB"):

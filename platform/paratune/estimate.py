@@ -30,6 +30,7 @@ from typing import Literal
 
 from paratune.adapters import adapted_params
 from paratune.activations import ActivationModel
+from paratune.bands import PredictionBand, memory_verdict, prediction_band  # noqa: F401 - prediction_band: public here
 from paratune.devices import Device
 from paratune.efficiency import (  # noqa: F401 - recompute_share, float8_flops_share: public here as before
     DEFAULT_COMPUTE_EFFICIENCY,
@@ -431,10 +432,26 @@ class Estimate:
     # Model FLOPs per token x predicted tokens/s/GPU over the device's bf16 peak (float8 plans
     # too: their FP8 matmuls are not a separate peak), None without a bf16 peak.
     mfu_vs_bf16_peak: float | None = None
+    # The prediction's expected error (paratune.bands.prediction_band) and the memory's verdict
+    # against the capacity within it (paratune.bands.memory_verdict: fits, tight, over).
+    band: PredictionBand | None = None
+    verdict: str = "fits"
 
     @property
     def fits(self) -> bool:
+        """Predicted within the capacity (the prediction itself, its band aside)."""
         return self.overflow is None
+
+    @property
+    def tight(self) -> bool:
+        """The predicted peak is within its band of the capacity (either side): a trial settles it."""
+        return self.verdict == "tight"
+
+    @property
+    def measurable(self) -> bool:
+        """Worth a trial: it fits, or is tight (not refused by the device, not over by more than
+        its band). What a sweep measures and `paratune plan` lists."""
+        return self.refusal is None and (self.fits or self.tight)
 
     def summary(self) -> dict[str, float]:
         """Flat numbers for MLflow and JSON."""
@@ -444,7 +461,9 @@ class Estimate:
                 "predicted_comm_gb_per_step": self.comm.total / 1e9,
                 "predicted_step_time_s": self.time.step_s,
                 "predicted_tokens_per_s_per_gpu": self.time.tokens_per_s_per_gpu,
-                **({"predicted_mfu_vs_bf16_peak": self.mfu_vs_bf16_peak} if self.mfu_vs_bf16_peak else {})}
+                **({"predicted_mfu_vs_bf16_peak": self.mfu_vs_bf16_peak} if self.mfu_vs_bf16_peak else {}),
+                **({"predicted_tokens_band": self.band.tokens, "predicted_memory_band": self.band.memory,
+                    "predicted_memory_tight": float(self.tight)} if self.band else {})}
 
 
 def estimate(plan: Plan, device: Device, constants: TimeConstants | None = None, capacity_gib: float | None = None,
@@ -475,6 +494,9 @@ def estimate(plan: Plan, device: Device, constants: TimeConstants | None = None,
     if steady:
         reasons.append(steady)
     result.overflow = "; ".join(reasons) or None
+    result.band = prediction_band(plan, device)
+    verdicts = {memory_verdict(b, limit, result.band.memory) for b in (memory.total, result.construction)}
+    result.verdict = ("over" if result.refusal or "over" in verdicts else "tight" if "tight" in verdicts else "fits")
     return result
 
 
@@ -482,10 +504,12 @@ def estimate_space(space, device: Device, capacity_gib: float | None = None, mar
                    constants: TimeConstants | None = None, activation_model: ActivationModel = "trace",
                    routing_balance: float | None = None) -> list[Estimate]:
     """Every valid plan of a space (env choices aside: they change neither memory nor volume),
-    those that fit first, fastest first; then those that do not, smallest first."""
+    those worth a trial first (they fit, or are tight: `Estimate.measurable`), fastest first;
+    then those that do not, smallest first."""
     results = [estimate(c.plan, device, constants, capacity_gib, margin, activation_model, routing_balance)
                for c in space.candidates]
-    return sorted(results, key=lambda e: (not e.fits, -e.time.tokens_per_s_per_gpu if e.fits else e.memory.total))
+    return sorted(results, key=lambda e: (not e.measurable, -e.time.tokens_per_s_per_gpu if e.measurable
+                                          else e.memory.total))
 
 
 class Roofline:

@@ -229,29 +229,39 @@ def cost_model_line(calibration: dict, results: list[TrialResult]) -> str:
 
 def print_estimates(estimates, device, console: Console, top: int = 20, title: str = "",
                     time_source: str = "roofline with default constants (a sweep refits them on its measured trials)") -> None:
-    """`paratune plan`: the plans predicted to fit, fastest first, then why the others do not."""
+    """`paratune plan`: the plans worth a trial (they fit, or are `tight`: within the memory
+    band of the capacity), fastest first, each with its expected error band; then why the others
+    are not."""
     from collections import Counter
 
-    fitting = [e for e in estimates if e.fits]
+    fitting = [e for e in estimates if e.measurable]
     big = max((e.memory.total for e in estimates), default=0) > 2 * 2**30
     gib, unit = (2**30, "GiB") if big else (2**20, "MiB")
     table = Table(title=title or f"predicted on {device.name} ({device.memory_gib:g} GiB), fastest first")
-    for col in ("#", "plan", "options", "weights", "grads", "optim", "activ.", "buffers", f"peak {unit}",
+    for col in ("#", "plan", "options", "weights", "grads", "optim", "activ.", "buffers", f"peak {unit}", "memory",
                 "comm GB/step", "step s", "tokens/s/GPU"):
-        table.add_column(col, justify="left" if col in ("plan", "options") else "right")
+        table.add_column(col, justify="left" if col in ("plan", "options", "memory") else "right")
     for i, e in enumerate(fitting[:top], 1):
         m = e.memory
+        verdict = (f"tight +-{e.band.memory:.0%}" if e.tight else "fits") if e.band else ("fits" if e.fits else "over")
+        tokens = e.band.tokens_text(e.time.tokens_per_s_per_gpu) if e.band else f"{e.time.tokens_per_s_per_gpu:,.0f}"
         table.add_row(str(i), strategy_label(e.plan.to_dict()), strategy_options(e.plan.to_dict()),
                       *(f"{v / gib:.1f}" for v in m.parts().values()),
-                      f"{m.total / gib:.1f}", f"{e.comm.total / 1e9:.1f}", f"{e.time.step_s:.2f}",
-                      f"{e.time.tokens_per_s_per_gpu:,.0f}")
+                      f"{m.total / gib:.1f}", verdict, f"{e.comm.total / 1e9:.1f}", f"{e.time.step_s:.2f}", tokens)
     console.print(table)
     if len(fitting) > top:
-        console.print(f"... and {len(fitting) - top} more that fit (--top N to see them, --json for all)")
-    rejected = [e for e in estimates if not e.fits]
+        console.print(f"... and {len(fitting) - top} more worth a trial (--top N to see them, --json for all)")
+    if any(e.tight for e in fitting):
+        console.print("tight: the predicted peak is within its band of the capacity (either side); a sweep measures "
+                      "it, and an out-of-memory trial is data")
+    if fitting and fitting[0].band:
+        b = fitting[0].band
+        console.print(f"bands (paratune.estimate.prediction_band): tokens/s/GPU +-{b.tokens:.0%} from {b.tokens_basis}; "
+                      f"memory +-{b.memory:.0%} from {b.memory_basis} (80% of published runs like it within)")
+    rejected = [e for e in estimates if not e.measurable]
     if rejected:
         console.print(f"[red]{len(rejected)} plan(s) predicted not to fit[/red] (capacity "
-                      f"{rejected[0].capacity_bytes / 2**30:.1f} GiB per GPU):")
+                      f"{rejected[0].capacity_bytes / 2**30:.1f} GiB per GPU, beyond the memory band):")
         by_strategy: Counter = Counter(strategy_label(e.plan.to_dict()).split()[0] for e in rejected)
         shown = set()
         for e in rejected:

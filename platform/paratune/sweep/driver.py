@@ -289,7 +289,8 @@ def _predict(space: Space, budget_gb: float | None, console: Console):
         console.print(f"[yellow]no predictions ({type(err).__name__}: {escape(str(err))[:300]}); "
                       "every plan will be measured[/yellow]")
         return space, None, []
-    kept = [c for c in space.candidates if estimates[c.key].fits or not settings.skip_predicted_oom]
+    # a plan within its memory band of the capacity (tight) is measured: the trial settles it
+    kept = [c for c in space.candidates if estimates[c.key].measurable or not settings.skip_predicted_oom]
     if not kept:
         smallest = min(estimates.values(), key=lambda e: e.memory.total)
         raise SweepError(f"every plan is predicted not to fit on {device.name}; the smallest: "
@@ -299,7 +300,8 @@ def _predict(space: Space, budget_gb: float | None, console: Console):
     removed, examples = space.removed.copy(), dict(space.examples)
     for c in space.candidates:
         if c not in kept:
-            rule = f"predicted out of memory on {device.name} (over {estimates[c.key].capacity_bytes / 2**30:.1f} GiB by > {settings.margin:.0%})"
+            rule = (f"predicted out of memory on {device.name} (over {estimates[c.key].capacity_bytes / 2**30:.1f} GiB "
+                    f"by > {settings.margin:.0%}, beyond the prediction's band)")
             if estimates[c.key].refusal:  # the device cannot run its levers (paratune.levers.device_refusal)
                 rule = f"refused on {device.name}: {estimates[c.key].refusal.split(':')[0]}"
             removed[rule] += 1
