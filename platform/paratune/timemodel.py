@@ -271,6 +271,10 @@ def compose(plan: Plan, profile: Profile, imbalance: float = DEFAULT_IMBALANCE) 
         else:  # vocab-parallel embedding (all-reduced), colwise head (logits gathered, input grad reduced)
             ends = 2 * ar(act_bytes) + profile.comm_seconds("all_gather", t, logits, 1)
         tp_comm = (layer_collectives * ar(act_bytes) + ends) * slots
+        if plan.async_tp:  # the forward's collectives micro-pipelined into its matmuls (the roofline's term)
+            from paratune.estimate import async_tp_hidden
+
+            tp_comm *= 1 - async_tp_hidden(plan)
 
     # ---- pipeline: activations forward, gradients back, at each boundary, per micro-batch
     pp_comm = 0.0
