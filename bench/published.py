@@ -4,6 +4,7 @@
     /work/main/.venv/bin/python bench/published.py --source torchtitan --only tt-h100-70b-fsdp32-tp8
     /work/main/.venv/bin/python bench/published.py --alternate      # llm-foundry's MPT as Llama stand-ins
     /work/main/.venv/bin/python bench/published.py --no-write       # print only
+    /work/main/.venv/bin/python bench/published.py --write-bands    # + the bands paratune ships
 
 Run from the worktree root; it imports paratune from ./platform (no PYTHONPATH needed). No GPU:
 the predictions are `paratune plan`'s (paratune.estimate.estimate, the function `paratune plan`
@@ -15,8 +16,12 @@ paratune Plan: the file's `plan_defaults`, then the row's `plan`; `model` is a p
 key of the file's `models` (a transformers config dict, written to a config.json under the cache
 folder). A row marked `replay: false`, or whose plan paratune refuses (a layout it lacks), is
 listed with the reason, never dropped. Per source: median and worst |error| of tokens/s/GPU and of
-memory where published, Kendall's tau of tokens/s/GPU within each model's rows, and false
-rejections (a run that ran on its GPUs, predicted not to fit them). Activation traces are stored
+memory where published, Kendall's tau of tokens/s/GPU within each model's rows, the error bands
+(paratune.bands: the 80th percentile of |error| per plan kind; --write-bands writes them to
+platform/paratune/presets/prediction_bands.json, what `paratune plan` prints), tight rows (within
+their memory band of the capacity: a sweep measures them) and false rejections (a run that ran
+on its GPUs, predicted over its capacity by more than its band); and each source judged with the
+other sources' bands only (leave one source out). Activation traces are stored
 under the cache folder (default: a fresh temporary one, so the timings are those of a cold
 `paratune plan`; rows of the same shape reuse one trace, as a space's plans do).
 Writes bench/results/published.{md,json}.

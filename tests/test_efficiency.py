@@ -158,3 +158,20 @@ def test_the_grand_teton_entry_states_its_hbm():
     assert teton.memory_gbps == 2400 and teton.tflops["bf16"] == 912
     plan = _plan()
     assert compute_parts(plan, teton).memory_s > compute_parts(plan, H100).memory_s
+
+
+def test_fsdp2_copies_around_its_collectives_every_micro_batch():
+    """FSDP2 copies each gather's output into the parameters (4 B a parameter, twice a micro-batch
+    when blocks reshard after forward) and the gradients into the reduce-scatter input (6 B):
+    per micro-batch, on the compute stream; DDP's gradients are views of its buckets."""
+    from paratune.efficiency import FSDP_COPY_IN_BYTES, FSDP_COPY_OUT_BYTES, fsdp_copy_bytes, fsdp_copy_seconds
+    from paratune.shapes import local_params
+
+    one, two = _plan(micro_batch=2, global_batch=16), _plan(micro_batch=1, global_batch=16)
+    held, _ = local_params(one, model_shape(one))
+    assert fsdp_copy_bytes(one, model_shape(one)) == pytest.approx(held * (2 * FSDP_COPY_OUT_BYTES + FSDP_COPY_IN_BYTES))
+    assert fsdp_copy_seconds(two, H100) == pytest.approx(2 * fsdp_copy_seconds(one, H100))
+    grad_op = _plan(fsdp={"sharding": "grad_op"})
+    assert fsdp_copy_bytes(grad_op, model_shape(grad_op)) < fsdp_copy_bytes(one, model_shape(one))
+    assert fsdp_copy_seconds(_plan(strategy="ddp", fsdp=None), H100) == 0.0
+    assert fsdp_copy_seconds(_plan(device="cpu", precision="fp32"), get_device("cpu")) == 0.0

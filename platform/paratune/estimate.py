@@ -36,6 +36,7 @@ from paratune.efficiency import (  # noqa: F401 - recompute_share, float8_flops_
     DEFAULT_COMPUTE_EFFICIENCY,
     compute_parts,
     float8_flops_share,
+    fsdp_copy_seconds,
     has_kernel_rates,
     recompute_share,
     step_flops,
@@ -336,12 +337,15 @@ def estimate_time(plan: Plan, device: Device, constants: TimeConstants | None = 
                   imbalance: float = DEFAULT_IMBALANCE) -> TimeEstimate:
     """Step time: compute (as a step reaches it, x 1 / `compute_efficiency`, 1 until a sweep
     fits it), the DP collectives beyond what `dp_overlap_share` of the compute hides, the exposed
-    TP/PP/CP/EP collectives, the pipeline bubble, a fixed cost per step and per micro-batch."""
+    TP/PP/CP/EP collectives, FSDP2's copies around its collectives (`fsdp_copy_seconds`), the
+    pipeline bubble, a fixed cost per step and per micro-batch."""
     c = constants or TimeConstants()
     compute, dp_s, mp_s, bubble = _time_terms(plan, device, imbalance)
     compute /= c.compute_efficiency
     comm = (dp_s + mp_s) / c.comm_efficiency
     exposed = max(0.0, dp_s / c.comm_efficiency - compute * dp_overlap_share(plan)) + mp_s / c.comm_efficiency
+    copies = fsdp_copy_seconds(plan, device)  # FSDP2's copies around its collectives, on the compute stream
+    compute += copies
     step = compute / (1 - bubble) + exposed + c.overhead_s + c.micro_batch_overhead_s * plan.grad_accum
     return TimeEstimate(compute, comm, exposed, bubble, step, plan.tokens_per_step / step / plan.num_workers)
 
@@ -382,7 +386,7 @@ def fit_time_constants(samples: list[tuple[Plan, float]], device: Device) -> Tim
     for plan, measured in samples:
         compute, dp_s, mp_s, bubble = _time_terms(plan, device)
         rows.append([compute / (1 - bubble), dp_s + mp_s, 1.0, float(plan.grad_accum)])
-        y.append(measured)
+        y.append(measured - fsdp_copy_seconds(plan, device) / (1 - bubble))  # a known cost, not fitted
         floor = max(floor, compute_seconds(plan, device) / compute if compute > 0 else 0.0)
     X, Y = np.array(rows), np.array(y)
     n = len(samples)
