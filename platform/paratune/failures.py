@@ -220,6 +220,19 @@ def classify(exc: BaseException, worker_logs: str | None = None) -> tuple[Reason
     return reason, _headline(chain, reason)
 
 
+# Terminal colour and cursor codes (Ray colours its task tracebacks: "\x1b[36mray::PoolActor.run()\x1b[39m").
+_TERMINAL_CODES = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+
+
+def explain(exc: BaseException, limit: int = 2000) -> str:
+    """A failure as a person should read it on a console or in a log: the innermost exception
+    Ray or Python wrapped (`Type: message`, its whole message up to `limit` characters), without
+    terminal codes or Ray's generic list of possible causes. (`classify` gives the one-line reason.)"""
+    inner = _exception_chain(exc)[-1]
+    text = _RAY_BOILERPLATE.sub("", _TERMINAL_CODES.sub("", str(inner))).strip()
+    return f"{type(inner).__name__}: {text}"[:limit] if text else type(inner).__name__
+
+
 def _headline(chain: list[BaseException], reason: str) -> str:
     """The innermost, most telling line of the failure (not Ray's generic wrapper)."""
     patterns = [p for r, p in _PATTERNS if r == reason]

@@ -21,6 +21,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from paratune.failures import explain
 from paratune.plan import load_plan_dict
 from paratune.progress import ProgressDisplay, SweepProgress
 from paratune.space import Space
@@ -286,7 +287,7 @@ def _predict(space: Space, budget_gb: float | None, console: Console):
         calibration = Roofline(device, capacity)
         estimates = {c.key: calibration.predict(c.plan, settings.margin) for c in space.candidates}
     except Exception as err:  # noqa: BLE001 - the sweep still runs, unguided, and says so
-        console.print(f"[yellow]no predictions ({type(err).__name__}: {escape(str(err))[:300]}); "
+        console.print(f"[yellow]no predictions ({escape(explain(err))}); "
                       "every plan will be measured[/yellow]")
         return space, None, []
     kept = [c for c in space.candidates if estimates[c.key].fits or not settings.skip_predicted_oom]
@@ -335,7 +336,7 @@ def _time_predictions(space: Space, plans: dict[str, dict], calibration, pool: s
             profiles.append(profile)
         return TimePredictions(StepTimeModel(profiles), plans, "profile"), time.perf_counter() - t0
     except Exception as err:  # noqa: BLE001 - the sweep still runs, on the roofline, and says so
-        console.print(f"[yellow]no profile ({type(err).__name__}: {escape(str(err))[:300]}); the calibrated search "
+        console.print(f"[yellow]no profile ({escape(explain(err))}); the calibrated search "
                       "orders plans by the roofline instead[/yellow]")
         if calibration is None:
             return None, time.perf_counter() - t0
