@@ -175,9 +175,9 @@ def test_per_layer_types_follow_a_changed_layer_count(tmp_path):
 
     data = {k: v for k, v in json.loads((PRESET_DIR / "tiny-gemma2.json").read_text()).items() if not k.startswith("_")}
     (tmp_path / "config.json").write_text(json.dumps({**data, "layer_types": ["sliding_attention", "full_attention"]}))
-    assert build_config(str(tmp_path), {"num_hidden_layers": 3}).layer_types == [
+    assert build_config(str(tmp_path / "config.json"), {"num_hidden_layers": 3}).layer_types == [
         "sliding_attention", "full_attention", "sliding_attention"]
-    one = config_from_key(config_key(build_config(str(tmp_path))), num_hidden_layers=1)
+    one = config_from_key(config_key(build_config(str(tmp_path / "config.json"))), num_hidden_layers=1)
     assert one.layer_types == ["sliding_attention"] and one._attn_implementation == "eager"
 
 
@@ -234,7 +234,7 @@ def test_refused_before_launch_with_the_reason(name):
 
 def _config_dir(tmp_path, **config) -> str:
     (tmp_path / "config.json").write_text(json.dumps(config))
-    return str(tmp_path)
+    return str(tmp_path / "config.json")
 
 
 def test_tp_refuses_packed_expert_layouts(tmp_path):

@@ -65,7 +65,8 @@ def _cmd_trial(args: argparse.Namespace, console: Console) -> int:
                 what = "fails loss parity" if diff is not None else "no parity"
                 console.print(f"[red]{name}: {what} ({escape(check.reason)[:300]})[/red]")
         verdict = f"{result.tokens_per_s_per_gpu:,.0f} tokens/s/GPU" if result.ok else f"{result.reason}"
-        console.print(f"[bold]{name}[/bold]: {result.status} ({verdict})")
+        console.print(f"[bold]{name}[/bold]: {result.status} ({verdict})"
+                      + (f" [dim]from {escape(result.model_init)}[/dim]" if result.model_init else ""))
         rows.append((name, result, diff))
         save()
     print_results(rows, console)
@@ -81,9 +82,12 @@ def _cmd_tune(args: argparse.Namespace, console: Console) -> int:
     from paratune.tables import print_sweep
     from paratune.tracking import default_tracking_uri
 
+    from paratune.inputs import check_space_inputs
+
     try:
         space = load_space(args.space)
-    except SpaceError as err:
+        check_space_inputs((c.plan for c in space.candidates), source=args.space)  # before Ray starts
+    except (SpaceError, PlanError) as err:
         console.print(f"[red]invalid space[/red]\n{escape(str(err))}")
         return 2
     search = args.search
@@ -193,6 +197,8 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     from paratune.devices import get_device
     from paratune.estimate import estimate_space
     from paratune.tables import print_estimates
+    from paratune.inputs import check_space_inputs
+    from paratune.plan import absolute_local_paths
     from paratune.space import SpaceError, read_yaml_mapping, space_from_dict
 
     t0 = time.perf_counter()
@@ -222,7 +228,9 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
         gpus = args.gpus_per_node or device.gpus_per_node
         if args.nodes:
             fixed.update(num_workers=args.nodes * gpus, gpus_per_node=gpus)
+        fixed = absolute_local_paths(fixed, Path(args.space).resolve().parent)  # as a space or plan file reads them
         space = space_from_dict({**raw, "fixed": fixed}, source=Path(args.space))
+        check_space_inputs((c.plan for c in space.candidates), source=args.space)
     except (SpaceError, ValueError) as err:
         console.print(f"[red]cannot plan[/red]\n{escape(str(err))}")
         return 2
@@ -332,82 +340,6 @@ def _print_time_parts(estimates, profiles, console: Console, top: int) -> None:
                   "(a sweep refits it on its measured trials)")
 
 
-def _cmd_profile(args: argparse.Namespace, console: Console) -> int:
-    """Profile what a space's plans need on the running Ray cluster (or an in-process one), store
-    it under PARATUNE_HOME/profiles (reused when it already covers the plans), write --out."""
-    from paratune.profile import ProfileError, ProfileStore, profile_requests_for
-    from paratune.profiling import run_profile
-    from paratune.space import SpaceError, load_space
-    from paratune.launch import ensure_ray
-
-    try:
-        space = load_space(args.space)
-    except SpaceError as err:
-        console.print(f"[red]invalid space[/red]\n{escape(str(err))}")
-        return 2
-    plans = [space.plan_for(c.choices, env) if env else c.plan for c in space.candidates for env in space.env_grid()]
-    requests = profile_requests_for(plans, reps=args.reps)
-    store = ProfileStore(args.store) if args.store else ProfileStore()
-    ensure_ray()
-    device_name = _cluster_device_name()
-    profiles = []
-    for i, request in enumerate(requests, 1):
-        cached = None if args.force else store.get(request, device_name)
-        label = f"{request.model}, {request.world_size} workers, env {request.env or '{}'}"
-        if cached is not None:
-            console.print(f"profile {i}/{len(requests)} ({label}): reused {store.path(store.key_for_profile(cached))}")
-            profiles.append(cached)
-            continue
-        with console.status(f"profile {i}/{len(requests)}: {label} ({len(request.blocks)} block shapes, "
-                            f"{len(request.groups)} group layouts)"):
-            try:
-                profile = run_profile(request)
-            except ProfileError as err:
-                console.print(f"[red]{escape(str(err))}[/red]")
-                return 1
-        path = store.put(profile)
-        console.print(f"profile {i}/{len(requests)} ({label}): measured in {profile.profile_s:.1f} s on "
-                      f"{profile.device_name}, stored {path}")
-        profiles.append(profile)
-    _print_profiles(profiles, console)
-    if args.out:
-        Path(args.out).write_text(json.dumps([p.model_dump(mode="json") for p in profiles], indent=1))
-        console.print(f"profiles written to {args.out}; predict with: paratune plan {args.space} --profile {args.out}")
-    return 0
-
-
-def _cluster_device_name() -> str:
-    """The name a profile of this cluster is stored under: a GPU's as torch reports it, else cpu."""
-    import ray
-
-    if ray.cluster_resources().get("GPU", 0) >= 1:
-        from paratune.devices import probe_gpu
-
-        answer = probe_gpu()
-        if answer is not None:
-            return answer[0]
-    return "cpu"
-
-
-def _print_profiles(profiles, console: Console) -> None:
-    from rich.table import Table
-
-    table = Table(title="profiles: block fwd+bwd (ms, smallest..largest shape), collectives, optimizer")
-    for col in ("env", "device", "blocks", "block ms", "head ms", "all_reduce GB/s", "latency us", "optimizer ns/param",
-                "measured s"):
-        table.add_column(col, justify="left" if col in ("env", "device") else "right")
-    for p in profiles:
-        blocks = sorted(p.blocks, key=lambda b: b.block_s)
-        ar = [c for c in p.collectives if c.op == "all_reduce"]
-        bw = ", ".join(f"{c.bandwidth_gbps:.2f}" for c in ar) or "-"
-        lat = ", ".join(f"{c.latency_s * 1e6:.0f}" for c in ar) or "-"
-        table.add_row(json.dumps(p.env), p.device_name, str(len(p.blocks)),
-                      f"{blocks[0].block_s * 1e3:.1f}..{blocks[-1].block_s * 1e3:.1f}",
-                      f"{min(b.head_s for b in blocks) * 1e3:.1f}..{max(b.head_s for b in blocks) * 1e3:.1f}",
-                      bw, lat, f"{p.optimizer.b * 1e9:.2f}", f"{p.profile_s:.1f}")
-    console.print(table)
-
-
 def _print_levers(estimates, device, console: Console, top: int) -> None:
     """`paratune plan`: what the throughput levers change in the plans shown above, where any is
     set: the logits a rank holds by the loss's form (one fp32 buffer of them; the loss keeps a few),
@@ -467,41 +399,6 @@ def _print_construction(estimates, console: Console, top: int) -> None:
                       f"{unbuildable[0].construction / 2**30:.1f} GiB per rank")
 
 
-def _cmd_ui(args: argparse.Namespace, console: Console) -> int:
-    import os
-
-    from paratune.tracking import default_tracking_uri
-
-    uri = args.tracking_uri or default_tracking_uri()
-    base = f"http://{args.host}:{args.port}"
-    console.print(f"MLflow UI on {base} for {uri} (Ctrl-C to stop)")
-    link = _sweep_runs_link(uri, base)
-    if link:
-        console.print(f"the sweeps' runs (parent runs, trials under each; select trials, then Compare):\n  {link}")
-    os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")  # ~0.5 GB instead of ~3 GB
-    mlflow = Path(sys.executable).parent / "mlflow"
-    # One worker process: a local UI for one person needs no pool, and each of MLflow's default
-    # four imports the whole server (memory, and seconds of CPU on a small machine).
-    os.execv(str(mlflow), [str(mlflow), "ui", "--backend-store-uri", uri, "--host", args.host,
-                           "--port", str(args.port), "--workers", "1"])
-    return 0
-
-
-def _sweep_runs_link(uri: str, base: str) -> str | None:
-    """The paratune experiment's runs table (MLflow's "Machine learning" view), if the store has it."""
-    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
-        return None
-    try:
-        from mlflow.tracking import MlflowClient
-
-        from paratune.tracking import DEFAULT_EXPERIMENT, runs_url
-
-        experiment = MlflowClient(tracking_uri=uri).get_experiment_by_name(DEFAULT_EXPERIMENT)
-    except Exception:  # noqa: BLE001 - only a convenience: the UI starts anyway
-        return None
-    return runs_url(base, experiment.experiment_id) if experiment is not None else None
-
-
 def _load_plan_or_say_why(path: str, console: Console):
     """The plan, or None after printing what is wrong with it (field, value, what is allowed)."""
     try:
@@ -512,8 +409,16 @@ def _load_plan_or_say_why(path: str, console: Console):
 
 
 def _cmd_validate(args: argparse.Namespace, console: Console) -> int:
+    """The plan's own rules, then what it reads from disk (model, data, tokenizer): seconds, no Ray."""
+    from paratune.inputs import check_inputs
+
     plan = _load_plan_or_say_why(args.plan, console)
     if plan is None:
+        return 2
+    try:
+        check_inputs(plan, source=args.plan)
+    except PlanError as err:
+        console.print(f"[red]invalid plan[/red]\n{escape(str(err))}")
         return 2
     console.print(plan.to_yaml())
     return 0
@@ -605,8 +510,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("models", help="list model presets and their parameter counts")
     args = parser.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 160)
-    handler = {"trial": _cmd_trial, "tune": _cmd_tune, "report": _cmd_report, "train": _cmd_train, "plan": _cmd_plan, "ui": _cmd_ui,
-               "validate": _cmd_validate, "models": _cmd_models, "profile": _cmd_profile}[args.command]
+    from paratune.cli_cluster import cmd_profile, cmd_ui
+
+    handler = {"trial": _cmd_trial, "tune": _cmd_tune, "report": _cmd_report, "train": _cmd_train, "plan": _cmd_plan, "ui": cmd_ui,
+               "validate": _cmd_validate, "models": _cmd_models, "profile": cmd_profile}[args.command]
     return handler(args, console)
 
 

@@ -32,17 +32,50 @@ def load_config_dict(model: str, overrides: dict[str, Any] | None = None) -> dic
     preset = PRESET_DIR / f"{model}.json"
     path = preset if preset.is_file() and model not in NOT_MODELS else Path(model)
     if path.is_dir():
+        _check_weights(path)
         path = path / "config.json"
     if not path.is_file():
+        import difflib
+
+        close = difflib.get_close_matches(model, preset_names(), n=1, cutoff=0.6)
         raise ModelError(
-            f"model: got '{model}', neither a preset nor a config.json path; allowed presets: "
-            f"{', '.join(preset_names())}"
+            f"model: got '{model}', neither a preset, a model folder nor a config.json path (no {path.resolve()}); "
+            f"{f'did you mean {close[0]!r}? ' if close else ''}allowed: a model folder (config.json + "
+            f"*.safetensors), a config.json path, or a preset: {', '.join(preset_names())}"
         )
     data = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
     if "model_type" not in data:
         raise ModelError(f"model: {path} has no 'model_type'; a transformers config.json is required")
     data.update(overrides or {})
     return _fit_layer_types(data, overrides or {})
+
+
+def _check_weights(folder: Path) -> None:
+    """A folder given as the model is a pretrained model: it must hold its weights. Without them a
+    run would train from random init while its user believes they fine-tune their model; random
+    init stays one path away (the folder's config.json, or a preset)."""
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"model: folder {folder} has no config.json; allowed: a Hugging Face model folder "
+                         f"(config.json + *.safetensors), a config.json path, or a preset ({', '.join(preset_names())})")
+    if any(folder.glob("*.safetensors")):
+        return
+    other = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+    found = (f"; found {', '.join(other[:3])}: paratune reads safetensors (save it with "
+             "model.save_pretrained(folder), which writes them)") if other else ""
+    raise ModelError(f"model: folder {folder} holds config.json but no weights (looked for model.safetensors, "
+                     f"model.safetensors.index.json and its *.safetensors shards){found}; allowed: a folder with its "
+                     f"weights, or {folder / 'config.json'} to train this architecture from random init")
+
+
+def model_init(model: str) -> str:
+    """Where a plan's starting weights come from, in words (what a trial result says)."""
+    preset = PRESET_DIR / f"{model}.json"
+    if preset.is_file() and model not in NOT_MODELS:
+        return f"random init (preset {model})"
+    path = Path(model)
+    if path.is_dir():
+        return f"pretrained weights from {path}"
+    return f"random init (architecture from {path})"
 
 
 def build_config(model: str, overrides: dict[str, Any] | None = None):

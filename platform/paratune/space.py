@@ -310,7 +310,7 @@ def load_space(path: str | Path) -> Space:
     path = Path(path)
     data = read_yaml_mapping(path, "space", SpaceError)
     if isinstance(data.get("fixed"), dict):  # the fixed part's local files, as a plan file's
-        data = {**data, "fixed": absolute_local_paths(data["fixed"])}
+        data = {**data, "fixed": absolute_local_paths(data["fixed"], path.resolve().parent)}
     return space_from_dict(data, source=path)
 
 
@@ -321,7 +321,7 @@ def space_from_dict(data: dict[str, Any], source: Path | None = None) -> Space:
     try:
         spec = SpaceFile.model_validate(data)
     except ValidationError as err:
-        raise SpaceError(format_validation_error(err, label)) from None
+        raise SpaceError(format_validation_error(err, label, schema=SpaceFile)) from None
     _check_fixed_alone(spec.fixed, label)
     for key, choices in spec.space.env.items():
         for value in choices:

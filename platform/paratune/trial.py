@@ -140,7 +140,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         return user_loop.run(plan, rank, world, device, stop_rule=stop_rule)
     from paratune.data import TokenBatches, step_loader
     from paratune.materialize import ConstructionMeter
-    from paratune.models import build_config
+    from paratune.models import build_config, model_init
     from paratune.parallel import build_runner
     from paratune.parallel.compile import eager_blocks, on_every_rank, watch_compiled
     from paratune.parallel.dims import ParallelDims
@@ -330,6 +330,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     out["linear_matmul_dtypes"] = total
     inner = getattr(runner.optimizer, "optimizer", runner.optimizer)  # DeepSpeed wraps the real one
     out["optimizer_class"] = type(inner).__name__
+    out["model_init"] = model_init(plan.model)
     out["loss_form"] = runner.loss_form  # what ran (auto resolved), and why auto fell back (None: it did not)
     out["loss_form_fallback"] = runner.loss_fallback
     return out
@@ -364,11 +365,13 @@ def check_before_launch(plan: Plan | dict[str, Any], ray_address: str | None = N
             plan = load_plan_dict(plan)
         except PlanError as err:
             return TrialResult.failed(plan, "invalid_config", str(err))
+    from paratune.inputs import check_inputs
     from paratune.models import ModelError, build_config
     from paratune.preflight import check_plan_against_model
 
     try:
         with _MODEL_CHECK_LOCK:  # one thread at a time: see _MODEL_CHECK_LOCK
+            check_inputs(plan)  # model, data and tokenizer files, where the command runs
             model_config = build_config(plan.model, plan.model_overrides)
             check_plan_against_model(plan, model_config)  # the family's layout rules, on the meta device
             flops_tok = measure.model_flops_per_token(model_config, plan.seq_len)  # builds it on meta
@@ -546,6 +549,7 @@ def summarize(plan: Plan, out: dict[str, Any], flops_tok: float, wall_s: float |
         construction_peak_bytes=out.get("construction_peak_bytes", []),
         construction_method=out.get("construction_method"), construction_s=out.get("construction_s"),
         linear_matmul_dtypes=out.get("linear_matmul_dtypes", {}), optimizer_class=out.get("optimizer_class"),
+        model_init=out.get("model_init"),
         losses=out["losses"], step_times_s=step_times, launch_s=out.get("launch_s"), wall_s=wall_s,
         compile_s=out.get("compile_s"), compile_graphs=out.get("compile_graphs"),
         loss_form=out.get("loss_form"), loss_form_fallback=out.get("loss_form_fallback"),
