@@ -111,13 +111,15 @@ def _cmd_tune(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]{err}[/red]")
         return 2
     print_sweep(outcome, console)
+    from paratune.export import own_command
+
     uri = args.tracking_uri or default_tracking_uri()
-    console.print(f"compare the trials in MLflow:  .venv/bin/paratune ui --tracking-uri {uri}")
+    console.print(f"compare the trials in MLflow:  {own_command()} ui --tracking-uri {uri}", soft_wrap=True)
     # Last, so it is what the terminal ends on (make demo).
     if outcome.report_path is not None:
         console.print(f"sweep report: [bold]{outcome.report_path}[/bold]", soft_wrap=True)
     else:
-        console.print(f"no sweep report (see above); write it again with:  .venv/bin/paratune report {outcome.out_dir}")
+        console.print(f"no sweep report (see above); write it again with:  {own_command()} report {outcome.out_dir}")
     return 0 if outcome.verdict and outcome.verdict.winner else 1
 
 
@@ -214,10 +216,10 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
         if not profiles:
             console.print(f"[red]cannot plan[/red]\nprofile: {args.profile} holds no profile")
             return 2
-    device_name = args.device or ("cpu" if profiles and profiles[0].device_type == "cpu" else "h100-80gb")
     try:
-        device = get_device(device_name, args.devices)
         raw = read_yaml_mapping(Path(args.space), "space", SpaceError)
+        device_name, why = (args.device, "--device") if args.device else _space_device(raw, profiles, args.devices)
+        device = get_device(device_name, args.devices)
         if "fixed" not in raw and "space" not in raw:  # a plan file (plans/*.yaml): a space of one plan
             plan = dict(raw)
             strategy = plan.pop("strategy", "ddp")
@@ -249,6 +251,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
         estimates, notes = _times_from_profiles(estimates, space, StepTimeModel(profiles))
     first = space.candidates[0].plan
+    console.print(f"device: {device.name} ({why}{'' if args.device else '; --device to predict another'})")
     console.print(space.pruning_report())
     print_estimates(estimates, device, console, top=args.top,
                     title=f"{space.spec.name}: {first.model}, {first.num_workers} x {device.name} "
@@ -263,6 +266,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
         _print_time_parts(estimates, profiles, console, args.top)
         for note in notes:
             console.print(f"[yellow]{escape(note)}[/yellow]")
+    _hint_buffer_sizes(estimates, raw, console)
     console.print(f"{len(estimates)} plans estimated in {time.perf_counter() - t0:.1f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(
@@ -270,6 +274,55 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
               **({"predicted_step_parts_s": e.time_parts} if profiles else {})} for e in estimates],
             indent=1))
     return 0 if any(e.fits for e in estimates) else 1
+
+
+def _space_device(raw: dict, profiles, extra: str | None) -> tuple[str, str]:
+    """The device `plan` predicts on when --device is not given, and why: the space's own (its
+    estimate.device, else its plans' device: cpu, or the table's default GPU for cuda), else this
+    machine's (its GPU in the table, or the CPU)."""
+    if profiles:
+        return ("cpu", "the profile's") if profiles[0].device_type == "cpu" else ("h100-80gb", "the default GPU")
+    named = (raw.get("estimate") or {}).get("device")
+    if named and named != "auto":
+        return named, "the space's estimate.device"
+    device = (raw.get("fixed") or raw).get("device", "auto")
+    if device == "cpu":
+        return "cpu", "the space's device"
+    if device == "cuda":
+        return "h100-80gb", "the space's device is cuda: the table's default GPU"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu", "the space's device is auto and this machine has no GPU"
+    from paratune.devices import gpu_model, load_devices
+
+    model = gpu_model(torch.cuda.get_device_name())
+    match = next((d.name for d in load_devices(extra).values() if model and d.gpu == model.key), None)
+    return (match, "this machine's GPU") if match else ("h100-80gb", "this machine's GPU is not in the table")
+
+
+def _hint_buffer_sizes(estimates, raw: dict, console: Console) -> None:
+    """ZeRO's reduce / all-gather buckets are sized in elements, not by the model (DeepSpeed's 5e8
+    default is 1.9 GiB of fp32 whatever the model): where they outweigh the model's own states
+    and the space leaves them unset, say which to set and a size that scales with the model
+    (hidden_size squared: what Hugging Face's DeepSpeed integration puts for `auto`)."""
+    zero = [e for e in estimates if e.plan.strategy == "zero"]
+    swept = ((raw.get("space") or {}).get("strategy") or {}).get("zero") or {}
+    fixed = (raw.get("fixed") or {}).get("zero") or {}
+    if not zero or any(k in swept or k in fixed for k in ("reduce_bucket_size", "allgather_bucket_size")):
+        return
+    worst = max(zero, key=lambda e: e.memory.comm_buffers)
+    states = worst.memory.weights + worst.memory.gradients + worst.memory.optimizer
+    if worst.memory.comm_buffers <= states:
+        return
+    from paratune.models import build_config
+
+    hidden = int(getattr(build_config(worst.plan.model, worst.plan.model_overrides), "hidden_size", 0) or 0)
+    size = f"{max(hidden * hidden, 1):.0e}".replace("e+0", "e").replace("e+", "e")
+    console.print(f"[yellow]ZeRO's buffers ({worst.memory.comm_buffers / 2**30:.2f} GiB) outweigh the model's states "
+                  f"({states / 2**30:.2f} GiB): DeepSpeed's default buckets are 5e8 elements whatever the model. Set "
+                  f"zero.reduce_bucket_size and zero.allgather_bucket_size in the space (e.g. {size}, hidden_size "
+                  "squared, Hugging Face's `auto`).[/yellow]")
 
 
 def _print_experts(estimates, device, console: Console, top: int, routing_balance: float | None) -> None:

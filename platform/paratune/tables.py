@@ -12,9 +12,24 @@ from rich.table import Table
 from paratune.results import TrialResult
 
 
-def env_label(env: dict[str, str] | None) -> str:
-    """A plan's env as it reads in tables and logs: 'K=V K=V', sorted; '' for none."""
-    return " ".join(f"{k}={v}" for k, v in sorted((env or {}).items()))
+def env_label(env: dict[str, str] | None, keys: set[str] | None = None) -> str:
+    """A plan's env as it reads in tables and logs: 'K=V K=V', sorted; '' for none. `keys`: only
+    those (the settings that differ between a sweep's plans; `varying_env`)."""
+    return " ".join(f"{k}={v}" for k, v in sorted((env or {}).items()) if keys is None or k in keys)
+
+
+def varying_env(envs) -> set[str]:
+    """The env settings whose values differ between plans (a setting every plan shares is said once,
+    not on every label)."""
+    envs = [dict(e or {}) for e in envs]
+    keys = {k for e in envs for k in e}
+    return {k for k in keys if len({e.get(k) for e in envs}) > 1}
+
+
+def shared_env(envs) -> dict[str, str]:
+    """The env settings every plan has, with one value."""
+    envs = [dict(e or {}) for e in envs]
+    return {k: v for k, v in (envs[0] if envs else {}).items() if all(e.get(k) == v for e in envs)}
 
 
 def strategy_label(plan: dict) -> str:
@@ -173,8 +188,12 @@ def print_sweep(outcome, console: Console | None = None) -> None:
         console.print(f"winner: [bold]{verdict.winner.label}[/bold] — {verdict.winner.median:,.0f} tokens/s/GPU, "
                       f"loss parity vs single process: max |Δ| = {outcome.winner_parity:.1e}")
         if outcome.winner_dir:
-            console.print(f"exported to {outcome.winner_dir}/ (plan.yaml, env.sh, job.sh, ...)")
-            console.print("train with it:  " + (outcome.winner_dir / "job.sh").read_text().splitlines()[-1])
+            from paratune.export import on_a_cluster
+
+            console.print(f"exported to {outcome.winner_dir}/ (plan.yaml, train.sh, job.sh, env.sh, ...)")
+            script = "job.sh" if on_a_cluster() else "train.sh"  # the command that fits where the sweep ran
+            console.print("train with it:  " + escape((outcome.winner_dir / script).read_text().splitlines()[-1]),
+                          soft_wrap=True)
     else:
         console.print("[red]no winner: no plan finished and passed the loss-parity check[/red]")
 

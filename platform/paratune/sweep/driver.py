@@ -32,7 +32,7 @@ from paratune.sweep.ledger import Ledger, SweepError, candidate_key, observe_cal
 from paratune.sweep.searchers import (TimePredictions, all_points, calibrated_searcher,
                                       optuna_searcher)
 from paratune.sweep.stopping import SweepStopRule
-from paratune.tables import env_label, strategy_label
+from paratune.tables import env_label, shared_env, strategy_label
 from paratune.launch import ensure_ray
 
 
@@ -153,6 +153,10 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
     parent = state["parent_run_id"]
     space, calibration, fastest_first = _predict(space, settings.budget_gb, console)
     console.print(space.pruning_report())
+    shared = {**shared_env(c.plan.env for c in space.candidates),
+              **{k: str(v[0]) for k, v in space.env_choices.items() if len(set(map(str, v))) == 1}}
+    if shared:  # said once here; the trial lines show only the settings that differ
+        console.print(f"every plan runs with {escape(env_label(shared))}")
     done = len(ledger.search_entries())
     remaining = max(0, settings.trials - done)
     if done:
