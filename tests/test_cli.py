@@ -150,3 +150,26 @@ def test_report_rewrites_a_sweeps_report_and_logs_it_to_its_parent_run(tmp_path,
     assert f"sweep report: {sweep / 'report' / 'report.html'}" in done.stdout
     assert "report/report.html" in {a.path for a in tracker.client.list_artifacts(parent, "report")}
     assert _run("report", str(tmp_path / "nothing")).returncode == 2
+
+
+def test_a_command_says_its_own_first_line(tmp_path):
+    """Day one is quiet: no third-party line before paratune's own. `models` builds every preset
+    (transformers imports torchao, whose wheel warns about C++ extensions it cannot load, and torch
+    about torchao's pytree Enums); the filters are paratune.quiet's, by cause."""
+    import logging
+
+    from paratune.quiet import RayTokenAuthNotice, TorchaoImportNoise
+
+    proc = subprocess.run([str(Path(sys.executable).parent / "paratune"), "models"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.strip() == "", proc.stderr[:2000]
+    assert proc.stdout.lstrip().startswith("model presets"), proc.stdout[:300]
+
+    def kept(f: logging.Filter, message: str) -> bool:
+        return f.filter(logging.LogRecord("x", logging.WARNING, __file__, 1, message, None, None))
+
+    notice = RayTokenAuthNotice()
+    assert not kept(notice, "Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.")
+    assert kept(notice, "Token authentication is disabled for this Ray cluster. Anyone with network access ...")
+    assert not kept(TorchaoImportNoise(), "Failed to load /x/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: y")

@@ -144,7 +144,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     from paratune.parallel import build_runner
     from paratune.parallel.compile import eager_blocks, on_every_rank, watch_compiled
     from paratune.parallel.dims import ParallelDims
-    from paratune.parallel.float8 import quiet_torchao_import
+    from paratune.quiet import quiet_torchao_import
     from paratune.precision import LinearMatmulDtypes
 
     from paratune.placement import place_and_check

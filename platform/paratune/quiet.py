@@ -1,0 +1,49 @@
+"""Third-party log lines paratune knows to be harmless, filtered at their loggers before anything emits them.
+
+Each filter names its cause; nothing else from those loggers is touched. torch-free (the command
+line installs them first thing, before transformers imports torchao).
+"""
+
+from __future__ import annotations
+
+import logging
+
+
+class TorchaoImportNoise(logging.Filter):
+    """torchao's wheel ships C++ extensions built for other Pythons / torch builds: importing it
+    warns "Failed to load .../_C_*.so" once per library, and torch warns once per Enum torchao
+    registers as a pytree constant (deprecated in torch 2.13). torchao's float8 training is pure
+    Python (the kernels are torch's `_scaled_mm`), so those lines are noise. transformers imports
+    torchao whenever it is installed (transformers/quantizers/quantizer_torchao.py), building any
+    model, so the filter goes on before any model is built, not only for float8 plans."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ((message.startswith("Failed to load") and "/_C" in message)
+                    or "is an Enum subclass and is now natively supported" in message)
+
+
+def quiet_torchao_import() -> None:
+    """Filter torchao's import noise from this process's log (idempotent)."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, TorchaoImportNoise) for f in logger.filters):
+            logger.addFilter(TorchaoImportNoise())
+
+
+class RayTokenAuthNotice(logging.Filter):
+    """Ray 2.60 turns token authentication on for a new local cluster when RAY_AUTH_MODE is unset,
+    and says so at every start ("Token authentication is enabled for this Ray cluster. Set
+    RAY_AUTH_MODE=disabled to opt out", ray/_private/authentication/authentication_token_setup.py).
+    paratune keeps it on by design (docs/DESIGN.md: Ray facts): the notice tells a user nothing to do.
+    The opposite warning (auth disabled) is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
+def quiet_ray_start() -> None:
+    """Filter Ray's token-auth notice (idempotent; before `ray.init`)."""
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, RayTokenAuthNotice) for f in logger.filters):
+        logger.addFilter(RayTokenAuthNotice())
