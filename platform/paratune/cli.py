@@ -1,4 +1,4 @@
-"""`paratune trial | tune | report | train | plan | profile | ui | validate | models`."""
+"""`paratune init | plan | tune | trial | train | report | profile | ui | validate | models`."""
 
 from __future__ import annotations
 
@@ -477,6 +477,27 @@ def _cmd_validate(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_init(args: argparse.Namespace, console: Console) -> int:
+    """A starter space for the model on the hardware at hand (paratune.starter), written and named."""
+    from paratune.export import own_command
+    from paratune.starter import InitError, find_hardware, starter_space
+
+    try:
+        hw = find_hardware(args.device, args.gpus, args.devices)
+        with console.status(f"predicting {args.model}'s plans on {hw.workers} x {hw.device}"):
+            text = starter_space(args.model, hw, lora=args.lora, data=args.data, text_field=args.text_field,
+                                 seq_len=args.seq_len, devices_file=args.devices)
+    except (InitError, ValueError) as err:
+        console.print(f"[red]cannot make a space[/red]\n{escape(str(err))}")
+        return 2
+    name = text.split("\nname: ", 1)[1].split("\n", 1)[0]
+    out = Path(args.out or f"{name}.yaml")
+    out.write_text(text)
+    console.print(f"wrote {out} for {hw.workers} x {hw.device} ({escape(hw.where)})")
+    console.print(f"next:  {own_command()} plan {out}\n       {own_command()} tune {out}", soft_wrap=True)
+    return 0
+
+
 def _cmd_models(args: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
 
@@ -564,12 +585,23 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("validate", help="check a plan file and print it with derived fields")
     p.add_argument("plan")
     sub.add_parser("models", help="list model presets and their parameter counts")
+    p = sub.add_parser("init", help="write a starter search space for a model on the hardware at hand")
+    p.add_argument("model", help="a preset (paratune models), a model folder (config.json + safetensors) or a config.json")
+    p.add_argument("--gpus", type=int, help="GPUs (default: one node of --device, the Ray cluster's, or this machine's)")
+    p.add_argument("--device", help="device from the table (h100-80gb, a100-80gb, ..., cpu); default: the running "
+                                    "Ray cluster's (RAY_ADDRESS) or this machine's")
+    p.add_argument("--devices", help="a JSON/YAML file adding or overriding devices")
+    p.add_argument("--lora", action="store_true", help="fine-tune LoRA adapters (the base frozen) instead of every weight")
+    p.add_argument("--data", help="your data file (.jsonl, .parquet, or text); default: synthetic tokens")
+    p.add_argument("--text-field", help="the records' text field (default: the first string field)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's window, capped)")
+    p.add_argument("--out", help="the space file to write (default: <name>.yaml here)")
     args = parser.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 160)
     from paratune.cli_cluster import cmd_profile, cmd_ui
 
     handler = {"trial": _cmd_trial, "tune": _cmd_tune, "report": _cmd_report, "train": _cmd_train, "plan": _cmd_plan, "ui": cmd_ui,
-               "validate": _cmd_validate, "models": _cmd_models, "profile": cmd_profile}[args.command]
+               "validate": _cmd_validate, "models": _cmd_models, "init": _cmd_init, "profile": cmd_profile}[args.command]
     return handler(args, console)
 
 
