@@ -158,7 +158,7 @@ def test_a_command_says_its_own_first_line(tmp_path):
     about torchao's pytree Enums); the filters are paratune.quiet's, by cause."""
     import logging
 
-    from paratune.quiet import RayTokenAuthNotice, TorchaoImportNoise
+    from paratune.quiet import DeepSpeedCpuNotice, RayTokenAuthNotice, TorchaoImportNoise
 
     proc = subprocess.run([str(Path(sys.executable).parent / "paratune"), "models"], capture_output=True, text=True,
                           timeout=300, cwd=tmp_path)
@@ -173,3 +173,7 @@ def test_a_command_says_its_own_first_line(tmp_path):
     assert not kept(notice, "Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.")
     assert kept(notice, "Token authentication is disabled for this Ray cluster. Anyone with network access ...")
     assert not kept(TorchaoImportNoise(), "Failed to load /x/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: y")
+    cpu_notice = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+    import torch
+
+    assert kept(DeepSpeedCpuNotice(), cpu_notice) is torch.cuda.is_available()  # kept where a GPU was missed

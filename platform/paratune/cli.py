@@ -519,9 +519,9 @@ def _cmd_models(args: argparse.Namespace, console: Console) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from paratune.quiet import quiet_torchao_import
+    from paratune.quiet import quiet
 
-    quiet_torchao_import()  # before any command builds a model (transformers imports torchao)
+    quiet()  # known-harmless third-party lines, filtered before anything emits them (paratune.quiet)
     parser = argparse.ArgumentParser(prog="paratune", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("trial", help="run plan(s) as measured Ray Train trials, results side by side")
