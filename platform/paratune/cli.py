@@ -193,7 +193,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     from paratune.devices import get_device
     from paratune.estimate import estimate_space
     from paratune.tables import print_estimates
-    from paratune.space import SpaceError, read_yaml_mapping, space_from_dict
+    from paratune.space import SpaceError, read_space_mapping, space_from_dict
 
     t0 = time.perf_counter()
     profiles = None
@@ -211,13 +211,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     device_name = args.device or ("cpu" if profiles and profiles[0].device_type == "cpu" else "h100-80gb")
     try:
         device = get_device(device_name, args.devices)
-        raw = read_yaml_mapping(Path(args.space), "space", SpaceError)
-        if "fixed" not in raw and "space" not in raw:  # a plan file (plans/*.yaml): a space of one plan
-            plan = dict(raw)
-            strategy = plan.pop("strategy", "ddp")
-            options = plan.pop(strategy, None) or {}
-            raw = {"name": Path(args.space).stem, "fixed": plan,
-                   "space": {"strategy": {strategy: {k: [v] for k, v in options.items()}}}}
+        raw = read_space_mapping(args.space)  # a plan file (plans/*.yaml): a space of one plan
         fixed = dict(raw.get("fixed") or {})
         gpus = args.gpus_per_node or device.gpus_per_node
         if args.nodes:
@@ -369,7 +363,9 @@ def _cmd_profile(args: argparse.Namespace, console: Console) -> int:
         console.print(f"profile {i}/{len(requests)} ({label}): measured in {profile.profile_s:.1f} s on "
                       f"{profile.device_name}, stored {path}")
         profiles.append(profile)
-    _print_profiles(profiles, console)
+    from paratune.tables import print_profiles
+
+    print_profiles(profiles, console)
     if args.out:
         Path(args.out).write_text(json.dumps([p.model_dump(mode="json") for p in profiles], indent=1))
         console.print(f"profiles written to {args.out}; predict with: paratune plan {args.space} --profile {args.out}")
@@ -387,25 +383,6 @@ def _cluster_device_name() -> str:
         if answer is not None:
             return answer[0]
     return "cpu"
-
-
-def _print_profiles(profiles, console: Console) -> None:
-    from rich.table import Table
-
-    table = Table(title="profiles: block fwd+bwd (ms, smallest..largest shape), collectives, optimizer")
-    for col in ("env", "device", "blocks", "block ms", "head ms", "all_reduce GB/s", "latency us", "optimizer ns/param",
-                "measured s"):
-        table.add_column(col, justify="left" if col in ("env", "device") else "right")
-    for p in profiles:
-        blocks = sorted(p.blocks, key=lambda b: b.block_s)
-        ar = [c for c in p.collectives if c.op == "all_reduce"]
-        bw = ", ".join(f"{c.bandwidth_gbps:.2f}" for c in ar) or "-"
-        lat = ", ".join(f"{c.latency_s * 1e6:.0f}" for c in ar) or "-"
-        table.add_row(json.dumps(p.env), p.device_name, str(len(p.blocks)),
-                      f"{blocks[0].block_s * 1e3:.1f}..{blocks[-1].block_s * 1e3:.1f}",
-                      f"{min(b.head_s for b in blocks) * 1e3:.1f}..{max(b.head_s for b in blocks) * 1e3:.1f}",
-                      bw, lat, f"{p.optimizer.b * 1e9:.2f}", f"{p.profile_s:.1f}")
-    console.print(table)
 
 
 def _print_levers(estimates, device, console: Console, top: int) -> None:

@@ -262,3 +262,24 @@ def print_estimates(estimates, device, console: Console, top: int = 20, title: s
             console.print(f"  - {label} ({by_strategy[label]} plan(s)), e.g. {strategy_label(e.plan.to_dict())}: "
                           f"{escape(e.overflow or '')}")
     console.print(f"memory: {estimates[0].memory.method if estimates else '-'}; time: {time_source}")
+
+
+def print_profiles(profiles, console: Console) -> None:
+    """`paratune profile`: each stored profile's blocks, collectives and optimizer step."""
+    import json
+
+    table = Table(title="profiles: block fwd+bwd (ms, smallest..largest shape), collectives, optimizer")
+    for col in ("env", "device", "blocks", "block ms", "head ms", "all_reduce GB/s", "latency us", "optimizer ns/param",
+                "measured s"):
+        table.add_column(col, justify="left" if col in ("env", "device") else "right")
+    for p in profiles:
+        blocks = sorted(p.blocks, key=lambda b: b.block_s)
+        ar = [c for c in p.collectives if c.op == "all_reduce"]
+        bw = ", ".join(f"{c.bandwidth_gbps:.2f}" for c in ar) or "-"
+        lat = ", ".join(f"{c.latency_s * 1e6:.0f}" for c in ar) or "-"
+        table.add_row(json.dumps(p.env), p.device_name, str(len(p.blocks)),
+                      f"{blocks[0].block_s * 1e3:.1f}..{blocks[-1].block_s * 1e3:.1f}",
+                      f"{min(b.head_s for b in blocks) * 1e3:.1f}..{max(b.head_s for b in blocks) * 1e3:.1f}",
+                      bw, lat, f"{p.optimizer.b * 1e9:.2f}", f"{p.profile_s:.1f}")
+    console.print(table)
+
