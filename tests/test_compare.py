@@ -137,9 +137,10 @@ def test_rank_orders_by_time_marks_the_fastest_its_ties_and_the_front():
 def test_a_measured_winner_replaces_its_cluster_and_scales_its_devices_others():
     outcomes = [outcome("h100-80gb", 8, 10_000, runner_up="zero-2", runner_up_tokens_per_s_per_gpu=8_000),
                 outcome("h100-80gb", 16, 9_000), outcome("a100-80gb", 8, 3_000), outcome("h100-80gb", 32, None)]
-    out, ratio = with_measured(outcomes, "h100-80gb", 8, 8_000.0)
+    out, ratio = with_measured(outcomes, "h100-80gb", 8, 8_000.0, "fsdp:grad_op mb2x4")
     assert ratio == pytest.approx(0.8)
     assert (out[0].tokens_per_s_per_gpu, out[0].band, out[0].source) == (8_000.0, 0.0, "measured")
+    assert out[0].best == "fsdp:grad_op mb2x4" and out[1].best == "fsdp:full mb1x8"  # the winner's plan
     assert out[0].runner_up_tokens_per_s_per_gpu == pytest.approx(6_400)
     assert (out[1].tokens_per_s_per_gpu, out[1].source) == (pytest.approx(7_200), "scaled")
     assert out[2] is outcomes[2] and out[3] is outcomes[3]  # another device; a cluster where nothing fits

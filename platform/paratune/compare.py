@@ -286,13 +286,13 @@ def rank(outcomes: Sequence[Outcome], tokens: float, prices: Prices | None = Non
     return rows
 
 
-def with_measured(outcomes: Sequence[Outcome], device: str, gpus: int, measured: float
+def with_measured(outcomes: Sequence[Outcome], device: str, gpus: int, measured: float, label: str | None = None
                   ) -> tuple[list[Outcome], float | None]:
-    """A sweep measured `measured` tokens/s/GPU (its winner) on `device` x `gpus`: that cluster's
-    prediction is replaced by it (band 0: a measurement, its noise aside), and the same device's
-    other clusters (and every runner-up of the device) are scaled by measured / that cluster's
-    predicted best; other devices stay predicted. Returns the outcomes and the ratio (None: the sweep's cluster is not among them,
-    or fits nowhere there: nothing changes)."""
+    """A sweep measured `measured` tokens/s/GPU (its winner, plan `label`) on `device` x `gpus`:
+    that cluster's prediction is replaced by it (band 0: a measurement, its noise aside), and the
+    same device's other clusters (and every runner-up of the device) are scaled by measured / that
+    cluster's predicted best; other devices stay predicted. Returns the outcomes and the ratio
+    (None: the sweep's cluster is not among them, or fits nowhere there: nothing changes)."""
     here = next((o for o in outcomes if o.cluster.device == device and o.cluster.gpus == gpus and o.fits), None)
     if here is None or not measured or measured <= 0:
         return list(outcomes), None
@@ -304,7 +304,7 @@ def with_measured(outcomes: Sequence[Outcome], device: str, gpus: int, measured:
             continue
         runner_up = o.runner_up_tokens_per_s_per_gpu * ratio if o.runner_up_tokens_per_s_per_gpu else None
         if o is here:
-            out.append(replace(o, tokens_per_s_per_gpu=measured, band=0.0, source="measured",
+            out.append(replace(o, tokens_per_s_per_gpu=measured, band=0.0, source="measured", best=label or o.best,
                                runner_up_tokens_per_s_per_gpu=runner_up))
         else:
             out.append(replace(o, tokens_per_s_per_gpu=o.tokens_per_s_per_gpu * ratio, source="scaled",

@@ -23,7 +23,8 @@ FIGSIZE_IN = (9.0, 4.8)
 DPI = 100
 FIGURE_PIXELS = (int(FIGSIZE_IN[0] * DPI), int(FIGSIZE_IN[1] * DPI))
 # The PNG names, in page order; a figure not drawn this time (no data) leaves no file behind.
-FIGURE_NAMES = ("throughput_memory.png", "importance.png", "predicted.png", "time_split.png", "losses.png", "compare.png")
+FIGURE_NAMES = ("throughput_memory.png", "importance.png", "predicted.png", "time_split.png", "losses.png",
+                "compare.png")
 MIN_IMPORTANCE_TRIALS = 5  # fewer scored trials say nothing about which knob matters
 TOP_LOSS_PLANS = 3
 GiB = 2**30
@@ -366,14 +367,46 @@ def plot_losses(folder: SweepFolder, rows: list[Row]) -> Figure:
     return out
 
 
-def _label_place(x: np.ndarray, y: np.ndarray, i: int, log: bool) -> tuple[tuple[float, float], str]:
-    """Where point i's label goes (offset in points, alignment): above right of it, or, for every
-    earlier point whose label would run into it (a label spans ~30% of the x range, a line ~6% of
-    the y range), centred below it, a line lower for each."""
-    fx, fy = (np.log(x), np.log(y)) if log else (x, y)
-    wx, wy = max(np.ptp(fx), 1e-12), max(np.ptp(fy), 1e-12)
-    near = sum(1 for j in range(i) if abs(fx[j] - fx[i]) < 0.3 * wx and abs(fy[j] - fy[i]) < 0.06 * wy)
-    return ((8.0, 6.0), "left") if near == 0 else ((0.0, -18.0 - 11.0 * (near - 1)), "center")
+# Where a point's label may go, in order of preference: (dx, dy) in points, horizontal alignment.
+_LABEL_SPOTS = ((8, 5, "left"), (8, -15, "left"), (-8, 5, "right"), (-8, -15, "right"), (0, 12, "center"),
+                (0, -24, "center"), (8, 18, "left"), (8, -28, "left"), (-8, 18, "right"), (-8, -28, "right"))
+
+
+def _place_labels(fig, ax, x: np.ndarray, y: np.ndarray, texts: list[str], fontsize: float) -> None:
+    """Annotate each point with its text where it covers no marker, no other label and stays inside
+    the axes (the first free spot of _LABEL_SPOTS, else the least covered), in order: the first
+    points get the nearest spots."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig).draw()  # the layout, so data -> pixels is final
+    px = fig.dpi / 72.0
+    points = ax.transData.transform(np.column_stack([x, y]))
+    frame = ax.get_window_extent()
+    markers = [(px_ - 11, py_ - 11, px_ + 11, py_ + 11) for px_, py_ in points]
+    labels: list[tuple[float, float, float, float]] = []
+
+    def box(i: int, spot) -> tuple[float, float, float, float]:
+        dx, dy, align = spot
+        w, h = len(texts[i]) * fontsize * 0.58 * px, fontsize * 1.25 * px
+        left = points[i][0] + dx * px - {"left": 0.0, "right": w, "center": w / 2}[align]
+        bottom = points[i][1] + dy * px - (h if dy < 0 else 0.0)
+        return left, bottom, left + w, bottom + h
+
+    def covered(i: int, b) -> float:
+        others = [m for j, m in enumerate(markers) if j != i] + labels
+        area = sum(max(0.0, min(b[2], t[2]) - max(b[0], t[0])) * max(0.0, min(b[3], t[3]) - max(b[1], t[1]))
+                   for t in others)
+        outside = (b[0] < frame.x0) + (b[2] > frame.x1) + (b[1] < frame.y0) + (b[3] > frame.y1)
+        return area + 1e6 * outside
+
+    for i, text in enumerate(texts):
+        spot = min(_LABEL_SPOTS, key=lambda s: (covered(i, box(i, s)) > 0, covered(i, box(i, s)),
+                                                _LABEL_SPOTS.index(s)))
+        labels.append(box(i, spot))
+        far = _LABEL_SPOTS.index(spot) >= 4  # a leader line says whose label it is
+        ax.annotate(text, (x[i], y[i]), textcoords="offset points", xytext=spot[:2], ha=spot[2],
+                    va="top" if spot[1] < 0 else "bottom", fontsize=fontsize, color="0.15", zorder=5,
+                    arrowprops={"arrowstyle": "-", "color": "0.45", "lw": 0.7, "shrinkB": 6} if far else None)
 
 
 def plot_clusters(rows: list, tokens: float, currency: str | None = None, title: str = "") -> Figure:
@@ -400,17 +433,10 @@ def plot_clusters(rows: list, tokens: float, currency: str | None = None, title:
     fig, ax = _new_figure()
     for i, r in enumerate(shown):
         color = palette[devices.index(r.outcome.cluster.device) % len(palette)]
-        ax.errorbar(x[i], y[i], xerr=[[x[i] - x_low[i]], [x_high[i] - x[i]]], yerr=[[y[i] - y_low[i]], [y_high[i] - y[i]]],
-                    color=color, alpha=0.35, lw=1, capsize=3, zorder=2)
+        ax.errorbar(x[i], y[i], xerr=[[x[i] - x_low[i]], [x_high[i] - x[i]]],
+                    yerr=[[y[i] - y_low[i]], [y_high[i] - y[i]]], color=color, alpha=0.35, lw=1, capsize=3, zorder=2)
         ax.scatter(x[i], y[i], color=color, marker=markers.get(r.outcome.source, "o"),
                    s=160 if r.outcome.source == "measured" else 60, zorder=4, edgecolors="black", linewidths=0.6)
-    spread = max(x_high.max() / x_low.min(), y_high.max() / y_low.min())
-    log = spread > 20
-    for i, r in enumerate(shown):
-        tag = " (fastest)" if r.fastest else (" (tie with fastest)" if r.tie_with_fastest else "")
-        offset, align = _label_place(x, y, i, log)
-        ax.annotate(f"{r.outcome.cluster.label}{tag}", (x[i], y[i]), textcoords="offset points", xytext=offset,
-                    ha=align, fontsize=8.5, color="0.15", zorder=5)
     order = np.argsort(x[front])
     ax.plot(x[front][order], y[front][order], drawstyle="steps-post", color="tab:green", lw=1.6, zorder=3,
             label="Pareto front (no cluster both faster and cheaper)")
@@ -420,7 +446,7 @@ def plot_clusters(rows: list, tokens: float, currency: str | None = None, title:
     for source in sorted({r.outcome.source for r in shown} - {"predicted"}):
         ax.scatter([], [], color="0.5", marker=markers[source], s=60, label=f"{source} (a sweep's winner)"
                    if source == "measured" else "scaled by the device's measured / predicted")
-    if log:
+    if max(x_high.max() / x_low.min(), y_high.max() / y_low.min()) > 20:
         _log_axis(ax.xaxis, ax)
         _log_axis(ax.yaxis, ax)
     ax.margins(0.15)
@@ -432,6 +458,8 @@ def plot_clusters(rows: list, tokens: float, currency: str | None = None, title:
     band = max((r.outcome.band for r in shown), default=0.0)
     ax.text(0.995, 0.01, f"bars: the prediction's band (± {band:.0%} on tokens/s/GPU)", transform=ax.transAxes,
             ha="right", va="bottom", fontsize=7.5, color="0.4")
+    _place_labels(fig, ax, x, y, [r.outcome.cluster.label + (" (fastest)" if r.fastest else " (tie with fastest)"
+                                                             if r.tie_with_fastest else "") for r in shown], 8.5)
     out.figure, out.png = fig, _png(fig)
     out.data = {"labels": [r.outcome.cluster.label for r in shown], "time": y, "spend": x, "pareto": front,
                 "sources": [r.outcome.source for r in shown]}
@@ -461,7 +489,7 @@ def plot_compare(folder: SweepFolder) -> Figure:
     measured = (folder.winner_summary or {}).get("tokens_per_s_per_gpu_median")
     ratio = None
     if device and gpus and measured:
-        outcomes, ratio = with_measured(outcomes, device, int(gpus), float(measured))
+        outcomes, ratio = with_measured(outcomes, device, int(gpus), float(measured), folder.winner_summary.get("label"))
     out = plot_clusters(rank(outcomes, tokens, prices), tokens, prices.currency if prices else None,
                         "Time and cost to train, per cluster")
     if ratio is None:
