@@ -201,8 +201,12 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     from paratune.tables import print_estimates
     from paratune.inputs import check_space_inputs
     from paratune.plan import absolute_local_paths
-    from paratune.space import SpaceError, read_yaml_mapping, space_from_dict
+    from paratune.space import SpaceError, read_space_mapping, space_from_dict
 
+    if args.compare:  # which cluster to train on (paratune.compare_cli); without it, nothing below changes
+        from paratune.compare_cli import cmd_compare
+
+        return cmd_compare(args, console)
     t0 = time.perf_counter()
     profiles = None
     if args.profile:
@@ -217,15 +221,9 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
             console.print(f"[red]cannot plan[/red]\nprofile: {args.profile} holds no profile")
             return 2
     try:
-        raw = read_yaml_mapping(Path(args.space), "space", SpaceError)
+        raw = read_space_mapping(args.space)  # a plan file (plans/*.yaml): a space of one plan
         device_name, why = (args.device, "--device") if args.device else _space_device(raw, profiles, args.devices)
         device = get_device(device_name, args.devices)
-        if "fixed" not in raw and "space" not in raw:  # a plan file (plans/*.yaml): a space of one plan
-            plan = dict(raw)
-            strategy = plan.pop("strategy", "ddp")
-            options = plan.pop(strategy, None) or {}
-            raw = {"name": Path(args.space).stem, "fixed": plan,
-                   "space": {"strategy": {strategy: {k: [v] for k, v in options.items()}}}}
         fixed = dict(raw.get("fixed") or {})
         gpus = args.gpus_per_node or device.gpus_per_node
         if args.nodes:
@@ -571,6 +569,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=20, help="rows of fitting plans to print")
     p.add_argument("--json", help="write every estimate to this JSON file")
     p.add_argument("--profile", help="step times from this stored profile (paratune profile --out FILE), not the roofline")
+    p.add_argument("--compare", metavar="DEVICE:GPUS,...", help="which cluster to train on: the best plan, time, GPU-hours "
+                   "and cost to train --tokens on each (e.g. h100-80gb:8,a100-80gb:16), the Pareto front, a figure")
+    p.add_argument("--tokens", type=float, help="with --compare: tokens to train (e.g. 1e11)")
+    p.add_argument("--prices", help="with --compare: YAML {currency: USD, <device>: <price per GPU-hour>}")
+    p.add_argument("--out", help="with --compare: folder for compare.json and compare.png (a sweep's folder: its "
+                   "report draws them; default $PARATUNE_HOME/compare-<space>)")
     p = sub.add_parser("profile", help="measure what a space's plans need on the cluster (blocks, collectives, "
                                        "optimizer) for `plan --profile` and the sweep's time model")
     p.add_argument("space", help="search space YAML")

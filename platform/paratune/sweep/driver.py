@@ -152,6 +152,9 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
         state = _start_parent(space, settings, tracker, digest)
     parent = state["parent_run_id"]
     space, calibration, fastest_first = _predict(space, settings.budget_gb, console)
+    if calibration is not None and state.get("device") != calibration.device.name:  # the report's compare.png
+        state["device"] = calibration.device.name  # finds the sweep's cluster by it (device x num_workers)
+        settings.state_path.write_text(json.dumps(state, indent=2))
     console.print(space.pruning_report())
     shared = {**shared_env(c.plan.env for c in space.candidates),
               **{k: str(v[0]) for k, v in space.env_choices.items() if len(set(map(str, v))) == 1}}
