@@ -177,3 +177,26 @@ def test_a_command_says_its_own_first_line(tmp_path):
     import torch
 
     assert kept(DeepSpeedCpuNotice(), cpu_notice) is torch.cuda.is_available()  # kept where a GPU was missed
+
+
+def test_plan_says_which_zero_buffers_to_size_for_a_small_model(tmp_path, capsys):
+    """DeepSpeed's default buckets (5e8 elements) outweigh a tiny model's own states many times: a
+    space that leaves them unset is told which fields to set, with a size that scales with the
+    model; one that sets them is not."""
+    import yaml
+
+    from paratune import cli
+
+    space = {"name": "z", "fixed": {"model": "tiny-llama", "num_workers": 2, "global_batch": 8, "seq_len": 32,
+                                    "device": "cpu"},
+             "space": {"strategy": {"zero": {"stage": [2]}}, "micro_batch": [2]}}
+    path = tmp_path / "z.yaml"
+    path.write_text(yaml.safe_dump(space))
+    assert cli.main(["plan", str(path), "--formula"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "device: cpu (the space's device;" in out
+    assert "Set zero.reduce_bucket_size and zero.allgather_bucket_size in the space (e.g. 4e3" in out, out
+    space["space"]["strategy"]["zero"]["reduce_bucket_size"] = [4096]
+    path.write_text(yaml.safe_dump(space))
+    assert cli.main(["plan", str(path), "--formula"]) == 0
+    assert "zero.reduce_bucket_size" not in capsys.readouterr().out

@@ -65,10 +65,25 @@ class DeepSpeedCpuNotice(logging.Filter):
         return bool(torch is not None and torch.cuda.is_available())
 
 
+class MlflowStoreSetup(logging.Filter):
+    """MLflow says at INFO that it makes a new SQLite store's tables ("Creating initial MLflow
+    database tables...", "Updating database tables", mlflow/store/db/utils.py): what a first sweep
+    in a folder always does. Its other lines stay."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Creating initial MLflow database tables") or message == "Updating database tables")
+
+
+def _add(name: str, kind: type[logging.Filter]) -> None:
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, kind) for f in logger.filters):
+        logger.addFilter(kind())
+
+
 def quiet() -> None:
     """Every filter above, on its logger (idempotent): what the command line installs first thing."""
     quiet_torchao_import()
     quiet_ray_start()
-    logger = logging.getLogger("DeepSpeed")
-    if not any(isinstance(f, DeepSpeedCpuNotice) for f in logger.filters):
-        logger.addFilter(DeepSpeedCpuNotice())
+    _add("DeepSpeed", DeepSpeedCpuNotice)
+    _add("mlflow.store.db.utils", MlflowStoreSetup)

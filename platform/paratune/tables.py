@@ -45,7 +45,8 @@ def strategy_label(plan: dict) -> str:
         if plan.get("ddp", {}).get("bucket_cap_mb", 25) != 25:
             label += f" bucket{plan['ddp']['bucket_cap_mb']:g}MB"
     if strategy == "zero" and plan["zero"].get("reduce_bucket_size", 500_000_000) != 500_000_000:
-        label += f" bucket{plan['zero']['reduce_bucket_size'] / 1e6:g}M"
+        size = plan["zero"]["reduce_bucket_size"]
+        label += f" bucket{size / 1e6:g}M" if size >= 1e6 else f" bucket{size / 1e3:g}K"
     extras = [f"mb{plan['micro_batch']}x{plan['grad_accum']}"]
     if plan.get("tp", 1) > 1:
         extras.append(f"tp{plan['tp']}" + ("+sp" if plan.get("sequence_parallel") else ""))
