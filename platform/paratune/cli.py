@@ -61,6 +61,9 @@ def _cmd_trial(args: argparse.Namespace, console: Console) -> int:
             if check.proxy:
                 console.print(f"{name}: loss parity judged on a proxy of the model (too big for a reference "
                               "on this CPU)")
+            if check.mode == "deterministic":
+                console.print(f"{name}: loss parity judged with {escape(', '.join(check.switched_off))} off on both "
+                              "sides (random draws no two layouts repeat); the measured steps kept them")
             if not check.passed:
                 what = "fails loss parity" if diff is not None else "no parity"
                 console.print(f"[red]{name}: {what} ({escape(check.reason)[:300]})[/red]")
