@@ -54,10 +54,15 @@ class Cluster:
         return subprocess.run([str(BIN / "ray"), *args], cwd=REPO, env=self.env, capture_output=True, text=True,
                               timeout=timeout)
 
-    def submit(self, *entrypoint: str, wait: bool = True, timeout: float = 600) -> tuple[str, subprocess.CompletedProcess]:
-        """The README's command; returns the job id and the CLI's output."""
-        args = ["job", "submit", "--address", self.address, "--working-dir", ".", "--runtime-env",
-                "jobs/runtime_env.yaml", *([] if wait else ["--no-wait"]), "--", "python", *entrypoint]
+    def submit(self, *entrypoint: str, wait: bool = True, timeout: float = 600,
+               env_vars: dict[str, str] | None = None) -> tuple[str, subprocess.CompletedProcess]:
+        """The README's command (the repo shipped as the working directory), or with `env_vars` the
+        winner's job.sh form (paratune installed where the job runs, its env inline, nothing from the
+        directory it is typed in); returns the job id and the CLI's output."""
+        ship = (["--runtime-env-json", json.dumps({"env_vars": env_vars})] if env_vars is not None else
+                ["--working-dir", ".", "--runtime-env", "jobs/runtime_env.yaml"])
+        args = ["job", "submit", "--address", self.address, *ship, *([] if wait else ["--no-wait"]), "--", "python",
+                *entrypoint]
         proc = self.ray(*args, timeout=timeout)
         for _ in range(30):  # the job agent registers a few seconds after the dashboard answers
             if "No available agent" not in proc.stderr + proc.stdout:
@@ -235,10 +240,12 @@ def test_training_job_checkpoints_and_resumes_after_a_worker_is_killed(cluster):
             "env": {"PARATUNE_FAULT": "kill:rank=1:step=3:delay_s=3"}}
     plan_path, result_path = cluster.tmp / "train.yaml", cluster.tmp / "train.json"
     plan_path.write_text(yaml.safe_dump(plan))
-    job, _ = cluster.submit("jobs/train.py", str(plan_path), "--steps", "6", "--checkpoint-every", "2",
+    # As the winner's job.sh submits it: `python -m paratune train`, the env inline, no working directory.
+    job, _ = cluster.submit("-m", "paratune", "train", str(plan_path), "--steps", "6", "--checkpoint-every", "2",
                             "--name", "faulty", "--storage", str(cluster.tmp / "checkpoints"),
                             "--tracking-uri", cluster.tracking_uri, "--json", str(result_path),
-                            "--hf-out", str(cluster.tmp / "trained-hf"))
+                            "--hf-out", str(cluster.tmp / "trained-hf"),
+                            env_vars={"PARATUNE_HOME": str(cluster.tmp / "home")})
     assert cluster.status(job) == "SUCCEEDED", cluster.logs(job)[-4000:]
     result = json.loads(result_path.read_text())
     assert result["status"] == "ok" and result["resumed_at_steps"] == [2]
@@ -401,7 +408,9 @@ def test_a_sweep_survives_a_dead_worker_a_killed_driver_and_a_lost_node(cluster)
     ok_run = next(r for r in children if r.data.tags["paratune.status"] == "ok")
     assert ok_run.data.tags["paratune.placement"] == f"node {node['node_ip']} ({node['node_id'][:8]}): ranks 0-1"
     assert client.get_run(parent_id).data.tags["paratune.winner"].startswith("ddp")
-    assert (out / "winner" / "job.sh").read_text().count("ray job submit") == 1
+    job_sh = (out / "winner" / "job.sh").read_text()
+    assert job_sh.count("ray job submit") == 1 and "-- python -m paratune train" in job_sh
+    assert "jobs/" not in job_sh  # nothing assumed in the directory it is typed in
     _no_secret_in(client, [client.get_run(parent_id), *children])
     # Nothing leaks: no train worker, no placement group still holding resources, no sweep actor.
     time.sleep(2)

@@ -212,7 +212,7 @@ def test_a_moe_proxy_keeps_its_experts_and_a_moe_layer(shape, tmp_path):
     from paratune.parity import parity_proxy
 
     (tmp_path / "config.json").write_text(json.dumps(shape))
-    plan = load_plan_dict({"model": str(tmp_path), "num_workers": 16, "ep": 8, "strategy": "fsdp",
+    plan = load_plan_dict({"model": str(tmp_path / "config.json"), "num_workers": 16, "ep": 8, "strategy": "fsdp",
                            "global_batch": 16, "micro_batch": 1, "seq_len": 128})
     proxy = parity_proxy(plan)
     config = build_config(proxy.model, proxy.model_overrides)

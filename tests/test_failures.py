@@ -170,3 +170,21 @@ def test_an_nccl_system_error_is_the_environments_not_the_plans():
     # A network failure of a remote peer is still a communication failure.
     remote = (GPU_CORPUS / "comm_timeout--nccl-remote-error.txt").read_text()
     assert classify_text(remote) == "comm_timeout"
+
+
+def test_a_failure_explained_for_the_console_is_whole_and_plain():
+    """What a sweep prints when its profile (or anything run in a Ray actor) fails: the cause
+    itself, whole, with no terminal codes (Ray colours its task traceback) and none of Ray's
+    generic wrapper text."""
+    from ray.exceptions import RayTaskError
+
+    from paratune.failures import explain
+    from paratune.session import RequestFailed
+
+    cause = ("RuntimeError: element 0 of tensors does not require grad and does not have a grad_fn\n"
+             "  (the embedding of a LoRA plan is frozen)")
+    wrapped = RayTaskError("PoolActor.run", "Traceback (most recent call last):\n  \x1b[36mray::PoolActor.run()"
+                           "\x1b[39m (pid=1, ip=127.0.0.1)\n  File \".../pool.py\", line 2", RequestFailed("error", cause))
+    text = explain(wrapped)
+    assert "\x1b" not in text and text == f"RequestFailed: {cause}"
+    assert explain(ValueError("\x1b[31mred\x1b[0m")) == "ValueError: red"

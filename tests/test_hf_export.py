@@ -76,8 +76,11 @@ def test_every_layout_writes_a_folder_from_pretrained_loads_with_the_trained_val
         folder = Path(out["folder"])
         files = sorted(p.name for p in folder.glob("*.safetensors"))
         assert len(files) > 1, (name, files)  # the 64 KiB shards: the index path is the one read
-        if name == "pp2":  # each stage's first rank writes its own files
-            assert {f.split("-")[1] for f in files} == {"pp00", "pp01"}, files
+        # transformers' own shard names, numbered across every writer (pp2: each stage's first rank)
+        assert files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)], files
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        assert set(index["weight_map"].values()) == set(files)
+        assert (folder / "generation_config.json").is_file()
         loaded = AutoModelForCausalLM.from_pretrained(folder).state_dict()
         _, reference = reference_training(plan, steps=STEPS)
         expected = _merged_state(reference)
@@ -115,3 +118,24 @@ def test_layouts_the_folder_is_not_written_for_say_why():
     assert export_refusal(load_plan_dict({**BASE_PLAN, "strategy": "zero", "zero": {"stage": 1}, "tp": 2})).startswith("tp: 2")
     assert export_refusal(load_plan_dict({**BASE_PLAN, "strategy": "fsdp"})) is None
     assert issubclass(HFExportError, ValueError)
+
+
+def test_the_folder_gets_the_tokenizer_that_belongs_with_the_model(tmp_path):
+    """The data's tokenizer, else the one in the model folder the run started from, else none
+    (byte-level data of a preset): saved beside the weights as save_pretrained writes it."""
+    from transformers import AutoTokenizer
+
+    from newcomer import make_pretrained, make_tokenizer
+    from paratune.hf_export import save_tokenizer, tokenizer_source
+
+    model = make_pretrained(tmp_path / "model")
+    other = make_tokenizer(tmp_path / "other", vocab_size=280)
+    data = {"kind": "text", "path": str(tmp_path / "x.txt")}
+    assert tokenizer_source(load_plan_dict({**BASE_PLAN, "model": str(model)})) == model
+    named = load_plan_dict({**BASE_PLAN, "model": str(model), "data": {**data, "tokenizer": str(other)}})
+    assert tokenizer_source(named) == other
+    assert tokenizer_source(load_plan_dict(BASE_PLAN)) is None
+    out = tmp_path / "out"
+    out.mkdir()
+    assert save_tokenizer(named, out) == other
+    assert len(AutoTokenizer.from_pretrained(out)) == 280

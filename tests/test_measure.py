@@ -60,7 +60,7 @@ def _config(tmp_path, name: str, **fields) -> str:
     folder = tmp_path / name
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(fields))
-    return str(folder)
+    return str(folder / "config.json")  # a folder is a pretrained model (weights required): the file
 
 
 def test_mixtral_8x7b_counts_the_top2_experts_for_flops_and_all_8_for_memory(tmp_path):

@@ -47,17 +47,17 @@ def test_local_config_path_and_overrides(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "mistral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300}))
-    cfg = build_config(str(tmp_path), {"num_hidden_layers": 2})
+    cfg = build_config(str(tmp_path / "config.json"), {"num_hidden_layers": 2})
     assert cfg.model_type == "mistral" and cfg.num_hidden_layers == 2
     assert build_model(cfg, seed=0)(torch.zeros(1, 4, dtype=torch.long)).logits.shape == (1, 4, 300)
 
 
 def test_unknown_model_and_encoder_decoder_are_rejected(tmp_path):
-    with pytest.raises(ModelError, match="model: got 'gpt-17', neither a preset nor a config.json path; allowed presets: .*tiny-llama"):
+    with pytest.raises(ModelError, match="model: got 'gpt-17', neither a preset, a model folder nor a config.json path .*; allowed: .*a preset: .*tiny-llama"):
         build_config("gpt-17")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
     with pytest.raises(ModelError, match="t5"):
-        build_config(str(tmp_path))
+        build_config(str(tmp_path / "config.json"))
 
 
 def test_ranks_get_disjoint_deterministic_slices_of_the_global_batch():

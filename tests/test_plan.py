@@ -233,15 +233,21 @@ def test_an_indivisible_batch_says_which_degrees_would_split_it():
 
 def test_a_plan_files_local_paths_become_absolute(tmp_path, monkeypatch):
     """Trials run in Ray's processes, whose working directory is not the user's: the model folder
-    and data files a plan file names relative to where the command runs are made absolute."""
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "my-model").mkdir()
-    (tmp_path / "my-model" / "config.json").write_text("{}")
-    (tmp_path / "corpus.txt").write_text("x")
-    (tmp_path / "tiny-llama").mkdir()  # a folder named like a preset: the preset still wins
-    (tmp_path / "p.yaml").write_text("model: ./my-model\ndata: {kind: text, path: corpus.txt}\n")
-    plan = load_plan(tmp_path / "p.yaml")
-    assert plan.model == str(tmp_path / "my-model") and plan.data.path == tmp_path / "corpus.txt"
-    (tmp_path / "q.yaml").write_text("model: tiny-llama\ndata: {kind: text, path: missing.txt}\n")
-    plan = load_plan(tmp_path / "q.yaml")
-    assert plan.model == "tiny-llama" and str(plan.data.path) == "missing.txt"  # left as written
+    and data files a plan file names relative to its own folder are made absolute (where the
+    command runs, only a file that exists there alone: files written before the rule)."""
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    (home / "my-model").mkdir(parents=True)
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    (home / "my-model" / "config.json").write_text("{}")
+    (home / "corpus.txt").write_text("x")
+    (home / "tiny-llama").mkdir()  # a folder named like a preset: the preset still wins
+    (home / "p.yaml").write_text("model: ./my-model\ndata: {kind: text, path: corpus.txt}\n")
+    plan = load_plan(home / "p.yaml")
+    assert plan.model == str(home / "my-model") and plan.data.path == home / "corpus.txt"
+    (home / "q.yaml").write_text("model: tiny-llama\ndata: {kind: text, path: missing.txt}\n")
+    plan = load_plan(home / "q.yaml")
+    assert plan.model == "tiny-llama" and plan.data.path == home / "missing.txt"  # the file's folder, named
+    (elsewhere / "old.txt").write_text("x")  # only where the command runs: found there
+    (home / "r.yaml").write_text("model: tiny-llama\ndata: {kind: text, path: old.txt}\n")
+    assert load_plan(home / "r.yaml").data.path == elsewhere / "old.txt"

@@ -72,6 +72,30 @@ def test_weights_only_from_a_folder_with_safetensors(llama_folder, tmp_path):
     assert not has_weights(tmp_path)
 
 
+def test_a_model_folder_without_weights_is_an_error_not_random_init(llama_folder, tmp_path):
+    """A folder given as the model is a pretrained model: with config.json and no safetensors, a run
+    would train from random init while its user believes they fine-tune. Refused at validation with
+    the folder, what was looked for, and the two ways to random init; a preset and a config.json
+    path still start from random init, and the trial result says where the weights came from."""
+    from paratune.inputs import check_inputs
+    from paratune.models import model_init
+    from paratune.plan import PlanError, load_plan_dict
+
+    (tmp_path / "config.json").write_text((llama_folder / "config.json").read_text())
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    plan = {"num_workers": 1, "global_batch": 2, "micro_batch": 2, "seq_len": 16}
+    with pytest.raises(PlanError) as err:
+        check_inputs(load_plan_dict({**plan, "model": str(tmp_path)}))
+    text = str(err.value)
+    assert f"model: folder {tmp_path} holds config.json but no weights" in text
+    assert "model.safetensors.index.json" in text and "found pytorch_model.bin" in text
+    assert str(tmp_path / "config.json") in text
+    check_inputs(load_plan_dict({**plan, "model": str(tmp_path / "config.json")}))  # the architecture alone
+    assert model_init(str(tmp_path / "config.json")) == f"random init (architecture from {tmp_path / 'config.json'})"
+    assert model_init("tiny-llama") == "random init (preset tiny-llama)"
+    assert model_init(str(llama_folder)) == f"pretrained weights from {llama_folder}"
+
+
 def test_a_shape_the_checkpoint_does_not_have_is_refused_by_name(llama_folder):
     config = build_config(str(llama_folder), {"intermediate_size": 96})
     with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.gate_proj\.weight' has shape \(176, 64\), "

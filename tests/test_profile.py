@@ -147,3 +147,20 @@ def test_a_real_profile_measures_selective_beside_none_and_full():
     n, k = 2, 1  # tiny-llama's 2 blocks, every 2nd recomputed: block 0
     assert compose(layers, profile)["compute"] == pytest.approx(
         layers.grad_accum * ((n - k) * none.block_s + k * full.block_s + none.embed_s + none.head_s))
+
+
+def test_a_lora_space_profiles_with_its_frozen_parts_as_a_trial_runs_them():
+    """Under LoRA the embedding and the head are frozen: the embedding's timed step is its forward
+    alone (nothing to run backward on; it raised before, and calibrated LoRA sweeps fell back to
+    the roofline), the head's backward reaches its input only. Every LoRA block shape is profiled."""
+    from paratune.space import space_from_dict
+
+    space = space_from_dict({"name": "lora", "fixed": {**TINY, "num_workers": 1, "env": {},
+                                                       "peft": {"method": "lora", "r": 4, "alpha": 8,
+                                                                "target_modules": ["q_proj", "v_proj"]}},
+                             "space": {"strategy": {"ddp": {}}, "micro_batch": [1, 4]}})
+    [request] = profile_requests_for([c.plan for c in space.candidates], reps=3)
+    profile = run_profile(request, runner=_in_process_runner([]))
+    assert profile.notes == [] and {b.shape for b in profile.blocks} == set(request.blocks)
+    assert all(b.embed_s > 0 and b.head_s > 0 and b.block_s > 0 for b in profile.blocks)
+    assert all("lora" in str(b.shape.levers) for b in profile.blocks), [b.shape for b in profile.blocks]

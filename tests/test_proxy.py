@@ -91,7 +91,7 @@ def test_proxy_keeps_per_layer_keys_and_a_tokenizer_vocab(tmp_path):
     # transformers rejects a proxy whose layer count does not match that list.
     config = {**load_config_dict("qwen2.5-7b"), "layer_types": ["full_attention"] * 28}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    plan = load_plan_dict({**BIG, "model": str(tmp_path), "pp": 2, "pp_schedule": "interleaved_1f1b",
+    plan = load_plan_dict({**BIG, "model": str(tmp_path / "config.json"), "pp": 2, "pp_schedule": "interleaved_1f1b",
                            "data": {"kind": "text", "path": str(tmp_path / "corpus.txt"),
                                     "tokenizer": str(tmp_path / "tokenizer")}})
     proxy = _check_proxy(plan, max_params=25_000_000)  # 152K x 128 embedding and head dominate
@@ -129,7 +129,7 @@ def test_proxy_that_cannot_be_built_is_a_failed_check_with_a_reason(tmp_path):
     # so the proxy's small head dim makes transformers reject the config. The model itself (3.8B
     # parameters, over the CPU reference's limit) builds; only its proxy does not.
     (tmp_path / "config.json").write_text(json.dumps(PHI3_LONGROPE))
-    plan = load_plan_dict({"model": str(tmp_path), "seq_len": 256, "global_batch": 8, "micro_batch": 2,
+    plan = load_plan_dict({"model": str(tmp_path / "config.json"), "seq_len": 256, "global_batch": 8, "micro_batch": 2,
                            "num_workers": 2, "strategy": "fsdp", "precision": "bf16"})
     assert parameter_counts(build_config(plan.model))["total"] > 200_000_000
     for given in (plan, plan.to_dict()):  # finish_sweep passes the ledger's plan dict
@@ -207,7 +207,8 @@ def test_finish_without_a_buildable_proxy_ends_with_no_winner_and_the_reasons(tm
     model = tmp_path / "phi3"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(PHI3_LONGROPE))
-    fixed = {"model": str(model), "seq_len": 256, "global_batch": 8, "num_workers": 2, "precision": "bf16"}
+    fixed = {"model": str(model / "config.json"), "seq_len": 256, "global_batch": 8, "num_workers": 2,
+             "precision": "bf16"}
     plans = [load_plan_dict({**fixed, "micro_batch": mb}).to_dict() for mb in (2, 4)]
     report, parent, printed = _finish_with(tmp_path, tracker, fixed, [(plans[0], 900.0, [5.0, 4.9]),
                                                                       (plans[1], 800.0, [5.0, 4.9])])

@@ -277,7 +277,8 @@ def _assert_mlflow_as_users_expect(client, report, children, ledger) -> None:
         assert sum(result.step_times_s) > 0 or not result.ok
     note = parent.data.tags[NOTE_TAG]
     assert f"**Winner: {report.verdict.winner.label}**" in note and "tokens/s/GPU" in note
-    assert f"python jobs/train.py {(report.out_dir / 'winner' / 'plan.yaml').resolve()}" in note
+    plan_path = (report.out_dir / "winner" / "plan.yaml").resolve()
+    assert f"python -m paratune train {plan_path}" in note and f" train {plan_path} --steps 1000" in note
     assert "report/report.html" in note
     assert {"best_tokens_per_s_per_gpu", "best_peak_memory_gib", "best_step_time_spread"} <= set(parent.data.metrics)
 

@@ -1,6 +1,9 @@
 """MLflow bookkeeping against a real (SQLite) store: each trial once, whatever the driver went
 through; no secret ever logged."""
 
+import json
+from pathlib import Path
+
 import pytest
 
 from paratune.plan import PlanError, load_plan_dict
@@ -118,8 +121,8 @@ def test_the_parent_describes_the_winner_and_how_to_train_with_it(tracker, tmp_p
     assert "Tied" not in text  # only with itself
     assert text.index("Train with it") < text.index("zero 3")  # the commands before the detail
     plan = str((winner_dir / "plan.yaml").resolve())
-    assert f"python jobs/train.py {plan} --steps 1000 --checkpoint-every 100" in text  # README's winner command
-    assert f".venv/bin/paratune train {plan} --steps 1000" in text
+    assert f"-- python -m paratune train {plan} --steps 1000 --checkpoint-every 100" in text  # on the cluster
+    assert f"paratune train {plan} --steps 1000" in text  # where the sweep ran
     assert {"best_tokens_per_s_per_gpu", "best_mfu", "best_peak_memory_gib", "best_step_time_spread"} <= \
         set(run.data.metrics)
     tracker.add_to_note(parent, "Report: `report/report.html`")
@@ -127,3 +130,31 @@ def test_the_parent_describes_the_winner_and_how_to_train_with_it(tracker, tmp_p
     text = tracker.client.get_run(parent).data.tags[NOTE_TAG]
     assert text.count("Report:") == 1 and text.endswith("again") and text.startswith("**Winner")
     assert sweep_note(None, None).startswith("**No winner**")
+
+
+def test_the_winners_commands_fit_where_the_sweep_ran(tmp_path, monkeypatch):
+    """winner/train.sh trains where the sweep ran with `paratune` as the shell finds it; winner/job.sh
+    submits to the Ray cluster with paratune's own entry point and the driver's environment inline,
+    so it needs nothing from the directory it is typed in (no jobs/ folder, no runtime-env file)."""
+    import shlex
+    import sys
+
+    from paratune.export import export_winner, on_a_cluster, own_command
+
+    monkeypatch.setenv("PARATUNE_HOME", "/data/paratune_runs")
+    monkeypatch.delenv("PARATUNE_STORAGE", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # the venv not activated: its script's full path
+    winner = tmp_path / "sweep" / "winner"
+    export_winner(load_plan_dict(BASE_PLAN), winner, {"label": "ddp"})
+    plan = str((winner / "plan.yaml").resolve())
+    train = shlex.split((winner / "train.sh").read_text().splitlines()[-1])
+    assert train[:3] == [own_command(), "train", plan] and own_command() == str(Path(sys.executable).parent / "paratune")
+    job = (winner / "job.sh").read_text().splitlines()[-1]
+    words = shlex.split(job)
+    assert words[:5] == ["ray", "job", "submit", "--address", "http://127.0.0.1:8265"]
+    assert json.loads(words[words.index("--runtime-env-json") + 1]) == {"env_vars": {"PARATUNE_HOME": "/data/paratune_runs"}}
+    assert words[words.index("--") + 1:][:5] == ["python", "-m", "paratune", "train", plan]
+    for address, joined in (("127.0.0.1:6379", True), ("local", False), ("", False)):
+        monkeypatch.setenv("RAY_ADDRESS", address)
+        assert on_a_cluster() is joined

@@ -1,4 +1,4 @@
-"""`paratune trial | tune | report | train | plan | profile | ui | validate | models`."""
+"""`paratune init | plan | tune | trial | train | report | profile | ui | validate | models`."""
 
 from __future__ import annotations
 
@@ -61,11 +61,15 @@ def _cmd_trial(args: argparse.Namespace, console: Console) -> int:
             if check.proxy:
                 console.print(f"{name}: loss parity judged on a proxy of the model (too big for a reference "
                               "on this CPU)")
+            if check.mode == "deterministic":
+                console.print(f"{name}: loss parity judged with {escape(', '.join(check.switched_off))} off on both "
+                              "sides (random draws no two layouts repeat); the measured steps kept them")
             if not check.passed:
                 what = "fails loss parity" if diff is not None else "no parity"
                 console.print(f"[red]{name}: {what} ({escape(check.reason)[:300]})[/red]")
         verdict = f"{result.tokens_per_s_per_gpu:,.0f} tokens/s/GPU" if result.ok else f"{result.reason}"
-        console.print(f"[bold]{name}[/bold]: {result.status} ({verdict})")
+        console.print(f"[bold]{name}[/bold]: {result.status} ({verdict})"
+                      + (f" [dim]from {escape(result.model_init)}[/dim]" if result.model_init else ""))
         rows.append((name, result, diff))
         save()
     print_results(rows, console)
@@ -81,9 +85,12 @@ def _cmd_tune(args: argparse.Namespace, console: Console) -> int:
     from paratune.tables import print_sweep
     from paratune.tracking import default_tracking_uri
 
+    from paratune.inputs import check_space_inputs
+
     try:
         space = load_space(args.space)
-    except SpaceError as err:
+        check_space_inputs((c.plan for c in space.candidates), source=args.space)  # before Ray starts
+    except (SpaceError, PlanError) as err:
         console.print(f"[red]invalid space[/red]\n{escape(str(err))}")
         return 2
     search = args.search
@@ -107,13 +114,15 @@ def _cmd_tune(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]{err}[/red]")
         return 2
     print_sweep(outcome, console)
+    from paratune.export import own_command
+
     uri = args.tracking_uri or default_tracking_uri()
-    console.print(f"compare the trials in MLflow:  .venv/bin/paratune ui --tracking-uri {uri}")
+    console.print(f"compare the trials in MLflow:  {own_command()} ui --tracking-uri {uri}", soft_wrap=True)
     # Last, so it is what the terminal ends on (make demo).
     if outcome.report_path is not None:
         console.print(f"sweep report: [bold]{outcome.report_path}[/bold]", soft_wrap=True)
     else:
-        console.print(f"no sweep report (see above); write it again with:  .venv/bin/paratune report {outcome.out_dir}")
+        console.print(f"no sweep report (see above); write it again with:  {own_command()} report {outcome.out_dir}")
     return 0 if outcome.verdict and outcome.verdict.winner else 1
 
 
@@ -193,8 +202,14 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     from paratune.devices import get_device
     from paratune.estimate import estimate_space
     from paratune.tables import print_estimates
-    from paratune.space import SpaceError, read_yaml_mapping, space_from_dict
+    from paratune.inputs import check_space_inputs
+    from paratune.plan import absolute_local_paths
+    from paratune.space import SpaceError, read_space_mapping, space_from_dict
 
+    if args.compare:  # which cluster to train on (paratune.compare_cli); without it, nothing below changes
+        from paratune.compare_cli import cmd_compare
+
+        return cmd_compare(args, console)
     t0 = time.perf_counter()
     profiles = None
     if args.profile:
@@ -208,21 +223,17 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
         if not profiles:
             console.print(f"[red]cannot plan[/red]\nprofile: {args.profile} holds no profile")
             return 2
-    device_name = args.device or ("cpu" if profiles and profiles[0].device_type == "cpu" else "h100-80gb")
     try:
+        raw = read_space_mapping(args.space)  # a plan file (plans/*.yaml): a space of one plan
+        device_name, why = (args.device, "--device") if args.device else _space_device(raw, profiles, args.devices)
         device = get_device(device_name, args.devices)
-        raw = read_yaml_mapping(Path(args.space), "space", SpaceError)
-        if "fixed" not in raw and "space" not in raw:  # a plan file (plans/*.yaml): a space of one plan
-            plan = dict(raw)
-            strategy = plan.pop("strategy", "ddp")
-            options = plan.pop(strategy, None) or {}
-            raw = {"name": Path(args.space).stem, "fixed": plan,
-                   "space": {"strategy": {strategy: {k: [v] for k, v in options.items()}}}}
         fixed = dict(raw.get("fixed") or {})
         gpus = args.gpus_per_node or device.gpus_per_node
         if args.nodes:
             fixed.update(num_workers=args.nodes * gpus, gpus_per_node=gpus)
+        fixed = absolute_local_paths(fixed, Path(args.space).resolve().parent)  # as a space or plan file reads them
         space = space_from_dict({**raw, "fixed": fixed}, source=Path(args.space))
+        check_space_inputs((c.plan for c in space.candidates), source=args.space)
     except (SpaceError, ValueError) as err:
         console.print(f"[red]cannot plan[/red]\n{escape(str(err))}")
         return 2
@@ -241,6 +252,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
         estimates, notes = _times_from_profiles(estimates, space, StepTimeModel(profiles))
     first = space.candidates[0].plan
+    console.print(f"device: {device.name} ({why}{'' if args.device else '; --device to predict another'})")
     console.print(space.pruning_report())
     print_estimates(estimates, device, console, top=args.top,
                     title=f"{space.spec.name}: {first.model}, {first.num_workers} x {device.name} "
@@ -255,6 +267,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
         _print_time_parts(estimates, profiles, console, args.top)
         for note in notes:
             console.print(f"[yellow]{escape(note)}[/yellow]")
+    _hint_buffer_sizes(estimates, raw, console)
     console.print(f"{len(estimates)} plans estimated in {time.perf_counter() - t0:.1f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(
@@ -263,6 +276,55 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
               **({"predicted_step_parts_s": e.time_parts} if profiles else {})} for e in estimates],
             indent=1))
     return 0 if any(e.measurable for e in estimates) else 1
+
+
+def _space_device(raw: dict, profiles, extra: str | None) -> tuple[str, str]:
+    """The device `plan` predicts on when --device is not given, and why: the space's own (its
+    estimate.device, else its plans' device: cpu, or the table's default GPU for cuda), else this
+    machine's (its GPU in the table, or the CPU)."""
+    if profiles:
+        return ("cpu", "the profile's") if profiles[0].device_type == "cpu" else ("h100-80gb", "the default GPU")
+    named = (raw.get("estimate") or {}).get("device")
+    if named and named != "auto":
+        return named, "the space's estimate.device"
+    device = (raw.get("fixed") or raw).get("device", "auto")
+    if device == "cpu":
+        return "cpu", "the space's device"
+    if device == "cuda":
+        return "h100-80gb", "the space's device is cuda: the table's default GPU"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu", "the space's device is auto and this machine has no GPU"
+    from paratune.devices import gpu_model, load_devices
+
+    model = gpu_model(torch.cuda.get_device_name())
+    match = next((d.name for d in load_devices(extra).values() if model and d.gpu == model.key), None)
+    return (match, "this machine's GPU") if match else ("h100-80gb", "this machine's GPU is not in the table")
+
+
+def _hint_buffer_sizes(estimates, raw: dict, console: Console) -> None:
+    """ZeRO's reduce / all-gather buckets are sized in elements, not by the model (DeepSpeed's 5e8
+    default is 1.9 GiB of fp32 whatever the model): where they outweigh the model's own states
+    and the space leaves them unset, say which to set and a size that scales with the model
+    (hidden_size squared: what Hugging Face's DeepSpeed integration puts for `auto`)."""
+    zero = [e for e in estimates if e.plan.strategy == "zero"]
+    swept = ((raw.get("space") or {}).get("strategy") or {}).get("zero") or {}
+    fixed = (raw.get("fixed") or {}).get("zero") or {}
+    if not zero or any(k in swept or k in fixed for k in ("reduce_bucket_size", "allgather_bucket_size")):
+        return
+    worst = max(zero, key=lambda e: e.memory.comm_buffers)
+    states = worst.memory.weights + worst.memory.gradients + worst.memory.optimizer
+    if worst.memory.comm_buffers <= states:
+        return
+    from paratune.models import build_config
+
+    hidden = int(getattr(build_config(worst.plan.model, worst.plan.model_overrides), "hidden_size", 0) or 0)
+    size = f"{max(hidden * hidden, 1):.0e}".replace("e+0", "e").replace("e+", "e")
+    console.print(f"[yellow]ZeRO's buffers ({worst.memory.comm_buffers / 2**30:.2f} GiB) outweigh the model's states "
+                  f"({states / 2**30:.2f} GiB): DeepSpeed's default buckets are 5e8 elements whatever the model. Set "
+                  f"zero.reduce_bucket_size and zero.allgather_bucket_size in the space (e.g. {size}, hidden_size "
+                  "squared, Hugging Face's `auto`).[/yellow]")
 
 
 def _print_experts(estimates, device, console: Console, top: int, routing_balance: float | None) -> None:
@@ -333,82 +395,6 @@ def _print_time_parts(estimates, profiles, console: Console, top: int) -> None:
                   "(a sweep refits it on its measured trials)")
 
 
-def _cmd_profile(args: argparse.Namespace, console: Console) -> int:
-    """Profile what a space's plans need on the running Ray cluster (or an in-process one), store
-    it under PARATUNE_HOME/profiles (reused when it already covers the plans), write --out."""
-    from paratune.profile import ProfileError, ProfileStore, profile_requests_for
-    from paratune.profiling import run_profile
-    from paratune.space import SpaceError, load_space
-    from paratune.launch import ensure_ray
-
-    try:
-        space = load_space(args.space)
-    except SpaceError as err:
-        console.print(f"[red]invalid space[/red]\n{escape(str(err))}")
-        return 2
-    plans = [space.plan_for(c.choices, env) if env else c.plan for c in space.candidates for env in space.env_grid()]
-    requests = profile_requests_for(plans, reps=args.reps)
-    store = ProfileStore(args.store) if args.store else ProfileStore()
-    ensure_ray()
-    device_name = _cluster_device_name()
-    profiles = []
-    for i, request in enumerate(requests, 1):
-        cached = None if args.force else store.get(request, device_name)
-        label = f"{request.model}, {request.world_size} workers, env {request.env or '{}'}"
-        if cached is not None:
-            console.print(f"profile {i}/{len(requests)} ({label}): reused {store.path(store.key_for_profile(cached))}")
-            profiles.append(cached)
-            continue
-        with console.status(f"profile {i}/{len(requests)}: {label} ({len(request.blocks)} block shapes, "
-                            f"{len(request.groups)} group layouts)"):
-            try:
-                profile = run_profile(request)
-            except ProfileError as err:
-                console.print(f"[red]{escape(str(err))}[/red]")
-                return 1
-        path = store.put(profile)
-        console.print(f"profile {i}/{len(requests)} ({label}): measured in {profile.profile_s:.1f} s on "
-                      f"{profile.device_name}, stored {path}")
-        profiles.append(profile)
-    _print_profiles(profiles, console)
-    if args.out:
-        Path(args.out).write_text(json.dumps([p.model_dump(mode="json") for p in profiles], indent=1))
-        console.print(f"profiles written to {args.out}; predict with: paratune plan {args.space} --profile {args.out}")
-    return 0
-
-
-def _cluster_device_name() -> str:
-    """The name a profile of this cluster is stored under: a GPU's as torch reports it, else cpu."""
-    import ray
-
-    if ray.cluster_resources().get("GPU", 0) >= 1:
-        from paratune.devices import probe_gpu
-
-        answer = probe_gpu()
-        if answer is not None:
-            return answer[0]
-    return "cpu"
-
-
-def _print_profiles(profiles, console: Console) -> None:
-    from rich.table import Table
-
-    table = Table(title="profiles: block fwd+bwd (ms, smallest..largest shape), collectives, optimizer")
-    for col in ("env", "device", "blocks", "block ms", "head ms", "all_reduce GB/s", "latency us", "optimizer ns/param",
-                "measured s"):
-        table.add_column(col, justify="left" if col in ("env", "device") else "right")
-    for p in profiles:
-        blocks = sorted(p.blocks, key=lambda b: b.block_s)
-        ar = [c for c in p.collectives if c.op == "all_reduce"]
-        bw = ", ".join(f"{c.bandwidth_gbps:.2f}" for c in ar) or "-"
-        lat = ", ".join(f"{c.latency_s * 1e6:.0f}" for c in ar) or "-"
-        table.add_row(json.dumps(p.env), p.device_name, str(len(p.blocks)),
-                      f"{blocks[0].block_s * 1e3:.1f}..{blocks[-1].block_s * 1e3:.1f}",
-                      f"{min(b.head_s for b in blocks) * 1e3:.1f}..{max(b.head_s for b in blocks) * 1e3:.1f}",
-                      bw, lat, f"{p.optimizer.b * 1e9:.2f}", f"{p.profile_s:.1f}")
-    console.print(table)
-
-
 def _print_levers(estimates, device, console: Console, top: int) -> None:
     """`paratune plan`: what the throughput levers change in the plans shown above, where any is
     set: the logits a rank holds by the loss's form (one fp32 buffer of them; the loss keeps a few),
@@ -468,41 +454,6 @@ def _print_construction(estimates, console: Console, top: int) -> None:
                       f"{unbuildable[0].construction / 2**30:.1f} GiB per rank")
 
 
-def _cmd_ui(args: argparse.Namespace, console: Console) -> int:
-    import os
-
-    from paratune.tracking import default_tracking_uri
-
-    uri = args.tracking_uri or default_tracking_uri()
-    base = f"http://{args.host}:{args.port}"
-    console.print(f"MLflow UI on {base} for {uri} (Ctrl-C to stop)")
-    link = _sweep_runs_link(uri, base)
-    if link:
-        console.print(f"the sweeps' runs (parent runs, trials under each; select trials, then Compare):\n  {link}")
-    os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")  # ~0.5 GB instead of ~3 GB
-    mlflow = Path(sys.executable).parent / "mlflow"
-    # One worker process: a local UI for one person needs no pool, and each of MLflow's default
-    # four imports the whole server (memory, and seconds of CPU on a small machine).
-    os.execv(str(mlflow), [str(mlflow), "ui", "--backend-store-uri", uri, "--host", args.host,
-                           "--port", str(args.port), "--workers", "1"])
-    return 0
-
-
-def _sweep_runs_link(uri: str, base: str) -> str | None:
-    """The paratune experiment's runs table (MLflow's "Machine learning" view), if the store has it."""
-    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
-        return None
-    try:
-        from mlflow.tracking import MlflowClient
-
-        from paratune.tracking import DEFAULT_EXPERIMENT, runs_url
-
-        experiment = MlflowClient(tracking_uri=uri).get_experiment_by_name(DEFAULT_EXPERIMENT)
-    except Exception:  # noqa: BLE001 - only a convenience: the UI starts anyway
-        return None
-    return runs_url(base, experiment.experiment_id) if experiment is not None else None
-
-
 def _load_plan_or_say_why(path: str, console: Console):
     """The plan, or None after printing what is wrong with it (field, value, what is allowed)."""
     try:
@@ -513,10 +464,39 @@ def _load_plan_or_say_why(path: str, console: Console):
 
 
 def _cmd_validate(args: argparse.Namespace, console: Console) -> int:
+    """The plan's own rules, then what it reads from disk (model, data, tokenizer): seconds, no Ray."""
+    from paratune.inputs import check_inputs
+
     plan = _load_plan_or_say_why(args.plan, console)
     if plan is None:
         return 2
+    try:
+        check_inputs(plan, source=args.plan)
+    except PlanError as err:
+        console.print(f"[red]invalid plan[/red]\n{escape(str(err))}")
+        return 2
     console.print(plan.to_yaml())
+    return 0
+
+
+def _cmd_init(args: argparse.Namespace, console: Console) -> int:
+    """A starter space for the model on the hardware at hand (paratune.starter), written and named."""
+    from paratune.export import own_command
+    from paratune.starter import InitError, find_hardware, starter_space
+
+    try:
+        hw = find_hardware(args.device, args.gpus, args.devices)
+        with console.status(f"predicting {args.model}'s plans on {hw.workers} x {hw.device}"):
+            text = starter_space(args.model, hw, lora=args.lora, data=args.data, text_field=args.text_field,
+                                 seq_len=args.seq_len, devices_file=args.devices)
+    except (InitError, ValueError) as err:
+        console.print(f"[red]cannot make a space[/red]\n{escape(str(err))}")
+        return 2
+    name = text.split("\nname: ", 1)[1].split("\n", 1)[0]
+    out = Path(args.out or f"{name}.yaml")
+    out.write_text(text)
+    console.print(f"wrote {out} for {hw.workers} x {hw.device} ({escape(hw.where)})")
+    console.print(f"next:  {own_command()} plan {out}\n       {own_command()} tune {out}", soft_wrap=True)
     return 0
 
 
@@ -541,6 +521,9 @@ def _cmd_models(args: argparse.Namespace, console: Console) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from paratune.quiet import quiet
+
+    quiet()  # known-harmless third-party lines, filtered before anything emits them (paratune.quiet)
     parser = argparse.ArgumentParser(prog="paratune", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("trial", help="run plan(s) as measured Ray Train trials, results side by side")
@@ -590,6 +573,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=20, help="rows of fitting plans to print")
     p.add_argument("--json", help="write every estimate to this JSON file")
     p.add_argument("--profile", help="step times from this stored profile (paratune profile --out FILE), not the roofline")
+    p.add_argument("--compare", metavar="DEVICE:GPUS,...", help="which cluster to train on: the best plan, time, GPU-hours "
+                   "and cost to train --tokens on each (e.g. h100-80gb:8,a100-80gb:16), the Pareto front, a figure")
+    p.add_argument("--tokens", type=float, help="with --compare: tokens to train (e.g. 1e11)")
+    p.add_argument("--prices", help="with --compare: YAML {currency: USD, <device>: <price per GPU-hour>}")
+    p.add_argument("--out", help="with --compare: folder for compare.json and compare.png (a sweep's folder: its "
+                   "report draws them; default $PARATUNE_HOME/compare-<space>)")
     p = sub.add_parser("profile", help="measure what a space's plans need on the cluster (blocks, collectives, "
                                        "optimizer) for `plan --profile` and the sweep's time model")
     p.add_argument("space", help="search space YAML")
@@ -604,10 +593,23 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("validate", help="check a plan file and print it with derived fields")
     p.add_argument("plan")
     sub.add_parser("models", help="list model presets and their parameter counts")
+    p = sub.add_parser("init", help="write a starter search space for a model on the hardware at hand")
+    p.add_argument("model", help="a preset (paratune models), a model folder (config.json + safetensors) or a config.json")
+    p.add_argument("--gpus", type=int, help="GPUs (default: one node of --device, the Ray cluster's, or this machine's)")
+    p.add_argument("--device", help="device from the table (h100-80gb, a100-80gb, ..., cpu); default: the running "
+                                    "Ray cluster's (RAY_ADDRESS) or this machine's")
+    p.add_argument("--devices", help="a JSON/YAML file adding or overriding devices")
+    p.add_argument("--lora", action="store_true", help="fine-tune LoRA adapters (the base frozen) instead of every weight")
+    p.add_argument("--data", help="your data file (.jsonl, .parquet, or text); default: synthetic tokens")
+    p.add_argument("--text-field", help="the records' text field (default: the first string field)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's window, capped)")
+    p.add_argument("--out", help="the space file to write (default: <name>.yaml here)")
     args = parser.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 160)
-    handler = {"trial": _cmd_trial, "tune": _cmd_tune, "report": _cmd_report, "train": _cmd_train, "plan": _cmd_plan, "ui": _cmd_ui,
-               "validate": _cmd_validate, "models": _cmd_models, "profile": _cmd_profile}[args.command]
+    from paratune.cli_cluster import cmd_profile, cmd_ui
+
+    handler = {"trial": _cmd_trial, "tune": _cmd_tune, "report": _cmd_report, "train": _cmd_train, "plan": _cmd_plan, "ui": cmd_ui,
+               "validate": _cmd_validate, "models": _cmd_models, "init": _cmd_init, "profile": cmd_profile}[args.command]
     return handler(args, console)
 
 

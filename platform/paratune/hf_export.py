@@ -8,7 +8,9 @@ names are the checkpoint's names) one tensor at a time, in the same order:
 - a parameter still on the meta device belongs to another pipeline stage and is skipped.
 Only the first rank of each pipeline stage (dp, cp and tp index 0) keeps the gathered values, and it
 writes them in files of at most `max_shard_bytes`; rank 0 then writes `config.json` and the
-safetensors index over every stage's files. So no rank ever holds more than one tensor beyond its
+safetensors index over every stage's files (shards renamed to transformers' `model-0000i-of-0000N`
+once every writer's count is known), generation_config.json, and the tokenizer (the plan's data's,
+or the one in the model folder it started from). So no rank ever holds more than one tensor beyond its
 own share plus one file's worth, and tied parameters (the LM head tied to the embedding) are
 written once, under their first name, as `save_pretrained` does. A LoRA plan's adapters are
 merged into their layers' weights (W + alpha/r * B @ A, as peft's `merge_and_unload`): the
@@ -170,7 +172,7 @@ def export_hf_folder(parts: list[tuple[str, nn.Module]], config: Any, plan: Plan
         nonlocal pending, pending_bytes, part
         if not pending:
             return
-        name = f"model-pp{stage:02d}-{part:05d}.safetensors"
+        name = _staged_name(stage, part)
         save_file(pending, str(folder / name), metadata={"format": "pt"})
         weight_map.update({key: name for key in pending})
         pending, pending_bytes, part = {}, 0, part + 1
@@ -190,23 +192,68 @@ def export_hf_folder(parts: list[tuple[str, nn.Module]], config: Any, plan: Plan
         dist.all_gather_object(maps, (weight_map, total_bytes))
     else:
         maps = [(weight_map, total_bytes)]
+    names = _final_names(maps)  # every rank computes the same: staged name -> transformers' name
+    for staged in sorted(set(weight_map.values())):  # each writer renames its own files
+        (folder / staged).rename(folder / names[staged])
     if rank == 0:
-        merged = {k: v for wm, _ in maps for k, v in wm.items()}
+        merged = {k: names[v] for wm, _ in maps for k, v in wm.items()}
         size = sum(b for _, b in maps)
         (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": size},
                                                      "weight_map": dict(sorted(merged.items()))}, indent=2))
         _save_config(config, folder)
+        save_tokenizer(plan, folder)
     if dist.is_initialized():
         dist.barrier()
     return folder
 
 
+def _staged_name(stage: int, part: int) -> str:
+    """A shard's name while the writers cannot know how many there are (one writer a stage)."""
+    return f"model-pp{stage:02d}-{part:05d}.safetensors"
+
+
+def _final_names(maps: list[Any]) -> dict[str, str]:
+    """Staged shard names -> transformers' own (`model-00001-of-00003.safetensors`, as
+    save_pretrained shards), numbered in stage order, from every rank's weight map."""
+    staged = sorted({name for weight_map, _ in maps for name in weight_map.values()})
+    return {name: f"model-{i:05d}-of-{len(staged):05d}.safetensors" for i, name in enumerate(staged, 1)}
+
+
 def _save_config(config: Any, folder: Path) -> None:
     """config.json as `save_pretrained` writes it, with the dtype of the values written (fp32) and
-    the architecture, so `AutoModelForCausalLM` picks the class paratune trained."""
+    the architecture, so `AutoModelForCausalLM` picks the class paratune trained; and
+    generation_config.json, as `save_pretrained` writes it beside a causal LM (what `generate` and
+    `pipeline` read)."""
+    from transformers import GenerationConfig
+
     from paratune.materialize import causal_lm_class
 
     config = config.__class__.from_dict(config.to_dict())
     config.architectures = [causal_lm_class(config).__name__]
     config.dtype = "float32"
     config.save_pretrained(folder)
+    GenerationConfig.from_model_config(config).save_pretrained(folder)
+
+
+def tokenizer_source(plan: Plan) -> Path | None:
+    """The tokenizer that belongs with the trained model: the one the plan's data names, else the
+    one in the model folder it started from; None with neither (byte-level data, a preset)."""
+    if plan.data.tokenizer is not None:
+        return Path(plan.data.tokenizer)
+    folder = Path(plan.model)
+    if folder.is_dir() and any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                  "tokenizer.model", "vocab.json")):
+        return folder
+    return None
+
+
+def save_tokenizer(plan: Plan, folder: Path) -> Path | None:
+    """The tokenizer files beside the weights, as `tokenizer.save_pretrained` writes them, so
+    `AutoTokenizer.from_pretrained(folder)` and `pipeline` load the folder as a hub checkpoint."""
+    source = tokenizer_source(plan)
+    if source is None:
+        return None
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(str(source), local_files_only=True).save_pretrained(folder)
+    return source

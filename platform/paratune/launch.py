@@ -53,8 +53,15 @@ def ensure_ray(address: str | None = None) -> None:
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS") or "local"
-    ray.init(address=address, log_to_driver=bool(os.environ.get("PARATUNE_VERBOSE")),
-             include_dashboard=False if address == "local" else None)
+    verbose = bool(os.environ.get("PARATUNE_VERBOSE"))
+    import logging
+
+    from paratune.quiet import quiet_ray_start
+
+    quiet_ray_start()
+
+    ray.init(address=address, log_to_driver=verbose, include_dashboard=False if address == "local" else None,
+             logging_level=logging.INFO if verbose else logging.WARNING)
 
 
 def paratune_home() -> Path:

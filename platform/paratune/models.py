@@ -7,10 +7,11 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch is imported where a model is built: reading configs (validate, plan's checks) needs none
+    import torch
+    from torch import nn
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -32,17 +33,50 @@ def load_config_dict(model: str, overrides: dict[str, Any] | None = None) -> dic
     preset = PRESET_DIR / f"{model}.json"
     path = preset if preset.is_file() and model not in NOT_MODELS else Path(model)
     if path.is_dir():
+        _check_weights(path)
         path = path / "config.json"
     if not path.is_file():
+        import difflib
+
+        close = difflib.get_close_matches(model, preset_names(), n=1, cutoff=0.6)
         raise ModelError(
-            f"model: got '{model}', neither a preset nor a config.json path; allowed presets: "
-            f"{', '.join(preset_names())}"
+            f"model: got '{model}', neither a preset, a model folder nor a config.json path (no {path.resolve()}); "
+            f"{f'did you mean {close[0]!r}? ' if close else ''}allowed: a model folder (config.json + "
+            f"*.safetensors), a config.json path, or a preset: {', '.join(preset_names())}"
         )
     data = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
     if "model_type" not in data:
         raise ModelError(f"model: {path} has no 'model_type'; a transformers config.json is required")
     data.update(overrides or {})
     return _fit_layer_types(data, overrides or {})
+
+
+def _check_weights(folder: Path) -> None:
+    """A folder given as the model is a pretrained model: it must hold its weights. Without them a
+    run would train from random init while its user believes they fine-tune their model; random
+    init stays one path away (the folder's config.json, or a preset)."""
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"model: folder {folder} has no config.json; allowed: a Hugging Face model folder "
+                         f"(config.json + *.safetensors), a config.json path, or a preset ({', '.join(preset_names())})")
+    if any(folder.glob("*.safetensors")):
+        return
+    other = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+    found = (f"; found {', '.join(other[:3])}: paratune reads safetensors (save it with "
+             "model.save_pretrained(folder), which writes them)") if other else ""
+    raise ModelError(f"model: folder {folder} holds config.json but no weights (looked for model.safetensors, "
+                     f"model.safetensors.index.json and its *.safetensors shards){found}; allowed: a folder with its "
+                     f"weights, or {folder / 'config.json'} to train this architecture from random init")
+
+
+def model_init(model: str) -> str:
+    """Where a plan's starting weights come from, in words (what a trial result says)."""
+    preset = PRESET_DIR / f"{model}.json"
+    if preset.is_file() and model not in NOT_MODELS:
+        return f"random init (preset {model})"
+    path = Path(model)
+    if path.is_dir():
+        return f"pretrained weights from {path}"
+    return f"random init (architecture from {path})"
 
 
 def build_config(model: str, overrides: dict[str, Any] | None = None):
@@ -86,13 +120,16 @@ def _checked_attn_implementation(config) -> str:
     return attn_implementation(config)
 
 
-def build_model(config, seed: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+def build_model(config, seed: int, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                 sources: list | None = None) -> nn.Module:
     """Model from config, whole, on `device`: random init, or the values `sources` give
     (`ModelInit.sources`; a folder's pretrained weights: `paratune.checkpoints.build_model_with_weights`).
     Its values are those every layout reproduces slice by slice (paratune.materialize)."""
+    import torch
+
     from paratune.materialize import ModelInit, build_meta, materialize
 
+    dtype = dtype or torch.float32
     model = build_meta(config, dtype)
     init = ModelInit(model, config, seed, dtype)
     init.sources += sources or []
@@ -120,6 +157,8 @@ def block_stacks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     a multimodal model's vision tower has blocks of its own). A family that names none (BioGPT,
     CTRL, OpenAI-GPT): the one ModuleList of `num_hidden_layers` modules of one class that hold
     parameters. Almost every family has one stack; a few (HRM, BLT) have several, in order."""
+    from torch import nn
+
     names = set(getattr(model, "_no_split_modules", None) or ())
     lists = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.ModuleList) and len(mod)]
     found: list[tuple[str, nn.ModuleList]] = []
@@ -166,6 +205,8 @@ def _slot(root: nn.Module, target: nn.Module | None) -> tuple[nn.Module, str] | 
 
 
 def _is_norm(module: nn.Module) -> bool:
+    from torch import nn
+
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or "Norm" in type(module).__name__
 
 
@@ -349,6 +390,8 @@ def routed_top_k(model: nn.Module, path: str, experts: nn.Module) -> int:
 
 def count_parameters(model: nn.Module) -> dict[str, int]:
     """Parameter counts of a built model (any device, meta included); see parameter_counts."""
+    from torch import nn
+
     total = sum(p.numel() for p in model.parameters())  # tied weights counted once
     embedding_module = model.get_input_embeddings()
     embedding = embedding_module.weight.numel()
@@ -374,6 +417,7 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
 @lru_cache(maxsize=64)
 def _layout(key: str) -> dict[str, int]:
     config = config_from_key(key)
+    import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):

@@ -434,9 +434,43 @@ def flatten_dict(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def format_validation_error(err: ValidationError | list[dict[str, Any]], source: str = "plan") -> str:
+def _fields_at(schema: type[BaseModel], path: tuple) -> list[str]:
+    """The field names of the model found by following `path` from `schema` (nested models, their
+    optional forms, and dict values of a model type); [] where the path leaves the models."""
+    import typing
+
+    current: Any = schema
+    for part in path:
+        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+            return []
+        field = current.model_fields.get(str(part))
+        if field is None:
+            return []
+        annotation = field.annotation
+        candidates = [annotation, *typing.get_args(annotation)]
+        current = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if current is None:  # e.g. dict[str, Model]: the value's model for the next part
+            inner = [a for c in candidates for a in typing.get_args(c)]
+            current = next((c for c in inner if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return list(current.model_fields)
+    return []
+
+
+def unknown_field_message(name: str, allowed: list[str]) -> str:
+    """`allowed: a, b, c` with the closest match first asked about ("did you mean ...")."""
+    import difflib
+
+    close = difflib.get_close_matches(name, allowed, n=1, cutoff=0.6)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return f"{hint}allowed: {', '.join(sorted(allowed))}" if allowed else "allowed: none here"
+
+
+def format_validation_error(err: ValidationError | list[dict[str, Any]], source: str = "plan",
+                            schema: type[BaseModel] | None = None) -> str:
     """One line per broken rule: `source: field: got VALUE; what is allowed` (of all the error's
-    entries, or of those given: a caller may report some of them, e.g. the per-field ones)."""
+    entries, or of those given: a caller may report some of them, e.g. the per-field ones). An
+    unknown field lists the allowed ones of its place in `schema` (default: the Plan), closest first."""
     lines = []
     for e in err.errors() if isinstance(err, ValidationError) else err:
         loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-"))
@@ -444,7 +478,10 @@ def format_validation_error(err: ValidationError | list[dict[str, Any]], source:
         if e["type"] in ("value_error", "assertion_error"):
             lines.append(f"{source}: {msg}" if not loc else f"{source}: {loc}: {msg}")
         elif e["type"] == "extra_forbidden":
-            lines.append(f"{source}: {loc}: unknown field (value {e['input']!r}); allowed: see paratune.plan")
+            path = tuple(p for p in e["loc"] if not str(p).startswith("function-"))
+            allowed = _fields_at(schema or Plan, path[:-1])
+            lines.append(f"{source}: {loc}: unknown field (value {e['input']!r}); "
+                         f"{unknown_field_message(str(path[-1]), allowed)}")
         else:
             lines.append(f"{source}: {loc}: got {e.get('input')!r}; {msg}")
     return "\n".join(lines)
@@ -470,30 +507,40 @@ def read_yaml_mapping(path: Path, what: str, error: type[ValueError]) -> dict[st
     return data
 
 
-def absolute_local_paths(fields: dict[str, Any]) -> dict[str, Any]:
+def absolute_local_paths(fields: dict[str, Any], base: Path | None = None) -> dict[str, Any]:
     """The plan fields that name local files (a `model` folder or config.json, `data.path`,
-    `data.tokenizer`) made absolute against the current directory, where they exist there.
+    `data.tokenizer`) made absolute: a relative one against `base` (the plan or space file's
+    folder), or the current directory where it exists only there (files written before this rule).
 
     A file is read where the command runs, but trials check and train in Ray's processes, whose
     working directory is not the user's: `model: ./my-model` would not be found there."""
+
+    def absolute(value: str) -> str:
+        if value.startswith("/"):
+            return value
+        beside = (base or Path.cwd()) / value
+        return str((beside if beside.exists() or not Path(value).exists() else Path(value)).resolve())
+
     out = dict(fields)
     model = out.get("model")
     preset = Path(__file__).parent / "presets" / f"{model}.json"  # a preset name wins (paratune.models)
-    if isinstance(model, str) and not model.startswith("/") and not preset.is_file() and Path(model).exists():
-        out["model"] = str(Path(model).resolve())
+    if isinstance(model, str) and not preset.is_file() and ("/" in model or model.endswith(".json")
+                                                            or (base or Path.cwd()).joinpath(model).exists()):
+        out["model"] = absolute(model)
     data = out.get("data")
     if isinstance(data, dict):
         data = dict(data)
         for key in ("path", "tokenizer"):
             value = data.get(key)
-            if isinstance(value, str) and not value.startswith("/") and Path(value).exists():
-                data[key] = str(Path(value).resolve())
+            if isinstance(value, str):
+                data[key] = absolute(value)
         out["data"] = data
     return out
 
 
 def load_plan(path: str | Path) -> Plan:
     """Read a plan YAML file; errors name the file, the field, the value and what is allowed.
-    Local paths in it are made absolute (`absolute_local_paths`)."""
+    Local paths in it are relative to the file's folder (`absolute_local_paths`)."""
     path = Path(path)
-    return load_plan_dict(absolute_local_paths(read_yaml_mapping(path, "plan", PlanError)), source=str(path))
+    fields = absolute_local_paths(read_yaml_mapping(path, "plan", PlanError), path.resolve().parent)
+    return load_plan_dict(fields, source=str(path))

@@ -172,7 +172,9 @@ def _profile_block_shapes(request: ProfileRequest, device, barrier: Callable[[],
             block.zero_grad(set_to_none=True)
 
         def run_embed() -> None:
-            embed(ids).backward(grad)
+            out = embed(ids)
+            if out.requires_grad:  # a frozen embedding (LoRA) has no backward in a trial either
+                out.backward(grad)
             embed.zero_grad(set_to_none=True)
 
         def run_head() -> None:

@@ -41,6 +41,7 @@ class TrialResult(BaseModel):
     construction_s: float | None = None  # slowest rank's model build + layout + init (part of launch)
     linear_matmul_dtypes: dict[str, int] = Field(default_factory=dict)  # one warm-up step, all ranks
     optimizer_class: str | None = None  # what stepped: AdamW, DeepSpeedCPUAdam, ...
+    model_init: str | None = None  # where the starting weights came from (paratune.models.model_init)
     comm_share: float | None = None
     comm_method: str | None = None
     # Time the measured steps waited for their micro-batches (inside the step's clock: the DataLoader's

@@ -310,8 +310,21 @@ def load_space(path: str | Path) -> Space:
     path = Path(path)
     data = read_yaml_mapping(path, "space", SpaceError)
     if isinstance(data.get("fixed"), dict):  # the fixed part's local files, as a plan file's
-        data = {**data, "fixed": absolute_local_paths(data["fixed"])}
+        data = {**data, "fixed": absolute_local_paths(data["fixed"], path.resolve().parent)}
     return space_from_dict(data, source=path)
+
+
+def read_space_mapping(path: str | Path) -> dict[str, Any]:
+    """A space file's mapping for `paratune plan`, or a plan file's (plans/*.yaml: no `fixed` or
+    `space`) as the mapping of a space of that one plan."""
+    path = Path(path)
+    raw = read_yaml_mapping(path, "space", SpaceError)
+    if "fixed" not in raw and "space" not in raw:
+        plan = dict(raw)
+        strategy = plan.pop("strategy", "ddp")
+        options = plan.pop(strategy, None) or {}
+        raw = {"name": path.stem, "fixed": plan, "space": {"strategy": {strategy: {k: [v] for k, v in options.items()}}}}
+    return raw
 
 
 def space_from_dict(data: dict[str, Any], source: Path | None = None) -> Space:
@@ -321,7 +334,7 @@ def space_from_dict(data: dict[str, Any], source: Path | None = None) -> Space:
     try:
         spec = SpaceFile.model_validate(data)
     except ValidationError as err:
-        raise SpaceError(format_validation_error(err, label)) from None
+        raise SpaceError(format_validation_error(err, label, schema=SpaceFile)) from None
     _check_fixed_alone(spec.fixed, label)
     for key, choices in spec.space.env.items():
         for value in choices:

@@ -12,9 +12,24 @@ from rich.table import Table
 from paratune.results import TrialResult
 
 
-def env_label(env: dict[str, str] | None) -> str:
-    """A plan's env as it reads in tables and logs: 'K=V K=V', sorted; '' for none."""
-    return " ".join(f"{k}={v}" for k, v in sorted((env or {}).items()))
+def env_label(env: dict[str, str] | None, keys: set[str] | None = None) -> str:
+    """A plan's env as it reads in tables and logs: 'K=V K=V', sorted; '' for none. `keys`: only
+    those (the settings that differ between a sweep's plans; `varying_env`)."""
+    return " ".join(f"{k}={v}" for k, v in sorted((env or {}).items()) if keys is None or k in keys)
+
+
+def varying_env(envs) -> set[str]:
+    """The env settings whose values differ between plans (a setting every plan shares is said once,
+    not on every label)."""
+    envs = [dict(e or {}) for e in envs]
+    keys = {k for e in envs for k in e}
+    return {k for k in keys if len({e.get(k) for e in envs}) > 1}
+
+
+def shared_env(envs) -> dict[str, str]:
+    """The env settings every plan has, with one value."""
+    envs = [dict(e or {}) for e in envs]
+    return {k: v for k, v in (envs[0] if envs else {}).items() if all(e.get(k) == v for e in envs)}
 
 
 def strategy_label(plan: dict) -> str:
@@ -30,7 +45,8 @@ def strategy_label(plan: dict) -> str:
         if plan.get("ddp", {}).get("bucket_cap_mb", 25) != 25:
             label += f" bucket{plan['ddp']['bucket_cap_mb']:g}MB"
     if strategy == "zero" and plan["zero"].get("reduce_bucket_size", 500_000_000) != 500_000_000:
-        label += f" bucket{plan['zero']['reduce_bucket_size'] / 1e6:g}M"
+        size = plan["zero"]["reduce_bucket_size"]
+        label += f" bucket{size / 1e6:g}M" if size >= 1e6 else f" bucket{size / 1e3:g}K"
     extras = [f"mb{plan['micro_batch']}x{plan['grad_accum']}"]
     if plan.get("tp", 1) > 1:
         extras.append(f"tp{plan['tp']}" + ("+sp" if plan.get("sequence_parallel") else ""))
@@ -173,8 +189,12 @@ def print_sweep(outcome, console: Console | None = None) -> None:
         console.print(f"winner: [bold]{verdict.winner.label}[/bold] — {verdict.winner.median:,.0f} tokens/s/GPU, "
                       f"loss parity vs single process: max |Δ| = {outcome.winner_parity:.1e}")
         if outcome.winner_dir:
-            console.print(f"exported to {outcome.winner_dir}/ (plan.yaml, env.sh, job.sh, ...)")
-            console.print("train with it:  " + (outcome.winner_dir / "job.sh").read_text().splitlines()[-1])
+            from paratune.export import on_a_cluster
+
+            console.print(f"exported to {outcome.winner_dir}/ (plan.yaml, train.sh, job.sh, env.sh, ...)")
+            script = "job.sh" if on_a_cluster() else "train.sh"  # the command that fits where the sweep ran
+            console.print("train with it:  " + escape((outcome.winner_dir / script).read_text().splitlines()[-1]),
+                          soft_wrap=True)
     else:
         console.print("[red]no winner: no plan finished and passed the loss-parity check[/red]")
 
@@ -272,3 +292,73 @@ def print_estimates(estimates, device, console: Console, top: int = 20, title: s
             console.print(f"  - {label} ({by_strategy[label]} plan(s)), e.g. {strategy_label(e.plan.to_dict())}: "
                           f"{escape(e.overflow or '')}")
     console.print(f"memory: {estimates[0].memory.method if estimates else '-'}; time: {time_source}")
+
+
+def print_profiles(profiles, console: Console) -> None:
+    """`paratune profile`: each stored profile's blocks, collectives and optimizer step."""
+    import json
+
+    table = Table(title="profiles: block fwd+bwd (ms, smallest..largest shape), collectives, optimizer")
+    for col in ("env", "device", "blocks", "block ms", "head ms", "all_reduce GB/s", "latency us", "optimizer ns/param",
+                "measured s"):
+        table.add_column(col, justify="left" if col in ("env", "device") else "right")
+    for p in profiles:
+        blocks = sorted(p.blocks, key=lambda b: b.block_s)
+        ar = [c for c in p.collectives if c.op == "all_reduce"]
+        bw = ", ".join(f"{c.bandwidth_gbps:.2f}" for c in ar) or "-"
+        lat = ", ".join(f"{c.latency_s * 1e6:.0f}" for c in ar) or "-"
+        table.add_row(json.dumps(p.env), p.device_name, str(len(p.blocks)),
+                      f"{blocks[0].block_s * 1e3:.1f}..{blocks[-1].block_s * 1e3:.1f}",
+                      f"{min(b.head_s for b in blocks) * 1e3:.1f}..{max(b.head_s for b in blocks) * 1e3:.1f}",
+                      bw, lat, f"{p.optimizer.b * 1e9:.2f}", f"{p.profile_s:.1f}")
+    console.print(table)
+
+
+def duration(hours: float | None, like: float | None = None) -> str:
+    """A time to train as it reads: minutes, hours, or days past two of them (the unit `like`'s
+    would get, when given: a band in its centre's unit)."""
+    if hours is None:
+        return "-"
+    pick = hours if like is None else like
+    if pick < 1:
+        return f"{hours * 60:,.0f} min"
+    return f"{hours:,.1f} h" if pick < 48 else f"{hours / 24:,.1f} d"
+
+
+def cluster_verdict(row) -> str:
+    """A compare row's marks (paratune.compare.Row): fastest, tied with it, on the Pareto front."""
+    marks = ["fastest"] if row.fastest else (["tie with fastest"] if row.tie_with_fastest else [])
+    return ", ".join(marks + (["Pareto"] if row.pareto else []))
+
+
+def print_clusters(rows, console: Console, title: str, currency: str | None = None) -> None:
+    """`paratune plan --compare`: one line per cluster (paratune.compare.Row), fastest first: its
+    best plan and the runner-up of another strategy, tokens/s/GPU with the band, the time to train,
+    GPU-hours and, with prices, the cost; then why the others fit nowhere."""
+    table = Table(title=title)
+    money = [f"cost {currency}", f"{currency}/1B tokens"] if currency else []
+    for col in ("#", "cluster", "best plan", "tokens/s/GPU", "time to train (band)", "GPU-hours",
+                *money, "runner-up, another strategy", "verdict"):
+        wraps = col in ("best plan", "verdict", "runner-up, another strategy")  # the figures stay on one line
+        table.add_column(col, justify="left" if wraps or col.startswith("cluster") else "right", no_wrap=not wraps)
+    for i, r in enumerate(rows, 1):
+        o = r.outcome
+        where = f"{o.cluster.label} ({o.cluster.layout.replace(' ', '')})"
+        if not o.fits:
+            table.add_row(str(i), where, "[red]no plan fits[/red] (below)", "-", "-", "-", *(["-"] * len(money)), "-", "")
+            continue
+        source = {"measured": " (measured)", "scaled": " (scaled)"}.get(o.source, "")
+        band = f" ± {o.band:.0%}" if o.band else ""
+        runner = "-"
+        if o.runner_up:
+            runner = f"{escape(o.runner_up)}: {o.runner_up_tokens_per_s_per_gpu:,.0f}" + (" (tie)" if o.runner_up_ties else "")
+        low = duration(r.hours_low, r.hours).split()[0]  # "12.2 d (9.8-16.3 d)"
+        table.add_row(str(i), where, escape(o.best or "") + source, f"{o.tokens_per_s_per_gpu:,.0f}{band}",
+                      f"{duration(r.hours)} ({low}-{duration(r.hours_high, r.hours)})", f"{r.gpu_hours:,.0f}",
+                      *([_fmt(r.cost, ",.0f"), _fmt(r.cost_per_billion, ",.2f")] if money else []),
+                      runner, cluster_verdict(r))
+    console.print(table)
+    for r in rows:
+        if not r.outcome.fits:
+            console.print(f"[red]{r.outcome.cluster.label}[/red]: {escape(r.outcome.reason or 'no plan fits')}",
+                          soft_wrap=True)

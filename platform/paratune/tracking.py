@@ -133,13 +133,14 @@ def sweep_note(summary: dict[str, Any] | None, winner_dir: Path | None,
                            + (" (on a proxy model)" if summary.get("parity_proxy") else ""))
         lines.append(f"**Winner: {label}**: " + ", ".join(figures) + ".")
         if winner_dir is not None:
-            plan = (winner_dir / "plan.yaml").resolve()
-            job = winner_dir / "job.sh"
-            submit = job.read_text().strip().splitlines()[-1] if job.exists() else None
-            train = [f"- here: `.venv/bin/paratune train {plan} --steps 1000 --checkpoint-every 100 "
-                     f"--name {winner_dir.resolve().parent.name}-train`"]
-            if submit:
-                train.append(f"- on the Ray cluster (from the repo root; `winner/job.sh`): `{submit}`")
+            from paratune.export import train_command
+
+            job, local = winner_dir / "job.sh", winner_dir / "train.sh"
+            here = (local.read_text().strip().splitlines()[-1] if local.exists() else
+                    train_command(str((winner_dir / "plan.yaml").resolve()), name=f"{winner_dir.resolve().parent.name}-train"))
+            train = [f"- where the sweep ran (`winner/train.sh`): `{here}`"]
+            if job.exists():
+                train.append(f"- on the Ray cluster (`winner/job.sh`): `{job.read_text().strip().splitlines()[-1]}`")
             lines.append("Train with it:\n\n" + "\n".join(train))
         tied = [t for t in summary.get("tied_with") or [] if t != label]
         if tied:
@@ -147,7 +148,7 @@ def sweep_note(summary: dict[str, Any] | None, winner_dir: Path | None,
     for failure in parity_failures or []:
         lines.append(f"Not the winner, fails loss parity: {failure.get('label')}: {failure.get('reason')}")
     if summary is not None and winner_dir is not None:
-        lines.append(f"Files: `{winner_dir.resolve()}/` (plan.yaml, env.sh, job.sh, ...; also this run's `winner` "
+        lines.append(f"Files: `{winner_dir.resolve()}/` (plan.yaml, train.sh, job.sh, env.sh, ...; also this run's `winner` "
                      "artifacts).")
     return "\n\n".join(lines)
 

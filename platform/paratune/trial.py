@@ -89,6 +89,27 @@ def maybe_inject_fault(rank: int, step: int, seed: int | None = None) -> None:
             time.sleep(1)
 
 
+def check_finite(losses: list[torch.Tensor | None], rank: int, world: int, device: torch.device) -> None:
+    """Raise Diverged on every rank (one all-gather, after the timed loop) when a step's loss was
+    NaN or inf on any rank, naming the first such step and its rank; a pipeline stage without a
+    loss (None) says nothing."""
+    import math
+
+    import torch.distributed as dist
+
+    from paratune.failures import Diverged
+
+    first = next(((i, float(x)) for i, x in enumerate(losses) if x is not None and not math.isfinite(float(x))),
+                 None)
+    seen: list[Any] = [None] * world
+    dist.all_gather_object(seen, first)
+    bad = [(step, value, r) for r, found in enumerate(seen) if found is not None for step, value in [found]]
+    if bad:
+        step, value, where = min(bad)
+        raise Diverged(f"loss not finite from step {step} on rank {where} ({value}); {len(bad)} of {world} "
+                       "rank(s) saw a non-finite loss")
+
+
 def reduce_losses_and_times(losses: list[torch.Tensor | None], times: list[float],
                             device: torch.device) -> tuple[list[float], list[float]]:
     """One collective per quantity, after the timed loop: the mean loss over the ranks that
@@ -140,11 +161,11 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         return user_loop.run(plan, rank, world, device, stop_rule=stop_rule)
     from paratune.data import TokenBatches, step_loader
     from paratune.materialize import ConstructionMeter
-    from paratune.models import build_config
+    from paratune.models import build_config, model_init
     from paratune.parallel import build_runner
     from paratune.parallel.compile import eager_blocks, on_every_rank, watch_compiled
     from paratune.parallel.dims import ParallelDims
-    from paratune.parallel.float8 import quiet_torchao_import
+    from paratune.quiet import quiet_torchao_import
     from paratune.precision import LinearMatmulDtypes
 
     from paratune.placement import place_and_check
@@ -226,6 +247,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
 
     routing.counting = False
     window.close(ran)  # before any extra step below can raise the allocator's peak
+    check_finite(losses, rank, world, device)  # a plan whose loss blew up did not train: no figures
     del loader  # its workers end here (a trial stopped early leaves steps unread)
     if watch is not None:
         on_every_rank(watch.measured, device)
@@ -330,6 +352,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
     out["linear_matmul_dtypes"] = total
     inner = getattr(runner.optimizer, "optimizer", runner.optimizer)  # DeepSpeed wraps the real one
     out["optimizer_class"] = type(inner).__name__
+    out["model_init"] = model_init(plan.model)
     out["loss_form"] = runner.loss_form  # what ran (auto resolved), and why auto fell back (None: it did not)
     out["loss_form_fallback"] = runner.loss_fallback
     return out
@@ -364,11 +387,13 @@ def check_before_launch(plan: Plan | dict[str, Any], ray_address: str | None = N
             plan = load_plan_dict(plan)
         except PlanError as err:
             return TrialResult.failed(plan, "invalid_config", str(err))
+    from paratune.inputs import check_inputs
     from paratune.models import ModelError, build_config
     from paratune.preflight import check_plan_against_model
 
     try:
         with _MODEL_CHECK_LOCK:  # one thread at a time: see _MODEL_CHECK_LOCK
+            check_inputs(plan)  # model, data and tokenizer files, where the command runs
             model_config = build_config(plan.model, plan.model_overrides)
             check_plan_against_model(plan, model_config)  # the family's layout rules, on the meta device
             flops_tok = measure.model_flops_per_token(model_config, plan.seq_len)  # builds it on meta
@@ -546,6 +571,7 @@ def summarize(plan: Plan, out: dict[str, Any], flops_tok: float, wall_s: float |
         construction_peak_bytes=out.get("construction_peak_bytes", []),
         construction_method=out.get("construction_method"), construction_s=out.get("construction_s"),
         linear_matmul_dtypes=out.get("linear_matmul_dtypes", {}), optimizer_class=out.get("optimizer_class"),
+        model_init=out.get("model_init"),
         losses=out["losses"], step_times_s=step_times, launch_s=out.get("launch_s"), wall_s=wall_s,
         compile_s=out.get("compile_s"), compile_graphs=out.get("compile_graphs"),
         loss_form=out.get("loss_form"), loss_form_fallback=out.get("loss_form_fallback"),

@@ -30,37 +30,15 @@ layout. Three things paratune needs beyond torchao's own swap:
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
 from paratune.plan import Plan
+from paratune.quiet import quiet_torchao_import  # noqa: F401 (the workers' name for it)
 
 # CUDA's _scaled_mm: both matrix dimensions of each float8 operand must be multiples of 16.
 SCALED_MM_MULTIPLE = 16
 SKIPPED_ATTR = "paratune_float8_skipped"  # on the model: {linear's name: why it stayed in bf16}
-
-
-class _TorchaoImportNoise(logging.Filter):
-    """torchao's wheel ships C++ extensions built for other Pythons / torch builds: importing it
-    warns "Failed to load .../_C_*.so" once per library, and torch warns once per Enum torchao
-    registers as a pytree constant (deprecated in torch 2.13). torchao's float8 training is pure
-    Python (the kernels are torch's `_scaled_mm`), so those lines are noise in a trial's log."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not ((message.startswith("Failed to load") and "/_C" in message)
-                    or "is an Enum subclass and is now natively supported" in message)
-
-
-def quiet_torchao_import() -> None:
-    """Filter torchao's import noise from this process's log, before anything imports torchao
-    (transformers does, building any model, when torchao is installed). Idempotent."""
-    for name in ("torchao", "torch.utils._pytree"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _TorchaoImportNoise) for f in logger.filters):
-            logger.addFilter(_TorchaoImportNoise())
 
 
 def import_torchao_float8():

@@ -17,7 +17,7 @@ from paratune.progress import ProgressDisplay, SweepProgress, format_trial_line,
 from paratune.sweep.ledger import (Ledger, LedgerEntry, apply_budget, log_trial_or_say, observe_calibration,
                                    predicted_only)
 from paratune.sweep.searchers import TimePredictions
-from paratune.tables import env_label, strategy_label
+from paratune.tables import env_label, strategy_label, varying_env
 from paratune.results import TrialResult
 
 
@@ -52,6 +52,7 @@ class LedgerCallback(Callback):
         self.budget_gb, self.console, self.total = budget_gb, console, total
         self.progress = progress or SweepProgress(total)
         self.display = display
+        self.env_keys = varying_env(p.get("env") for p in plans.values())  # shared ones: said once, at the start
 
     def __getstate__(self) -> dict:
         # Tune pickles its callbacks with the experiment state; the live MLflow client and
@@ -77,7 +78,7 @@ class LedgerCallback(Callback):
             what = f"[red]{result.reason}[/red]: {escape(result.message or '')}"
         if "step_time_prediction_error" in predicted:
             what += f" (predicted {predicted['predicted_step_time_s']:.3g} s/step, {predicted['step_time_prediction_error']:+.0%})"
-        env = env_label(result.plan.get("env"))
+        env = env_label(result.plan.get("env"), self.env_keys)
         label = strategy_label(result.plan) + (f" {env}" if env else "")
         self.progress.finish(trial_id, label, result.tokens_per_s_per_gpu, result.ok)
         live = self.display is not None and self.display.is_live  # the live line shows the rest

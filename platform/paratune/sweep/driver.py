@@ -21,6 +21,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from paratune.failures import explain
 from paratune.plan import load_plan_dict
 from paratune.progress import ProgressDisplay, SweepProgress
 from paratune.space import Space
@@ -31,7 +32,7 @@ from paratune.sweep.ledger import Ledger, SweepError, candidate_key, observe_cal
 from paratune.sweep.searchers import (TimePredictions, all_points, calibrated_searcher,
                                       optuna_searcher)
 from paratune.sweep.stopping import SweepStopRule
-from paratune.tables import env_label, strategy_label
+from paratune.tables import env_label, shared_env, strategy_label
 from paratune.launch import ensure_ray
 
 
@@ -151,7 +152,14 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
         state = _start_parent(space, settings, tracker, digest)
     parent = state["parent_run_id"]
     space, calibration, fastest_first = _predict(space, settings.budget_gb, console)
+    if calibration is not None and state.get("device") != calibration.device.name:  # the report's compare.png
+        state["device"] = calibration.device.name  # finds the sweep's cluster by it (device x num_workers)
+        settings.state_path.write_text(json.dumps(state, indent=2))
     console.print(space.pruning_report())
+    shared = {**shared_env(c.plan.env for c in space.candidates),
+              **{k: str(v[0]) for k, v in space.env_choices.items() if len(set(map(str, v))) == 1}}
+    if shared:  # said once here; the trial lines show only the settings that differ
+        console.print(f"every plan runs with {escape(env_label(shared))}")
     done = len(ledger.search_entries())
     remaining = max(0, settings.trials - done)
     if done:
@@ -286,7 +294,7 @@ def _predict(space: Space, budget_gb: float | None, console: Console):
         calibration = Roofline(device, capacity)
         estimates = {c.key: calibration.predict(c.plan, settings.margin) for c in space.candidates}
     except Exception as err:  # noqa: BLE001 - the sweep still runs, unguided, and says so
-        console.print(f"[yellow]no predictions ({type(err).__name__}: {escape(str(err))[:300]}); "
+        console.print(f"[yellow]no predictions ({escape(explain(err))}); "
                       "every plan will be measured[/yellow]")
         return space, None, []
     # a plan within its memory band of the capacity (tight) is measured: the trial settles it
@@ -337,7 +345,7 @@ def _time_predictions(space: Space, plans: dict[str, dict], calibration, pool: s
             profiles.append(profile)
         return TimePredictions(StepTimeModel(profiles), plans, "profile"), time.perf_counter() - t0
     except Exception as err:  # noqa: BLE001 - the sweep still runs, on the roofline, and says so
-        console.print(f"[yellow]no profile ({type(err).__name__}: {escape(str(err))[:300]}); the calibrated search "
+        console.print(f"[yellow]no profile ({escape(explain(err))}); the calibrated search "
                       "orders plans by the roofline instead[/yellow]")
         if calibration is None:
             return None, time.perf_counter() - t0

@@ -18,7 +18,7 @@ from paratune.space import Space
 from paratune.sweep.ledger import (OBJECTIVE, Ledger, incumbent_of, objective_value, point_key, stop_rule_for,
                                    unscored)
 from paratune.sweep.stopping import SweepStopRule
-from paratune.tables import env_label, strategy_label
+from paratune.tables import env_label, strategy_label, varying_env
 from paratune.results import TrialResult
 
 
@@ -220,8 +220,10 @@ def calibrated_searcher(predictions: TimePredictions, ledger: Ledger, budget_gb:
 
     rule = rule or SweepStopRule()
 
+    shown = varying_env(p.env for p in predictions.plans.values())
+
     def label(key: str) -> str:
-        return strategy_label(predictions.plans[key].to_dict()) + env_suffix(predictions.plans[key])
+        return strategy_label(predictions.plans[key].to_dict()) + env_suffix(predictions.plans[key], shown)
 
     class CalibratedSearch(Searcher):
         def __init__(self) -> None:
@@ -270,6 +272,7 @@ def calibrated_searcher(predictions: TimePredictions, ledger: Ledger, budget_gb:
     return CalibratedSearch()
 
 
-def env_suffix(plan: Plan) -> str:
-    """' K=V ...' after a plan's label, or '' when it sets no env."""
-    return f" {env_label(plan.env)}" if plan.env else ""
+def env_suffix(plan: Plan, keys: set[str] | None = None) -> str:
+    """' K=V ...' after a plan's label (only `keys`, where given), or '' when there is none."""
+    env = env_label(plan.env, keys)
+    return f" {env}" if env else ""
