@@ -471,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", help="paratune home for traces and model configs (default: a fresh temporary "
                                         "folder: cold timings)")
     parser.add_argument("--no-write", action="store_true", help="print, do not write bench/results/published.*")
-    parser.add_argument("--out", default=str(RESULTS / "published"), help="results path without suffix")
+    parser.add_argument("--out", help="results path without suffix (default: bench/results/published, "
+                                      "published_alternate with --alternate)")
     parser.add_argument("--write-bands", action="store_true",
                         help=f"also write the bands paratune ships ({BANDS.relative_to(ROOT)}; whole corpus only)")
     args = parser.parse_args(argv)
@@ -506,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(cache, ignore_errors=True)
         return 0
     info = describe()
-    out = Path(args.out)
+    out = Path(args.out) if args.out else RESULTS / ("published_alternate" if args.alternate else "published")
     out.parent.mkdir(parents=True, exist_ok=True)
     text = markdown(rows, summaries, info, modes, args.alternate, wall, cold=not args.cache, bands=bands, loso=loso)
     out.with_suffix(".md").write_text(text + "\n")
