@@ -135,3 +135,27 @@ def test_prefetch_hides_fsdp2s_gathers_under_the_micro_batch_on_gpus_not_on_cpu(
     assert 0 < gpu < cpu
     assert dp_overlap_share(fsdp) == 1.0
     assert dp_overlap_share(fsdp.with_changes(strategy="ddp", fsdp=None)) == pytest.approx(2 / 3)
+
+
+def test_the_calibrated_model_counts_fsdp2s_copies_every_micro_batch_on_gpus():
+    """FSDP2's copy-out of each gather and copy-in to each reduce-scatter run on the compute
+    stream every micro-batch (paratune.efficiency.fsdp_copy_bytes): on a GPU profile an FSDP2
+    plan's compute exceeds DDP's at the same blocks by exactly those copies, per micro-batch; on
+    CPU workers (no HBM figure) and for DDP (its gradients are views of its buckets) none."""
+    from paratune.efficiency import fsdp_copy_seconds_per_micro_batch
+
+    def plan(strategy, micro_batch):
+        extra = {"fsdp": {"sharding": "full"}} if strategy == "fsdp" else {}
+        return load_plan_dict({"model": "small-llama", "seq_len": 128, "global_batch": 16, "num_workers": 2,
+                               "micro_batch": micro_batch, "strategy": strategy, "precision": "bf16",
+                               "device": "cuda", **extra}, source="test")
+
+    gpu = _cuda_profile()
+    for micro_batch in (2, 1):  # 4 then 8 micro-batches a step
+        fsdp, ddp = plan("fsdp", micro_batch), plan("ddp", micro_batch)
+        copies = fsdp_copy_seconds_per_micro_batch(fsdp, gpu.device_name)
+        assert copies > 0 and fsdp_copy_seconds_per_micro_batch(ddp, gpu.device_name) == 0.0
+        assert compose(fsdp, gpu)["compute"] - compose(ddp, gpu)["compute"] == pytest.approx(
+            copies * fsdp.grad_accum, rel=1e-9)
+    cpu = make_profile()
+    assert compose(plan("fsdp", 2), cpu)["compute"] == compose(plan("ddp", 2), cpu)["compute"]

@@ -318,6 +318,19 @@ def fsdp_copy_seconds(plan: Plan, device: Device, shape: ModelShape | None = Non
     return plan.grad_accum * fsdp_copy_bytes(plan, shape) / (hbm_gbps(device) * 1e9 * SUSTAINED_HBM)
 
 
+def fsdp_copy_seconds_per_micro_batch(plan: Plan, device_name: str, shape: ModelShape | None = None) -> float:
+    """FSDP2's copies of one micro-batch on a GPU known by its torch name (a profile's
+    `device_name`, for paratune.timemodel.compose): `fsdp_copy_bytes` at its model's HBM bandwidth
+    (HBM_GBPS, SUSTAINED_HBM of it); 0 on a CPU, a GPU the table does not know, or a non-bf16 plan."""
+    from paratune.devices import gpu_model
+
+    model = gpu_model(device_name)
+    gbps = HBM_GBPS.get(model.key) if model else None
+    if not gbps or plan.precision != "bf16":
+        return 0.0
+    return fsdp_copy_bytes(plan, shape or model_shape(plan)) / (gbps * 1e9 * SUSTAINED_HBM)
+
+
 def fsdp_copy_bytes(plan: Plan, shape: ModelShape) -> float:
     """HBM bytes FSDP2 moves per micro-batch around its collectives on a sharded plan: every
     gather's copy-out of the rank's (tp/pp-sliced) parameters, and their gradients' copy-in to
