@@ -18,6 +18,7 @@ import torch
 
 from paratune.checkpoints import build_model_with_weights
 from paratune.data import TokenBatches
+from paratune.config_sizes import config_sizes
 from paratune.models import build_config, ffn_width_key, load_config_dict, parameter_counts
 from paratune.parallel.runner import StepRunner, apply_activation_checkpointing, make_optimizer
 from paratune.plan import Plan, load_plan_dict
@@ -163,9 +164,8 @@ def proxy_shape(plan: Plan) -> dict[str, Any]:
     many layers as pipeline stages, hidden = heads x a small head dim.
     """
     config = load_config_dict(plan.model, plan.model_overrides)
-    heads = int(config.get("num_attention_heads") or 1)
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    layers = int(config.get("num_hidden_layers") or 1)
+    sizes = config_sizes(config)
+    heads, kv_heads, layers = sizes.heads, sizes.kv_heads, sizes.layers
     tp = plan.tp
     grouped = heads > kv_heads
     # kv_heads is a multiple of tp (the plan is valid) and so is the rounded bound: so is their minimum.
@@ -175,7 +175,7 @@ def proxy_shape(plan: Plan) -> dict[str, Any]:
     stages = plan.pp * (2 if plan.pp_schedule == "interleaved_1f1b" else 1)
     proxy_layers = max(2, stages)
     # Tokens from a tokenizer can be any id of the model's vocab (already divisible by tp).
-    vocab = int(config["vocab_size"]) if plan.data.tokenizer is not None else _round_up(PROXY_VOCAB, tp)
+    vocab = sizes.vocab if plan.data.tokenizer is not None else _round_up(PROXY_VOCAB, tp)
     shape: dict[str, Any] = {"num_hidden_layers": proxy_layers, "hidden_size": hidden,
                              ffn_width_key(config): 2 * hidden, "num_attention_heads": proxy_heads,
                              "vocab_size": vocab}

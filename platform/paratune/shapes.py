@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 
+from paratune.config_sizes import config_sizes
 from paratune.plan import Plan
 
 GiB = 2**30
@@ -108,15 +109,15 @@ def _shape_from_key(key: str) -> ModelShape:
     from paratune.models import config_from_key, parameter_counts, parameter_layout
 
     config = config_from_key(key)
-    layout, heads = parameter_layout(config), config.num_attention_heads
+    layout, sizes = parameter_layout(config), config_sizes(config)
     tensors = _tensor_layout(key)
     return ModelShape(
         total=layout["total"], embedding=layout["embedding"], head=layout["head"], layer=layout["layer"],
         rest=layout["total"] - layout["embedding"] - layout["head"] - layout["layer"] * layout["layers"],
-        layers=layout["layers"], hidden=config.hidden_size, vocab=config.vocab_size, heads=heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        layers=layout["layers"], hidden=sizes.hidden, vocab=sizes.vocab, heads=sizes.heads,
+        head_dim=sizes.head_dim,
         compute=parameter_counts(config)["compute"], largest_leaf=tensors["largest_leaf"],
-        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        kv_heads=sizes.kv_heads,
         largest_layer=layout.get("largest_layer", layout["layer"]), persistent=tensors["persistent"],
         gathered_embedding=tensors["gathered_embedding"], gathered_head=tensors["gathered_head"],
         gathered_layer=tensors["gathered_layer"], gathered_blocks=tensors["gathered_blocks"],
