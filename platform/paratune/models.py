@@ -20,8 +20,9 @@ class ModelError(ValueError):
     """A model spec that cannot be built (unknown preset, bad path, not a causal decoder)."""
 
 
-# Files in presets/ that are not model configs (the device table lives beside the models).
-NOT_MODELS = {"devices"}
+# Files in presets/ that are not model configs (the device table and the prediction bands,
+# paratune.bands, live beside the models).
+NOT_MODELS = {"devices", "prediction_bands"}
 
 
 def preset_names() -> list[str]:
