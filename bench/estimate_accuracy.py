@@ -152,7 +152,7 @@ def sequential(profiles, measured: list[tuple[object, float]]) -> dict[int, dict
 
 def load_grid(ledger: Path) -> list[dict]:
     """The finished trials of a sweep ledger: plan, measured median step time, spread."""
-    from paratune.sweep import Ledger
+    from paratune.sweep.ledger import Ledger
 
     return [{"plan": e.result.plan, "measured_step_s": float(e.result.step_time_median_s),
              "spread": e.result.step_time_spread}

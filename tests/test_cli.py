@@ -129,7 +129,7 @@ def test_report_rewrites_a_sweeps_report_and_logs_it_to_its_parent_run(tmp_path,
     import json
 
     from paratune.plan import load_plan_dict
-    from paratune.sweep import Ledger, LedgerEntry
+    from paratune.sweep.ledger import Ledger, LedgerEntry
     from paratune.tracking import SweepTracker
     from paratune.trial import TrialResult
 

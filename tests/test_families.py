@@ -28,7 +28,8 @@ from paratune.trial import run_trial
 
 FAMILIES = ["tiny-llama3", "tiny-qwen2.5", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-phi3", "tiny-gptneox",
             "tiny-opt"]
-NO_TP_PLAN = {"tiny-opt"}  # transformers has no base_model_tp_plan for OPT: tp is refused (REFUSALS)
+# transformers ships no base_model_tp_plan for OPT: its tp2 case runs the plan paratune derives from
+# its blocks (paratune.parallel.tp_derive: gathered q/k/v/out_proj, fc1/fc2 column/row-wise)
 # Gemma-2 at lr 1e-2 is chaotic at the 1e-5 level even on one process: scaling its reference
 # weights by (1 + 1e-7 noise) moves step-3 loss by 9.5e-6 (Llama-3: 4.8e-7), so tp2's different
 # reduction order measured 1.5e-5 there with first-step gradients equal to 6e-7 relative. At lr
@@ -51,7 +52,7 @@ EXTRA = {  # what preflight allows beyond the four: sequence parallelism and pip
     ("tiny-qwen3", "pp2-untied"): {"pp": 2, **UNTIED},
     ("tiny-gptneox", "pp2"): {"pp": 2},
 }
-CASES = {(f, s): c for f in FAMILIES for s, c in STRATEGIES.items() if not (s == "tp2" and f in NO_TP_PLAN)} | EXTRA
+CASES = {(f, s): c for f in FAMILIES for s, c in STRATEGIES.items()} | EXTRA
 
 
 def _plan(family: str, case: dict):
@@ -222,7 +223,6 @@ REFUSALS = {
     "opt-pp": ("tiny-opt", r"pp: 2 with model_type 'opt': OPTDecoder adds embed_positions to the token embedding "
                            r"before the first block \(learned positions\), which pipeline stages do not apply",
                {"pp": 2, **UNTIED}),
-    "opt-tp": ("tiny-opt", r"tp: 2 with model_type 'opt', which has no tensor-parallel plan in transformers", {"tp": 2}),
 }
 
 
@@ -245,10 +245,57 @@ def test_tp_refuses_packed_expert_layouts(tmp_path):
                       r"with 'packed_colwise'", tp=2)
 
 
-def test_tp_refuses_a_family_without_a_plan(tmp_path):
+def test_a_family_without_a_shipped_plan_gets_one_derived_from_its_blocks(tmp_path):
+    """StableLM ships no TP plan: q/k/v gathered, o_proj split from a whole input, gate/up
+    column-wise and down row-wise kept sharded between them, as Llama's shipped plan shards them;
+    the preflight accepts it with its dimensions checked."""
+    from paratune.parallel.tp_derive import family_tp_plan
+
     stablelm = _config_dir(tmp_path, model_type="stablelm", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=4, vocab_size=512)
-    _refused(stablelm, r"tp: 2 with model_type 'stablelm', which has no tensor-parallel plan in transformers", tp=2)
+    plan = load_plan_dict({**BASE_PLAN, "model": stablelm, "tp": 2})
+    check_plan_against_model(plan)
+    derived, source = family_tp_plan(build_meta(build_config(plan.model, plan.model_overrides)))
+    assert source == "derived"
+    assert derived == {"layers.*.self_attn.q_proj": "colwise_gather_output",
+                       "layers.*.self_attn.k_proj": "colwise_gather_output",
+                       "layers.*.self_attn.v_proj": "colwise_gather_output",
+                       "layers.*.self_attn.o_proj": "rowwise_split_input",
+                       "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
+                       "layers.*.mlp.down_proj": "rowwise"}
+    _refused(stablelm, r"sequence_parallel: true with model_type 'stablelm', whose tp plan paratune derives", tp=2,
+             sequence_parallel=True)
+
+
+@pytest.mark.parametrize("model_type,fused", [("bloom", "self_attention.query_key_value"), ("gpt_bigcode", "attn.c_attn"),
+                                              ("falcon", "self_attention.query_key_value")])
+def test_fused_qkv_projections_are_gathered_whatever_their_head_layout(tmp_path, model_type, fused):
+    from family_zoo import write_config
+
+    from paratune.parallel.tp_derive import family_tp_plan
+
+    model = build_meta(build_config(str(write_config(model_type, tmp_path)), {}))
+    derived, source = family_tp_plan(model)
+    assert source == "derived"
+    assert derived[f"h.*.{fused}"] == "colwise_gather_output"
+
+
+def test_a_plan_cannot_be_derived_for_conv1d_projections_or_hybrid_layers(tmp_path):
+    from family_zoo import write_config
+
+    gpt2 = str(write_config("gpt2", tmp_path / "gpt2"))
+    _refused(gpt2, r"tp: 2 with model_type 'gpt2', which has no tensor-parallel plan in transformers "
+                   r"\(base_model_tp_plan\), and none can be derived from its blocks: GPT2Block.attn holds no nn.Linear "
+                   r"\(its modules: Conv1D, Dropout\); allowed: tp 1", tp=2)
+    from paratune.parallel.tp_derive import derived_tp_plan
+
+    path = write_config("qwen3_5_moe", tmp_path / "q")  # 3 linear-attention layers, then full attention
+    config = json.loads(path.read_text())
+    config["text_config"].update(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"])
+    path.write_text(json.dumps(config))
+    model = build_meta(build_config(str(path), {}))
+    with pytest.raises(ValueError, match=r"hybrid layers: block \d+ \(\w+\) (differs from|is not) block 0"):
+        derived_tp_plan(model)
 
 
 def test_data_parallel_plans_need_no_model_check():

@@ -54,7 +54,7 @@ def test_selective_trace_is_what_a_real_micro_batch_holds_and_lies_between_none_
 
 
 def test_checkpointing_savings_match_the_cpu_probes_memtracker():
-    """bench/results/levers_cpu_probe.md (bench/probes/levers/sac_check.py): a Llama of hidden 256,
+    """bench/results/levers_cpu_probe.md (its script, bench/probes/levers/sac_check.py, is in git at df094a6): a Llama of hidden 256,
     4 layers, 4 x 256 tokens, fp32, one process, PyTorch's MemTracker peak per mode: none 157.6,
     selective 124.1, every 2nd block 118.1 MiB. What each mode saves against none, predicted:
     the same to 0.1 MiB (the totals differ by DDP's buckets, which the probe did not have)."""

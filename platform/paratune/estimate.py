@@ -574,4 +574,3 @@ class Roofline:
         return out
 
 
-Calibration = Roofline  # the old name (a public import: paratune.estimate.Calibration)

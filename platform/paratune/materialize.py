@@ -56,7 +56,7 @@ def constructor_values(module: nn.Module, slots: list[str], owner: str, config=N
     from uninitialized memory."""
     import inspect
 
-    from paratune.models import ModelError
+    from paratune.model_error import ModelError
 
     accepts = inspect.signature(type(module).__init__).parameters
     kwargs = {k: v for k, v in (("config", config), ("dtype", dtype)) if k in accepts and v is not None}

@@ -13,11 +13,9 @@ if TYPE_CHECKING:  # torch is imported where a model is built: reading configs (
     import torch
     from torch import nn
 
+from paratune.model_error import ModelError
+
 PRESET_DIR = Path(__file__).parent / "presets"
-
-
-class ModelError(ValueError):
-    """A model spec that cannot be built (unknown preset, bad path, not a causal decoder)."""
 
 
 # Files in presets/ that are not model configs (the device table and the prediction bands,

@@ -420,7 +420,7 @@ def check_before_launch(plan: Plan | dict[str, Any], ray_address: str | None = N
         ensure_ray(ray_address)
         if wants_gpu(plan):
             return plan, flops_tok
-        from paratune.plan import CP_CPU_REASON
+        from paratune.degrees import CP_CPU_REASON
 
         return TrialResult.failed(plan, "invalid_config", f"cp: {plan.cp} on CPU workers: {CP_CPU_REASON}; "
                                   "allowed: cp 1 on CPU")

@@ -39,7 +39,8 @@ from torch import nn
 
 from paratune.config_sizes import config_sizes
 from paratune.parallel.runner import StepRunner
-from paratune.plan import CP_CPU_REASON, Plan
+from paratune.degrees import CP_CPU_REASON
+from paratune.plan import Plan
 
 IGNORE_INDEX = -100
 # "alltoall" passes each rank's key/value chunk to its neighbour step by step (memory of one chunk);

@@ -1,6 +1,7 @@
 """Tensor parallelism with DTensor, from the model family's own TP plan in transformers.
 
-Each block follows the config's `base_model_tp_plan`, with transformers' meaning of each style
+Each block follows the config's `base_model_tp_plan` (where transformers ships none, the plan
+paratune.parallel.tp_derive derives from the blocks' linears, in the same style names), with transformers' meaning of each style
 (transformers/distributed/tensor_parallel.py): `colwise` shards a linear's outputs and keeps the
 output sharded (q/k/v, gate/up), `rowwise` shards its inputs and all-reduces the output (o,
 down); `colwise_gather_output` / `rowwise_split_input` are the same shardings with the output
@@ -107,11 +108,14 @@ def block_prefix(model: nn.Module) -> str:
 
 
 def block_plan(model: nn.Module, sequence_parallel: bool, expert_parallel: bool = False) -> dict:
-    """Per-block plan from transformers' `base_model_tp_plan` (the blocks' prefix stripped).
+    """Per-block plan from transformers' `base_model_tp_plan`, or the one paratune derives where the
+    family has none (paratune.parallel.tp_derive), the blocks' prefix stripped.
     `expert_parallel`: the routed experts are expert parallelism's (paratune.parallel.ep), not tp's."""
     from paratune.parallel.ep import expert_module_patterns, under_experts
 
-    hf_plan = getattr(model.config, "base_model_tp_plan", None) or {}
+    from paratune.parallel.tp_derive import family_tp_plan
+
+    hf_plan, _ = family_tp_plan(model)
     prefix = block_prefix(model)
     experts = expert_module_patterns(model.config) if expert_parallel else []
     plan: dict = {}

@@ -45,7 +45,6 @@ class SweepOutcome:
     report_path: Path | None = None  # report/report.html (paratune.sweep.page), when it could be written
 
 
-SweepReport = SweepOutcome  # the old name (paratune.sweep.SweepReport), kept for users' imports
 
 
 def finish_sweep(space: Space, outcome: SweepOutcome, ledger: Ledger, tracker, budget_gb: float | None,
@@ -185,4 +184,3 @@ def write_page(sweep_dir: Path, tracker, parent_run_id: str | None, console: Con
     return path
 
 
-write_report = write_page  # the old name (paratune.sweep.write_report), kept for users' imports
