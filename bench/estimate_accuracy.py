@@ -299,7 +299,8 @@ def write(machine: dict, rows: list[dict], profiles_json: list[dict], grid_saved
           console: Console, conditions: str | None = None, memory: dict | None = None) -> None:
     from estimate_report import TARGET, _plot  # noqa: E402  (the memory side, unchanged)
 
-    from paratune.estimate import estimate_memory, get_device
+    from paratune.devices import get_device
+    from paratune.estimate import estimate_memory
     from paratune.profile import Profile
 
     profiles = [Profile.model_validate(p) for p in profiles_json]

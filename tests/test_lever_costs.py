@@ -12,7 +12,8 @@ import pytest
 
 from paratune.activations import _trace_micro_batch, _traced_coefficients, _with_vocab, activation_coefficients
 from paratune.devices import GPU_FP8_TFLOPS, get_device, gpu_model, has_fp8
-from paratune.estimate import compute_seconds, estimate, float8_flops_share, recompute_share
+from paratune.efficiency import float8_flops_share, recompute_share
+from paratune.estimate import compute_seconds, estimate
 from paratune.memory import estimate_memory, memory_moments
 from paratune.models import build_config, config_from_key, config_key
 from paratune.plan import load_plan_dict

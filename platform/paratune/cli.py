@@ -402,7 +402,7 @@ def _print_levers(estimates, device, console: Console, top: int) -> None:
     from rich.table import Table
 
     from paratune.activations import vocab_held
-    from paratune.estimate import float8_flops_share, recompute_share
+    from paratune.efficiency import float8_flops_share, recompute_share
     from paratune.levers import loss_form
     from paratune.shapes import float8_cast_bytes, model_shape
     from paratune.tables import strategy_label

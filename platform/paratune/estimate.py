@@ -30,15 +30,14 @@ from typing import Literal
 
 from paratune.adapters import adapted_params
 from paratune.activations import ActivationModel
-from paratune.bands import PredictionBand, memory_verdict, prediction_band  # noqa: F401 - prediction_band: public here
+from paratune.bands import PredictionBand, memory_verdict, prediction_band
 from paratune.devices import Device
-from paratune.efficiency import (  # noqa: F401 - recompute_share, float8_flops_share: public here as before
+from paratune.efficiency import (
     DEFAULT_COMPUTE_EFFICIENCY,
     compute_parts,
     float8_flops_share,
     fsdp_copy_seconds,
     has_kernel_rates,
-    recompute_share,
     step_flops,
 )
 from paratune.memory import MemoryEstimate, construction_bytes, estimate_memory
@@ -46,45 +45,11 @@ from paratune.moe_costs import (
     DEFAULT_IMBALANCE,
     all_to_all_bytes,
     all_to_all_crosses_nodes,
-    expert_flops_share,
     expert_layout,
     held_with_experts,
 )
 from paratune.plan import Plan
-from paratune.shapes import BYTES, GiB, model_shape, offload_bytes, replicas
-
-# The cost model's public names, importable from here as before the split (paratune.devices,
-# .shapes, .activations, .memory hold them; paratune's own modules import them from there).
-from paratune.activations import (  # noqa: E402, F401
-    PHASES,
-    TRACE_STORE_DIR,
-    ActivationCoefficients,
-    PhaseBytes,
-    activation_coefficients,
-)
-from paratune.devices import (  # noqa: E402, F401
-    DEVICE_FIELDS,
-    RAY_ACCELERATOR_TYPES,
-    device_for_cluster,
-    device_from_probe,
-    devices_for_accelerator_type,
-    get_device,
-    load_devices,
-    probe_gpu,
-)
-from paratune.memory import (  # noqa: E402, F401
-    PHASE_WHEN,
-    ZERO3_MAX_LIVE_PARAMETERS,
-    ModelStates,
-    activation_bytes,
-    memory_moments,
-    model_states,
-)
-from paratune.shapes import (  # noqa: E402, F401
-    ZERO3_PERSISTENCE_THRESHOLD,
-    ModelShape,
-    compute_precision,
-)
+from paratune.shapes import BYTES, GiB, ModelShape, model_shape, offload_bytes, replicas
 
 
 def checked_imbalance(routing_balance: float | None) -> float:
