@@ -54,10 +54,15 @@ def _bloom(tmp_path, heads: int) -> str:
     return str(path)
 
 
-def test_tp_degrees_are_checked_against_the_aliased_head_count(tmp_path):
-    """Bloom's config.json says n_head: tp 2 divides its 4 heads (once refused as '1 head'), tp 3
-    does not, and the refusal names the 4 heads."""
-    model = _bloom(tmp_path, 4)
-    assert load_plan_dict({**BASE_PLAN, "model": model, "tp": 2}).tp == 2
-    with pytest.raises(PlanError, match=r"tp: 3 must divide attention heads \(4\)"):
-        load_plan_dict({**BASE_PLAN, "model": model, "num_workers": 3, "global_batch": 6, "micro_batch": 2, "tp": 3})
+def test_tp_degrees_read_the_aliased_and_the_default_head_counts(tmp_path):
+    """Bloom's config.json says n_head: tp 2 is accepted (once refused as '1 head'); its plan is
+    derived (transformers ships none), which gathers the attention, so its heads need not divide tp.
+    Mistral's config.json without num_key_value_heads has the class's 8: tp 16 is refused naming
+    them (the raw dict read 32, one per head, and let it through)."""
+    assert load_plan_dict({**BASE_PLAN, "model": _bloom(tmp_path, 4), "tp": 2}).tp == 2
+    mistral = tmp_path / "mistral.json"
+    mistral.write_text(json.dumps({"model_type": "mistral", "hidden_size": 256, "num_attention_heads": 32,
+                                   "intermediate_size": 512, "num_hidden_layers": 2, "vocab_size": 512}))
+    with pytest.raises(PlanError, match=r"tp: 16 must divide attention heads \(32\) and KV heads \(8\)"):
+        load_plan_dict({**BASE_PLAN, "model": str(mistral), "num_workers": 16, "global_batch": 16, "micro_batch": 1,
+                        "tp": 16})

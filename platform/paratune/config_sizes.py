@@ -31,6 +31,10 @@ class ConfigSizes:
     head_dim: int
     max_positions: int | None
     experts: int | None  # routed experts; None for a dense model (or one keeping them under another name)
+    # transformers ships a TP plan for the family (base_model_tp_plan): tp splits its heads. Without
+    # one paratune derives a plan that gathers the attention's projections (parallel/tp_derive.py):
+    # the heads need not divide by tp there.
+    tp_plan_shipped: bool = True
 
 
 # Keys where families keep their number of routed experts (Mixtral num_local_experts, Qwen-MoE /
@@ -75,7 +79,8 @@ def _read(text: Any, data: dict[str, Any]) -> ConfigSizes:
                       head_dim=int(read("head_dim", hidden // heads if heads else 0)),
                       max_positions=read("max_position_embeddings", None),
                       experts=next((int(v) for v in (read(k, None) for k in EXPERT_COUNT_KEYS)
-                                    if isinstance(v, int) and not isinstance(v, bool) and v >= 2), None))
+                                    if isinstance(v, int) and not isinstance(v, bool) and v >= 2), None),
+                      tp_plan_shipped=text is None or bool(getattr(text, "base_model_tp_plan", None)))
 
 
 def _kv_heads(read, heads: int) -> int:

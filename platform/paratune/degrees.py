@@ -60,7 +60,7 @@ def check_degrees(plan: Any) -> None:
     if config is None:
         return
     heads, kv_heads, layers = config.heads, config.kv_heads, config.layers
-    if tp > 1 and (heads % tp or kv_heads % tp):
+    if tp > 1 and config.tp_plan_shipped and (heads % tp or kv_heads % tp):
         raise ValueError(f"tp: {tp} must divide attention heads ({heads}) and KV heads ({kv_heads}); allowed: "
                          f"{[d for d in range(1, kv_heads + 1) if heads % d == 0 and kv_heads % d == 0]}")
     if tp > 1 and config.vocab % tp:

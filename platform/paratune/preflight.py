@@ -172,7 +172,7 @@ def _is_module(root: nn.Module, path: str, module: nn.Module) -> bool:
 
 def _check_tp(plan: Plan, config, model: nn.Module) -> None:
     from paratune.models import decoder_blocks
-    from paratune.parallel.tp import LINEAR_STYLES, SUPPORTED_STYLES
+    from paratune.parallel.tp import LINEAR_STYLES, SUPPORTED_STYLES, block_prefix
     from paratune.parallel.tp_derive import family_tp_plan
 
     tp = plan.tp
@@ -198,7 +198,7 @@ def _check_tp(plan: Plan, config, model: nn.Module) -> None:
                         "modules only, and DDP's first broadcast fails on the mix of Tensor and DTensor; allowed: "
                         "strategy 'fsdp' (FSDP2 x TP keeps the tie), or ddp with dp 1")
     blocks = decoder_blocks(model)
-    prefix = f"{parts.stack_path}.*."
+    prefix = block_prefix(model, hf_plan)
     from paratune.parallel.ep import expert_module_patterns, under_experts
 
     experts = expert_module_patterns(config) if getattr(plan, "ep", 1) > 1 else []  # ep's, not tp's
@@ -224,7 +224,9 @@ def _check_tp(plan: Plan, config, model: nn.Module) -> None:
                 module = block.get_submodule(name)
             except AttributeError:
                 kinds = sorted({type(b).__name__ for b in blocks})
-                hybrid = f" (hybrid layers: {', '.join(kinds)})" if len(kinds) > 1 else ""
+                types = sorted(set(getattr(config.get_text_config(), "layer_types", None) or []))
+                hybrid = (f" (hybrid layers: {', '.join(kinds)})" if len(kinds) > 1 else
+                          f" (hybrid layers: layer_types {', '.join(types)})" if len(types) > 1 else "")
                 raise PlanError(f"tp: {tp} with {_family(config)}: transformers' plan names {pattern} ('{style}'), "
                                 f"which block {index} ({type(block).__name__}) does not have{hybrid}; allowed: tp 1") from None
             _check_module(plan, config, pattern, style, module, LINEAR_STYLES)
