@@ -81,9 +81,15 @@ def test_family_loss_parity(matrix, family, strategy):
     reference = reference_for(plan)  # one per family (and per untied variant): layouts share it
     assert len(out["losses"]) == plan.total_steps
     assert max_loss_difference(out["losses"], reference) < 1e-5, (out["losses"], reference)
+    if strategy == "ddp":  # the same model on the same batch before any update: one forward path (issue 41's Apertus)
+        assert abs(out["losses"][0] - reference[0]) <= 1e-6, (out["losses"][0], reference[0])
     if plan.tp > 1 or plan.pp > 1 or strategy in ("fsdp", "zero3"):  # each rank holds only its part
-        total = parameter_counts(build_config(plan.model, plan.model_overrides))["total"]
-        assert max(out["local_parameter_counts"]) < 0.75 * total
+        config = build_config(plan.model, plan.model_overrides)
+        total = parameter_counts(config)["total"]
+        # OPT's learned positions (max positions + 2 offset rows x hidden: half of tiny-opt) stay whole
+        # on every tp rank, as under transformers' own plans; the rest is split
+        whole = (config.max_position_embeddings + 2) * config.hidden_size if plan.tp > 1 and family == "tiny-opt" else 0
+        assert max(out["local_parameter_counts"]) < whole + 0.75 * (total - whole)
 
 
 # ---- the fixtures keep their family's traits (what the matrix is meant to exercise) ------------

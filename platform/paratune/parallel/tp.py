@@ -24,6 +24,8 @@ blocks.
 
 from __future__ import annotations
 
+from fnmatch import fnmatch
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -39,6 +41,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from paratune.models import decoder_blocks, decoder_parts
 from paratune.parallel.loss import recorded_loss_form
+from paratune.parallel.tp_derive import family_tp_plan
 
 # The transformers styles implemented here (name -> what it does). paratune.preflight refuses a
 # plan whose family uses any other style, before a worker starts.
@@ -120,8 +123,6 @@ def block_plan(model: nn.Module, sequence_parallel: bool, expert_parallel: bool 
     `expert_parallel`: the routed experts are expert parallelism's (paratune.parallel.ep), not tp's."""
     from paratune.parallel.ep import expert_module_patterns, under_experts
 
-    from paratune.parallel.tp_derive import family_tp_plan
-
     hf_plan, _ = family_tp_plan(model)
     prefix = block_prefix(model, hf_plan)
     experts = expert_module_patterns(model.config) if expert_parallel else []
@@ -145,8 +146,6 @@ def linear_splits(model: nn.Module, expert_parallel: bool = False) -> dict[int, 
     """Which dimension tp splits of each block linear (by module id): "out" for a column-parallel
     one (its out_features / tp on each rank), "in" for a row-parallel one (in_features / tp): what
     a rank's matmuls see after `apply_tp`, from the same per-block plan."""
-    from fnmatch import fnmatch
-
     plan = block_plan(model, sequence_parallel=False, expert_parallel=expert_parallel)
     splits: dict[int, str] = {}
     for block in decoder_blocks(model):
@@ -220,11 +219,14 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False, expert_
 
 
 def _owned_output(module: nn.Module, args, output):
-    """The sharded embedding's output as a tensor of its own: RowwiseParallel hands back a view made
+    """A row-parallel module's output as a tensor of its own: RowwiseParallel hands back a view made
     inside _ToTorchTensor (an AsyncCollectiveTensor when the redistribution is async), and a family
-    that scales its embeddings in place (CTRL: `inputs_embeds *= sqrt(d_model)`) is refused by
+    that changes it in place (CTRL scales its embeddings: `inputs_embeds *= sqrt(d_model)`; Falcon
+    adds the attention's output to the MLP's: `mlp_output += attention_output`) is refused by
     autograd on such a view; a compiled first block needs the wait resolved too
-    (paratune.parallel.compile). One copy of batch x sequence x hidden a micro-batch."""
+    (paratune.parallel.compile). One copy of batch x sequence x hidden a micro-batch: on the
+    embedding under every plan, on the row-parallel projections under a derived plan (the shipped
+    plans' families add out of place)."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     if isinstance(output, torch.Tensor) and (isinstance(output, AsyncCollectiveTensor) or output._is_view()):
@@ -253,8 +255,13 @@ def _apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, expert_paralle
     if tied:  # both are sharded over the vocabulary (Shard(0)): one parameter again, as in the reference
         head.weight = embedding.weight
     plan = block_plan(model, sequence_parallel, expert_parallel)
+    derived = family_tp_plan(model)[1] == "derived"
     for block in decoder_blocks(model):
         parallelize_module(block, tp_mesh, adapted_plan(block, plan, sequence_parallel))
+        if derived:  # families without a shipped plan may add to a projection's output in place (Falcon)
+            for name, module in block.named_modules():
+                if any(fnmatch(name, key) and isinstance(style, RowwiseParallel) for key, style in plan.items()):
+                    module.register_forward_hook(_owned_output)
 
 
 def _norm_groups(grad: torch.Tensor, p: torch.Tensor, tp_group, ep_group) -> tuple | None:
