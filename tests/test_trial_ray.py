@@ -119,3 +119,23 @@ def test_a_loss_that_overflows_fails_the_trial_as_diverged(ray_local):
     assert "loss not finite from step 1 on rank 0 (nan); 2 of 2 rank(s)" in result.message
     assert classify(RuntimeError(result.message))[0] == "diverged"  # also when only the text survives
     _resources_released()
+
+
+def test_parity_of_a_model_with_dropout_runs_both_sides_without_it(ray_local, tmp_path):
+    """GPT-BigCode ships dropout 0.1 (resid/embd/attn): its measured trial draws masks no reference
+    repeats, so parity re-runs the plan and the reference with every dropout off, and says so
+    (parity_mode deterministic, what it switched off); the trial it was given keeps its own
+    losses, drawn with dropout on."""
+    from family_zoo import write_config
+
+    from paratune.parity import winner_parity
+
+    plan = load_plan_dict({**BASE_PLAN, "model": str(write_config("gpt_bigcode", tmp_path)), "measure_steps": 2})
+    measured = run_trial(plan)
+    assert measured.status == "ok", measured.message
+    parity = winner_parity(plan, measured)
+    assert parity.passed, parity.reason
+    assert parity.mode == "deterministic" and parity.switched_off == {"resid_pdrop": 0.1, "embd_pdrop": 0.1,
+                                                                      "attn_pdrop": 0.1}
+    assert parity.losses != list(measured.losses)  # the check's own run, not the dropout-drawing one
+    assert parity.to_record("a", "k")["parity_mode"] == "deterministic"
