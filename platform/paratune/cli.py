@@ -14,6 +14,15 @@ from rich.markup import escape
 from paratune.plan import PlanError, load_plan
 
 
+def _say_ray_fallbacks(console: Console) -> None:
+    """What the installed Ray lacks and what paratune does instead (paratune.launch.RayFeatures), once."""
+    from paratune.launch import ray_features
+
+    features = ray_features()
+    for line in features.lost():
+        console.print(f"[dim]ray {features.version}: {escape(line)}[/dim]", soft_wrap=True)
+
+
 def _cmd_trial(args: argparse.Namespace, console: Console) -> int:
     """Run plans one after another. No plan or model, however broken, ends the command: a bad one
     is a failed row with its reason, and the results so far are written after every plan."""
@@ -32,6 +41,7 @@ def _cmd_trial(args: argparse.Namespace, console: Console) -> int:
                 [{"name": n, "parity_max_abs_diff": d, "parity_passed": passed.get(i), **r.model_dump()}
                  for i, (n, r, d) in enumerate(rows)], indent=2))
 
+    _say_ray_fallbacks(console)
     for i, path in enumerate(args.plans, 1):
         name = Path(path).stem
         try:
@@ -103,6 +113,7 @@ def _cmd_tune(args: argparse.Namespace, console: Console) -> int:
         search = search or ("grid" if space.spec.search.algorithm == "calibrated" else None)
     from paratune.launch import paratune_home
 
+    _say_ray_fallbacks(console)
     out = Path(args.out) if args.out else paratune_home() / space.spec.name
     try:
         outcome = run_sweep(space, out, trials=args.trials, algorithm=search, seed=args.seed,
@@ -173,6 +184,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
         return 2
     if args.workers:
         plan = plan.with_changes(num_workers=args.workers)
+    _say_ray_fallbacks(console)
     result = run_training(plan, steps=args.steps, checkpoint_every=args.checkpoint_every,
                           max_failures=args.max_failures, name=args.name, tracking_uri=args.tracking_uri,
                           storage_path=args.storage, hf_out=args.hf_out)
