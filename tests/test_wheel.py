@@ -8,7 +8,7 @@ refused naming `paratune[deepspeed]`. Ray is constraints.txt's (the newest suppo
 supported Ray runs the same install, a trial and a two-trial sweep in `.ci/run` (.ci/oldest_ray.sh).
 
 The environment: uv (pinned in constraints.txt, in the dev venv), torch as the dev venv's build found
-through the machine's pip find-links (PIP_FIND_LINKS; constraints.txt's note: a bare torch pin could
+through the machine's pip find-links (PIP_FIND_LINKS, else pip's config; constraints.txt's note: a bare torch pin could
 resolve to a multi-GB CUDA build), the rest from the index or uv's cache.
 """
 
@@ -61,7 +61,8 @@ def wheel_env(tmp_path_factory):
     constraints = base / "constraints.txt"
     constraints.write_text("".join(line for line in (ROOT / "constraints.txt").read_text().splitlines(True)
                                    if not line.startswith("torch==")))
-    links = [arg for link in os.environ.get("PIP_FIND_LINKS", "").split() for arg in ("--find-links", link)]
+    found = os.environ.get("PIP_FIND_LINKS") or _run(sys.executable, "-m", "pip", "config", "get", "global.find-links").stdout
+    links = [arg for link in found.split() for arg in ("--find-links", link)]  # pip's, where make install finds torch
     torch = f"torch=={importlib.metadata.version('torch')}"  # the dev venv's build (the CPU one here)
     installed = _run(UV, "pip", "install", "-q", "--python", venv / "bin" / "python", *links, "-c", constraints,
                      torch, wheel)
