@@ -347,8 +347,8 @@ class WorkerSession:
             return
         self._before = set(placement_groups())
         self._mailbox = ray.remote(_Mailbox).options(num_cpus=0).remote(self.key.world_size)
-        # The timed trainer keeps its controller's handle while the run lasts, so a request past
-        # its timeout can abort the group from another thread; its deadline is the group's life.
+        # The timed trainer keeps its runner's handle while the run lasts (its fit() runs there), so a
+        # request past its timeout can end the group from another thread; its deadline is the group's life.
         trainer = build_trainer(
             _serve, {"mailbox": self._mailbox}, name=f"session-{self.id}", workers=self.key.workers,
             # Replaced before the first request runs (by the request's backend and timeout). NCCL
