@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from machine import describe  # noqa: E402
 
-from paratune.estimate import get_device  # noqa: E402
+from paratune.devices import get_device  # noqa: E402
 from paratune.measure import model_flops_per_token  # noqa: E402
 from paratune.models import build_config, build_model  # noqa: E402
 

@@ -152,7 +152,7 @@ def sequential(profiles, measured: list[tuple[object, float]]) -> dict[int, dict
 
 def load_grid(ledger: Path) -> list[dict]:
     """The finished trials of a sweep ledger: plan, measured median step time, spread."""
-    from paratune.sweep import Ledger
+    from paratune.sweep.ledger import Ledger
 
     return [{"plan": e.result.plan, "measured_step_s": float(e.result.step_time_median_s),
              "spread": e.result.step_time_spread}
@@ -299,7 +299,8 @@ def write(machine: dict, rows: list[dict], profiles_json: list[dict], grid_saved
           console: Console, conditions: str | None = None, memory: dict | None = None) -> None:
     from estimate_report import TARGET, _plot  # noqa: E402  (the memory side, unchanged)
 
-    from paratune.estimate import estimate_memory, get_device
+    from paratune.devices import get_device
+    from paratune.estimate import estimate_memory
     from paratune.profile import Profile
 
     profiles = [Profile.model_validate(p) for p in profiles_json]

@@ -9,7 +9,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from paratune.estimate import estimate_memory, estimate_time, fit_time_constants, get_device
+from paratune.devices import get_device
+from paratune.estimate import estimate_memory, estimate_time, fit_time_constants
 from paratune.plan import load_plan_dict
 from paratune.tables import strategy_label
 

@@ -133,7 +133,8 @@ def _release() -> None:
 def run_family(name: str, family: dict[str, Any]) -> dict[str, Any]:
     """One strategy family as a trial: the worker's own measurement, then prediction and checks."""
     from paratune import measure
-    from paratune.estimate import estimate, get_device
+    from paratune.devices import get_device
+    from paratune.estimate import estimate
     from paratune.failures import classify
     from paratune.models import build_config
     from paratune.precision import precision_problem

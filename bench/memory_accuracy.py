@@ -78,7 +78,8 @@ def measure_memory(cases: list[dict], console: Console) -> list[dict]:
 
 def predict(rows: list[dict]) -> list[dict]:
     """Predicted beside measured (the largest rank), the relative error and the predicted peak's moment."""
-    from paratune.estimate import estimate_memory, get_device
+    from paratune.devices import get_device
+    from paratune.estimate import estimate_memory
     from paratune.plan import load_plan_dict
     from paratune.tables import strategy_label
 

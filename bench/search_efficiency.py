@@ -38,7 +38,9 @@ from paratune.plan import load_plan_dict  # noqa: E402
 from paratune.tables import env_label, strategy_label  # noqa: E402
 from paratune.sweep.stopping import Incumbent, SweepStopRule  # noqa: E402
 from paratune.space import load_space  # noqa: E402
-from paratune.sweep import CandidateTree, Ledger, run_sweep  # noqa: E402
+from paratune.sweep.searchers import CandidateTree  # noqa: E402
+from paratune.sweep.ledger import Ledger  # noqa: E402
+from paratune.sweep.driver import run_sweep  # noqa: E402
 
 HERE = Path(__file__).parent
 SEEDS = range(10)

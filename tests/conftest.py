@@ -39,7 +39,7 @@ def pytest_collection_finish(session) -> None:
 # modules beside them. Two of them at once (each with its controllers, pools and health checks on
 # the same 2 cores) measured slower than one after the other: 15 min 48 s against 15 min 22 s.
 # test_wheel.py: the installed wheel's `paratune trial` starts a Ray of its own.
-RAY_MODULES = ["test_cli.py", "test_cluster_config.py", "test_cluster_jobs.py", "test_profile.py",
+RAY_MODULES = ["test_cli.py", "test_cluster_config.py", "test_cluster_jobs.py", "test_newcomer.py", "test_profile.py",
                "test_ray_range.py", "test_session.py", "test_sweep.py", "test_tracking_server.py", "test_trial_ray.py",
                "test_user_loop.py", "test_wheel.py"]
 

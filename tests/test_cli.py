@@ -129,7 +129,7 @@ def test_report_rewrites_a_sweeps_report_and_logs_it_to_its_parent_run(tmp_path,
     import json
 
     from paratune.plan import load_plan_dict
-    from paratune.sweep import Ledger, LedgerEntry
+    from paratune.sweep.ledger import Ledger, LedgerEntry
     from paratune.tracking import SweepTracker
     from paratune.trial import TrialResult
 
@@ -158,7 +158,7 @@ def test_a_command_says_its_own_first_line(tmp_path):
     about torchao's pytree Enums); the filters are paratune.quiet's, by cause."""
     import logging
 
-    from paratune.quiet import RayTokenAuthNotice, TorchaoImportNoise
+    from paratune.quiet import DeepSpeedCpuNotice, RayTokenAuthNotice, TorchaoImportNoise
 
     proc = subprocess.run([str(Path(sys.executable).parent / "paratune"), "models"], capture_output=True, text=True,
                           timeout=300, cwd=tmp_path)
@@ -173,3 +173,30 @@ def test_a_command_says_its_own_first_line(tmp_path):
     assert not kept(notice, "Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.")
     assert kept(notice, "Token authentication is disabled for this Ray cluster. Anyone with network access ...")
     assert not kept(TorchaoImportNoise(), "Failed to load /x/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: y")
+    cpu_notice = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+    import torch
+
+    assert kept(DeepSpeedCpuNotice(), cpu_notice) is torch.cuda.is_available()  # kept where a GPU was missed
+
+
+def test_plan_says_which_zero_buffers_to_size_for_a_small_model(tmp_path, capsys):
+    """DeepSpeed's default buckets (5e8 elements) outweigh a tiny model's own states many times: a
+    space that leaves them unset is told which fields to set, with a size that scales with the
+    model; one that sets them is not."""
+    import yaml
+
+    from paratune import cli
+
+    space = {"name": "z", "fixed": {"model": "tiny-llama", "num_workers": 2, "global_batch": 8, "seq_len": 32,
+                                    "device": "cpu"},
+             "space": {"strategy": {"zero": {"stage": [2]}}, "micro_batch": [2]}}
+    path = tmp_path / "z.yaml"
+    path.write_text(yaml.safe_dump(space))
+    assert cli.main(["plan", str(path), "--formula"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "device: cpu (the space's device;" in out
+    assert "Set zero.reduce_bucket_size and zero.allgather_bucket_size in the space (e.g. 4e3" in out, out
+    space["space"]["strategy"]["zero"]["reduce_bucket_size"] = [4096]
+    path.write_text(yaml.safe_dump(space))
+    assert cli.main(["plan", str(path), "--formula"]) == 0
+    assert "zero.reduce_bucket_size" not in capsys.readouterr().out

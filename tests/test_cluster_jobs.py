@@ -29,7 +29,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from paratune.sweep import Ledger
+from paratune.sweep.ledger import Ledger
 from procs import free_port, stop_group, wait_http
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(

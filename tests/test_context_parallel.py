@@ -16,7 +16,8 @@ from conftest import BASE_PLAN, expected_parameter_share
 from gloo_harness import one_torch_thread  # noqa: F401 (fixture: in-process references on one thread)
 from gloo_harness import assert_groups_use_plan_timeout, batch_result, run_named_batch, single_torch_thread, training_key
 
-from paratune.plan import CP_CPU_REASON, load_plan_dict
+from paratune.degrees import CP_CPU_REASON
+from paratune.plan import load_plan_dict
 from paratune.parity import max_loss_difference, reference_losses
 
 SHIM = "cp_cpu_shim:install"

@@ -8,7 +8,7 @@ the device table's peak, which a real step cannot push past 100% when the peak i
 
 import pytest
 
-from paratune.estimate import get_device
+from paratune.devices import get_device
 from paratune.measure import model_flops_per_token
 from paratune.models import build_config
 from paratune.plan import load_plan_dict

@@ -28,7 +28,8 @@ from paratune.trial import run_trial
 
 FAMILIES = ["tiny-llama3", "tiny-qwen2.5", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-phi3", "tiny-gptneox",
             "tiny-opt"]
-NO_TP_PLAN = {"tiny-opt"}  # transformers has no base_model_tp_plan for OPT: tp is refused (REFUSALS)
+# transformers ships no base_model_tp_plan for OPT: its tp2 case runs the plan paratune derives from
+# its blocks (paratune.parallel.tp_derive: gathered q/k/v/out_proj, fc1/fc2 column/row-wise)
 # Gemma-2 at lr 1e-2 is chaotic at the 1e-5 level even on one process: scaling its reference
 # weights by (1 + 1e-7 noise) moves step-3 loss by 9.5e-6 (Llama-3: 4.8e-7), so tp2's different
 # reduction order measured 1.5e-5 there with first-step gradients equal to 6e-7 relative. At lr
@@ -51,7 +52,7 @@ EXTRA = {  # what preflight allows beyond the four: sequence parallelism and pip
     ("tiny-qwen3", "pp2-untied"): {"pp": 2, **UNTIED},
     ("tiny-gptneox", "pp2"): {"pp": 2},
 }
-CASES = {(f, s): c for f in FAMILIES for s, c in STRATEGIES.items() if not (s == "tp2" and f in NO_TP_PLAN)} | EXTRA
+CASES = {(f, s): c for f in FAMILIES for s, c in STRATEGIES.items()} | EXTRA
 
 
 def _plan(family: str, case: dict):
@@ -222,7 +223,6 @@ REFUSALS = {
     "opt-pp": ("tiny-opt", r"pp: 2 with model_type 'opt': OPTDecoder adds embed_positions to the token embedding "
                            r"before the first block \(learned positions\), which pipeline stages do not apply",
                {"pp": 2, **UNTIED}),
-    "opt-tp": ("tiny-opt", r"tp: 2 with model_type 'opt', which has no tensor-parallel plan in transformers", {"tp": 2}),
 }
 
 
@@ -245,10 +245,57 @@ def test_tp_refuses_packed_expert_layouts(tmp_path):
                       r"with 'packed_colwise'", tp=2)
 
 
-def test_tp_refuses_a_family_without_a_plan(tmp_path):
+def test_a_family_without_a_shipped_plan_gets_one_derived_from_its_blocks(tmp_path):
+    """StableLM ships no TP plan: q/k/v gathered, o_proj split from a whole input, gate/up
+    column-wise and down row-wise kept sharded between them, as Llama's shipped plan shards them;
+    the preflight accepts it with its dimensions checked."""
+    from paratune.parallel.tp_derive import family_tp_plan
+
     stablelm = _config_dir(tmp_path, model_type="stablelm", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=4, vocab_size=512)
-    _refused(stablelm, r"tp: 2 with model_type 'stablelm', which has no tensor-parallel plan in transformers", tp=2)
+    plan = load_plan_dict({**BASE_PLAN, "model": stablelm, "tp": 2})
+    check_plan_against_model(plan)
+    derived, source = family_tp_plan(build_meta(build_config(plan.model, plan.model_overrides)))
+    assert source == "derived"
+    assert derived == {"layers.*.self_attn.q_proj": "colwise_gather_output",
+                       "layers.*.self_attn.k_proj": "colwise_gather_output",
+                       "layers.*.self_attn.v_proj": "colwise_gather_output",
+                       "layers.*.self_attn.o_proj": "rowwise_split_input",
+                       "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
+                       "layers.*.mlp.down_proj": "rowwise"}
+    _refused(stablelm, r"sequence_parallel: true with model_type 'stablelm', whose tp plan paratune derives", tp=2,
+             sequence_parallel=True)
+
+
+@pytest.mark.parametrize("model_type,fused", [("bloom", "self_attention.query_key_value"), ("gpt_bigcode", "attn.c_attn"),
+                                              ("falcon", "self_attention.query_key_value")])
+def test_fused_qkv_projections_are_gathered_whatever_their_head_layout(tmp_path, model_type, fused):
+    from family_zoo import write_config
+
+    from paratune.parallel.tp_derive import family_tp_plan
+
+    model = build_meta(build_config(str(write_config(model_type, tmp_path)), {}))
+    derived, source = family_tp_plan(model)
+    assert source == "derived"
+    assert derived[f"h.*.{fused}"] == "colwise_gather_output"
+
+
+def test_a_plan_cannot_be_derived_for_conv1d_projections_or_hybrid_layers(tmp_path):
+    from family_zoo import write_config
+
+    gpt2 = str(write_config("gpt2", tmp_path / "gpt2"))
+    _refused(gpt2, r"tp: 2 with model_type 'gpt2', which has no tensor-parallel plan in transformers "
+                   r"\(base_model_tp_plan\), and none can be derived from its blocks: GPT2Block.attn holds no nn.Linear "
+                   r"\(its modules: Conv1D, Dropout\); allowed: tp 1", tp=2)
+    from paratune.parallel.tp_derive import derived_tp_plan
+
+    path = write_config("qwen3_5_moe", tmp_path / "q")  # 3 linear-attention layers, then full attention
+    config = json.loads(path.read_text())
+    config["text_config"].update(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"])
+    path.write_text(json.dumps(config))
+    model = build_meta(build_config(str(path), {}))
+    with pytest.raises(ValueError, match=r"hybrid layers: block \d+ \(\w+\) (differs from|is not) block 0"):
+        derived_tp_plan(model)
 
 
 def test_data_parallel_plans_need_no_model_check():
@@ -263,9 +310,8 @@ def test_data_parallel_plans_need_no_model_check():
 # as shipped.
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
 
-TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
-        "vocab_size": 512, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4, "num_local_experts": 4,
-        "n_routed_experts": 4, "num_experts_per_tok": 2}
+from family_zoo import tiny_meta_model  # noqa: E402
+
 # Default config classes that do not build as shipped in transformers 5.23 (reason: the error they raise).
 UNBUILDABLE = {
     "cohere_compass_text": "KeyError: 'full_attention'",
@@ -291,53 +337,6 @@ SEVERAL_STACKS = {"blt": 6, "hrm_text": 2}  # (stacks): byte-level local/global 
 BLOCK_COUNT = {"longcat_flash": "num_layers"}  # a LongCat layer holds two attention/MLP sublayers
 
 
-def _int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _tiny_fields(config, cut_layers: bool) -> dict:
-    """TINY's sizes for the fields this config has, its per-layer lists cut to 2 layers, token ids
-    inside the smaller vocabulary, and the same for its sub-configs (a multimodal model's text part)."""
-    out: dict = {}
-    own = vars(config)
-    for key, value in TINY.items():
-        try:
-            current = getattr(config, key, None)
-        except Exception:  # noqa: BLE001 - heterogeneous configs refuse global per-layer reads
-            continue
-        if (_int(current) and (key != "head_dim" or key in own)) or (key == "num_experts_per_tok" and key in own):
-            out[key] = value
-    layers = own.get("num_hidden_layers")
-    if cut_layers and _int(layers) and layers > 2:
-        out["num_hidden_layers"] = 2
-        out.update({k: list(v[:2]) for k, v in own.items()
-                    if isinstance(v, (list, tuple)) and len(v) == layers and not k.startswith("_")})
-    vocab = out.get("vocab_size", own.get("vocab_size"))
-    out.update({k: vocab - 1 for k, v in own.items() if k.endswith("token_id") and _int(v) and _int(vocab) and v >= vocab})
-    for key in getattr(config, "sub_configs", None) or {}:
-        sub = own.get(key)
-        if hasattr(sub, "to_dict"):
-            out[key] = {**sub.to_dict(), **_tiny_fields(sub, cut_layers)}
-    return out
-
-
-def _tiny_meta_model(model_type: str):
-    """The family's model on the meta device, as small as its config class allows."""
-    from transformers import AutoConfig
-
-    try:
-        default = AutoConfig.for_model(model_type)
-    except Exception as err:  # noqa: BLE001 - the config class itself refuses its defaults
-        raise RuntimeError(f"{type(err).__name__}: {err}") from None
-    error = ""
-    for fields in (_tiny_fields(default, True), _tiny_fields(default, False), {}):
-        try:
-            return build_meta(AutoConfig.for_model(model_type, **fields))
-        except Exception as err:  # noqa: BLE001 - the last one (as shipped) is the family's own
-            error = f"{type(err).__name__}: {err}"
-    raise RuntimeError(error)
-
-
 def _is_encoder_decoder(model_type: str) -> bool:
     from transformers import AutoConfig
 
@@ -354,7 +353,7 @@ def test_every_causal_lm_family_has_its_blocks_found(model_type):
     if _is_encoder_decoder(model_type):  # its *ForCausalLM is the decoder half; build_config refuses it
         pytest.skip(f"{model_type}: encoder-decoder, not a decoder-only LM (paratune refuses it)")
     try:
-        model = _tiny_meta_model(model_type)
+        model = tiny_meta_model(model_type)
     except RuntimeError as err:
         assert model_type in UNBUILDABLE, f"{model_type} does not build on the meta device: {err}"
         assert str(err).replace("\n", " ").startswith(UNBUILDABLE[model_type].replace("\n", " ")), str(err)
@@ -378,3 +377,81 @@ def test_every_causal_lm_family_has_its_blocks_found(model_type):
     counts = count_parameters(model)
     assert counts["total"] == sum(p.numel() for p in model.parameters())
     assert counts["active"] < counts["total"] if routed_experts(model) else counts["active"] == counts["total"]
+
+
+# The parity check runs a model that draws random numbers in training (dropout, router jitter) with
+# them off on both sides: no two layouts draw the same masks, so a plan could never match its
+# reference with them on. The families below ship them on.
+@pytest.mark.parametrize("model_type,fields", [
+    ("gpt_bigcode", {"resid_pdrop", "embd_pdrop", "attn_pdrop"}),
+    ("phimoe", {"router_jitter_noise"}),
+    ("opt", {"dropout"}),
+])
+def test_parity_switches_off_the_random_draws_a_family_ships(tmp_path, model_type, fields):
+    from family_zoo import write_config
+
+    from paratune.models import load_config_dict
+    from paratune.parity import deterministic_plan, stochastic_settings
+
+    path = write_config(model_type, tmp_path / model_type)
+    plan = load_plan_dict({**BASE_PLAN, "model": str(path)})
+    found = stochastic_settings(load_config_dict(plan.model))
+    assert fields <= set(found), found
+    quiet, off = deterministic_plan(plan)
+    assert off == found
+    assert stochastic_settings(load_config_dict(quiet.model, quiet.model_overrides)) == {}
+    # the plan's own run keeps the model's settings: only the parity check switches them off
+    assert stochastic_settings(load_config_dict(plan.model, plan.model_overrides)) == found
+
+
+def test_parity_switches_off_dropout_inside_a_sub_config(tmp_path):
+    from paratune.models import load_config_dict
+    from paratune.parity import deterministic_plan
+
+    config = json.loads((PRESET_DIR / "tiny-llama.json").read_text())
+    config["text_config"] = {"hidden_dropout_prob": 0.1, "hidden_size": 64, "inner": {"attn_pdrop": 0.2}}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    quiet, off = deterministic_plan(load_plan_dict({**BASE_PLAN, "model": str(path)}))
+    assert off == {"text_config.hidden_dropout_prob": 0.1, "text_config.inner.attn_pdrop": 0.2}
+    text = load_config_dict(quiet.model, quiet.model_overrides)["text_config"]
+    assert text == {"hidden_dropout_prob": 0.0, "hidden_size": 64, "inner": {"attn_pdrop": 0.0}}
+
+
+def test_a_model_without_random_draws_is_checked_as_configured():
+    from paratune.parity import deterministic_plan
+
+    plan = load_plan_dict(BASE_PLAN)
+    assert deterministic_plan(plan) == (plan, {})
+
+
+def test_slots_no_init_writes_take_their_class_defaults_never_stale_memory(tmp_path):
+    """Apertus's xIELU activation holds learned alpha_p / alpha_n and beta / eps buffers that its
+    family's _init_weights never writes (XIELUActivation.__init__ sets them). The materialized
+    model must hold the constructor's values: a sentinel marks every slot before init, so one left
+    unwritten is seen instead of trained from whatever the memory held."""
+    from family_zoo import write_config
+    from transformers.activations import ACT2CLS
+
+    config = build_config(str(write_config("apertus", tmp_path)), {})
+    model = build_model(config, seed=0)
+    acts = [m for m in model.modules() if type(m).__name__ == "XIELUActivation"]
+    assert acts
+    fresh = ACT2CLS["xielu"](dtype=config.dtype) if config.dtype is not None else ACT2CLS["xielu"]()
+    for act in acts:
+        for name in ("alpha_p", "alpha_n", "beta", "eps"):
+            assert torch.equal(getattr(act, name).detach().float(), getattr(fresh, name).detach().float()), name
+    assert all(torch.isfinite(t).all() for t in [*model.parameters(), *model.buffers()] if t.is_floating_point())
+
+
+def test_a_slot_neither_init_nor_its_class_can_set_is_refused():
+    from paratune.materialize import constructor_values
+
+    class NeedsArguments(torch.nn.Module):
+        def __init__(self, width: int):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(width))
+
+    with pytest.raises(ModelError, match=r"model: blocks.0.act \(NeedsArguments\) has scale .* cannot be built "
+                                         r"with its defaults .*allowed: a model folder whose weights hold them"):
+        constructor_values(NeedsArguments(4), ["scale"], "blocks.0.act")

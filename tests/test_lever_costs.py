@@ -12,7 +12,8 @@ import pytest
 
 from paratune.activations import _trace_micro_batch, _traced_coefficients, _with_vocab, activation_coefficients
 from paratune.devices import GPU_FP8_TFLOPS, get_device, gpu_model, has_fp8
-from paratune.estimate import compute_seconds, estimate, float8_flops_share, recompute_share
+from paratune.efficiency import float8_flops_share, recompute_share
+from paratune.estimate import compute_seconds, estimate
 from paratune.memory import estimate_memory, memory_moments
 from paratune.models import build_config, config_from_key, config_key
 from paratune.plan import load_plan_dict
@@ -54,7 +55,7 @@ def test_selective_trace_is_what_a_real_micro_batch_holds_and_lies_between_none_
 
 
 def test_checkpointing_savings_match_the_cpu_probes_memtracker():
-    """bench/results/levers_cpu_probe.md (bench/probes/levers/sac_check.py): a Llama of hidden 256,
+    """bench/results/levers_cpu_probe.md (its script, bench/probes/levers/sac_check.py, is in git at df094a6): a Llama of hidden 256,
     4 layers, 4 x 256 tokens, fp32, one process, PyTorch's MemTracker peak per mode: none 157.6,
     selective 124.1, every 2nd block 118.1 MiB. What each mode saves against none, predicted:
     the same to 0.1 MiB (the totals differ by DDP's buckets, which the probe did not have)."""

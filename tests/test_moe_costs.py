@@ -157,7 +157,13 @@ def test_moe_spaces_rank_ep_plans_and_reject_naming_the_part(name, device):
     estimates = estimate_space(space, dev, capacity_gib=space.spec.objective.memory_budget_gb,
                                activation_model="formula")
     fitting = [e for e in estimates if e.fits]
-    assert fitting and fitting[0].plan.ep > 1, [(e.plan.ep, e.plan.strategy) for e in fitting[:3]]
+    assert fitting and any(e.plan.ep > 1 for e in fitting), [(e.plan.ep, e.plan.strategy) for e in fitting[:3]]
+    # ep trades FSDP2's gathers of the experts (prefetched: hidden under the micro-batch's compute
+    # while it lasts longer, estimate.dp_overlap_share) for an exposed all-to-all: on one or two
+    # nodes the gathers hide and ep 1 ranks first by a few percent; DeepSeek-V3's 671B cannot
+    # gather its experts in time, and its ep plans rank first
+    if name == "deepseek_v3_671b_32x8":
+        assert fitting[0].plan.ep > 1, [(e.plan.ep, e.plan.strategy) for e in fitting[:3]]
     assert all(e.comm.ep > 0 for e in fitting if e.plan.ep > 1)
     rejected = [e for e in estimates if not e.fits]
     assert rejected

@@ -135,3 +135,23 @@ def test_a_ledger_written_before_routing_fields_still_reads():
     old = {"status": "ok", "plan": {"model": "tiny-llama"}, "world_size": 2, "comm_share": 0.3}
     result = TrialResult.model_validate(old)
     assert result.routing_balance is None and result.all_to_all_share is None and result.expert_tokens == []
+
+
+def test_routing_is_read_from_a_family_that_hands_its_experts_counts(tmp_path):
+    """JetMoE calls its experts as experts(inputs, expert_size): the tokens per expert, already
+    counted on the host. A real forward of a tiny JetMoE: every layer's counts add up to tokens x
+    top-k, none unread."""
+    from family_zoo import write_config
+
+    from paratune.models import build_config, build_model
+    from paratune.routing import RoutingCounter
+
+    config = build_config(str(write_config("jetmoe", tmp_path)), {})
+    model = build_model(config, seed=0)
+    counter = RoutingCounter(model, ep=1, counts_tokens=True)
+    counter.counting = True
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, config.vocab_size, (2, 8)))
+    assert counter.counts and not counter.unread
+    for path, counts in counter.counts.items():
+        assert int(counts.sum()) == 2 * 8 * config.num_experts_per_tok, path

@@ -10,7 +10,8 @@ from mlflow.tracking import MlflowClient
 from rich.console import Console
 
 from paratune.space import load_space
-from paratune.sweep import Ledger, run_sweep
+from paratune.sweep.ledger import Ledger
+from paratune.sweep.driver import run_sweep
 from paratune.sweep.folder import read_sweep
 from paratune.sweep.page import _experts_html
 from paratune.tables import results_table

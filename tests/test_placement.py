@@ -149,7 +149,7 @@ def test_node_death_and_placement_texts_are_classified(text, reason):
 
 
 def test_a_trial_the_cluster_failed_is_kept_but_measured_again_on_resume(tmp_path):
-    from paratune.sweep import Ledger, LedgerEntry, objective_value, unscored
+    from paratune.sweep.ledger import Ledger, LedgerEntry, objective_value, unscored
     from paratune.trial import TrialResult
 
     plan_dict = plan(strategy="ddp").to_dict()

@@ -4,14 +4,13 @@ import pytest
 from test_timemodel import make_profile, plan
 
 from paratune.devices import get_device
-from paratune.estimate import Calibration, Roofline
+from paratune.estimate import Roofline
 from paratune.predict import RooflinePredictor, StepPrediction, TimePredictor
 from paratune.timemodel import StepTimeModel
 
 
 def test_the_roofline_and_the_calibrated_model_answer_alike():
     roofline, calibrated = RooflinePredictor(Roofline(get_device("cpu"), 4)), StepTimeModel([make_profile()])
-    assert Calibration is Roofline  # the old name
     p = plan(micro_batch=2)
     for model in (roofline, calibrated):
         assert isinstance(model, TimePredictor)

@@ -185,7 +185,7 @@ def _finish_with(tmp_path: Path, tracker, space_fixed: dict, measured: list[tupl
     gets (default: `tracker`, which started the parent)."""
     from rich.console import Console
 
-    from paratune.sweep import Ledger, LedgerEntry
+    from paratune.sweep.ledger import Ledger, LedgerEntry
     from paratune.sweep.finish import SweepOutcome, finish_sweep
 
     space = _finish_space(space_fixed)
@@ -230,7 +230,7 @@ def test_finish_with_mlflow_down_keeps_the_winner_and_a_resume_logs_the_end_once
     from procs import free_port
     from rich.console import Console
 
-    from paratune.sweep import Ledger
+    from paratune.sweep.ledger import Ledger
     from paratune.sweep.finish import SweepOutcome, finish_sweep
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # a refused connection fails at once

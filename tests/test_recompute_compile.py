@@ -134,10 +134,20 @@ def test_compile_under_tp_copies_the_embeddings_async_output_once():
     assert not embedding._forward_hooks
     for _ in range(2):
         block_compile.compile_blocks(model, _plan(compile=True, tp=2))
-    assert list(embedding._forward_hooks.values()) == [block_compile._plain_output]
+    from paratune.parallel.tp import _owned_output
+
+    assert list(embedding._forward_hooks.values()) == [_owned_output]
     waiting = AsyncCollectiveTensor(torch.ones(2, 3))
-    plain = block_compile._plain_output(embedding, (), waiting)
+    plain = _owned_output(embedding, (), waiting)
     assert type(plain) is torch.Tensor and torch.equal(plain, torch.ones(2, 3))
+    # a view (eager tp's _ToTorchTensor output) is copied too: CTRL scales its embeddings in place
+    base = torch.ones(2, 3, requires_grad=True) * 1.0
+    view = base.view(3, 2)
+    owned = _owned_output(embedding, (), view)
+    assert not owned._is_view() and torch.equal(owned, view)
+    owned *= 2.0  # in place, as CTRL does: allowed on the copy
+    plain_tensor = torch.ones(2)
+    assert _owned_output(embedding, (), plain_tensor) is plain_tensor
     torch._dynamo.reset()
 
 

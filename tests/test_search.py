@@ -2,13 +2,13 @@
 
 import pytest
 
-from paratune.sweep.stopping import Incumbent, StoppingRule
+from paratune.sweep.stopping import Incumbent, SweepStopRule
 
 PREDICTED = {"a": 1000.0, "b": 900.0, "c": 700.0, "d": 400.0}
 
 
 def test_measures_the_fastest_predicted_plan_that_is_neither_measured_nor_running():
-    rule = StoppingRule(min_trials=1)
+    rule = SweepStopRule(min_trials=1)
     assert rule.decide(PREDICTED, set(), set(), None, 0.1, 0).next_key == "a"
     assert rule.decide(PREDICTED, {"a"}, {"b"}, None, 0.1, 1).next_key == "c"
     everything = rule.decide(PREDICTED, set(PREDICTED), set(), Incumbent("a", 1000.0), 0.1, 4)
@@ -16,7 +16,7 @@ def test_measures_the_fastest_predicted_plan_that_is_neither_measured_nor_runnin
 
 
 def test_stops_only_when_no_unmeasured_plan_can_beat_the_incumbent_by_noise_plus_model_error():
-    rule = StoppingRule(min_trials=2)
+    rule = SweepStopRule(min_trials=2)
     incumbent = Incumbent("a", 1000.0, spread=0.02)  # its noise band is the 5% floor
     # b: 900 x 1.10 = 990 <= 1000 x 1.05: cannot win.
     stop = rule.decide(PREDICTED, {"a"}, set(), incumbent, band=0.10, measured_trials=2)
@@ -29,11 +29,11 @@ def test_stops_only_when_no_unmeasured_plan_can_beat_the_incumbent_by_noise_plus
 
 
 def test_never_stops_before_the_model_has_seen_its_minimum_trials_or_without_an_incumbent():
-    rule = StoppingRule(min_trials=3)
+    rule = SweepStopRule(min_trials=3)
     assert not rule.decide(PREDICTED, {"a"}, set(), Incumbent("a", 5000.0), 0.0, measured_trials=2).stop
     assert not rule.decide(PREDICTED, {"a", "b", "c"}, set(), None, 0.0, measured_trials=3).stop
 
 
 @pytest.mark.parametrize("band,expected", [(0.0, False), (0.5, True)])
 def test_can_win_is_the_stated_inequality(band, expected):
-    assert StoppingRule().can_win(800.0, Incumbent("x", 1000.0, 0.0), band) is expected  # 800(1+b) > 1050
+    assert SweepStopRule().can_win(800.0, Incumbent("x", 1000.0, 0.0), band) is expected  # 800(1+b) > 1050

@@ -8,7 +8,8 @@ import pytest
 from paratune.export import export_winner
 from paratune.plan import load_plan, load_plan_dict
 from paratune.space import SpaceError, load_space, space_from_dict
-from paratune.sweep import CandidateTree, all_points, point_key
+from paratune.sweep.searchers import CandidateTree, all_points
+from paratune.sweep.ledger import point_key
 from paratune.trial import TrialResult
 from paratune.verdict import Standing, complexity, decide
 
@@ -171,7 +172,7 @@ def test_exported_winner_loads_back(tmp_path):
 def test_the_sweep_searcher_never_repeats_and_finishes_when_the_space_is_spent(tmp_path):
     from ray.tune.search import Searcher
 
-    from paratune.sweep import Ledger
+    from paratune.sweep.ledger import Ledger
     from paratune.sweep.searchers import optuna_searcher
 
     space = space_from_dict({**SPACE, "space": {"strategy": {"ddp": {}, "fsdp": {"sharding": ["full"]}},

@@ -8,7 +8,8 @@ from mlflow.tracking import MlflowClient
 
 from paratune.plan import load_plan
 from paratune.space import load_space
-from paratune.sweep import Ledger, SweepError, run_sweep
+from paratune.sweep.ledger import Ledger, SweepError
+from paratune.sweep.driver import run_sweep
 
 pytestmark = pytest.mark.integration
 

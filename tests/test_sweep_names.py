@@ -1,12 +1,13 @@
-"""The sweep package's layout: what `paratune report` loads, and the old names kept for users.
+"""The public API (paratune/__init__.py) and what stays out of light paths.
 
-`paratune.sweep` was one module that imported Ray Tune at the top; it is a package whose
-`__init__` re-exports the old names lazily (PEP 562), so the report's path never loads Tune.
+`paratune report` and `import paratune` run in fresh processes, so what this test process imported
+before does not count.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,29 +15,44 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_page_and_paratune_report_never_load_ray_tune():
-    """In a fresh process, so what this test process imported before does not count: the page,
-    what `paratune report` calls (finish.write_page) and the ledger by its old name."""
-    code = ("import sys\n"
-            "import paratune.sweep.page, paratune.sweep.finish\n"
-            "from paratune.sweep import Ledger, write_report\n"
-            "print('ray.tune' in sys.modules)\n")
+def _fresh(code: str) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "platform"), os.environ.get("PYTHONPATH"))
                                                         if p)}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == "False", proc.stdout
+    return proc.stdout.strip()
 
 
-def test_the_old_names_are_the_new_objects():
+def test_the_page_and_paratune_report_never_load_ray_tune():
+    """The page, what `paratune report` calls (finish.write_page) and the ledger."""
+    assert _fresh("import sys\n"
+                  "import paratune.sweep.page, paratune.sweep.finish\n"
+                  "from paratune.sweep.ledger import Ledger\n"
+                  "print('ray.tune' in sys.modules)\n") == "False"
+
+
+def test_import_paratune_loads_neither_torch_nor_ray():
+    assert _fresh("import sys, paratune\nprint('torch' in sys.modules or 'ray' in sys.modules, paratune.__version__)\n") \
+        .startswith("False ")
+
+
+def test_every_public_name_resolves_to_its_module_and_the_readme_shows_it():
+    import paratune
+    from paratune.plan import load_plan
+    from paratune.sweep.driver import run_sweep
+    from paratune.trial import run_trial
+
+    assert paratune.load_plan is load_plan and paratune.run_sweep is run_sweep and paratune.run_trial is run_trial
+    readme = (ROOT / "README.md").read_text()
+    for name in paratune.__all__:
+        assert getattr(paratune, name) is not None, name
+        if name != "__version__":
+            assert re.search(rf"\b{name}\b", readme), f"README does not show paratune.{name}"
+    assert sorted(dir(paratune)) == dir(paratune) and set(paratune.__all__) <= set(dir(paratune))
+
+
+def test_the_old_single_module_names_are_gone():
+    """`paratune.sweep` is a package of modules; its old re-exports went with issue 42."""
     import paratune.sweep as sweep
-    from paratune import parity
-    from paratune.sweep.finish import SweepOutcome, finish_sweep, write_page
-    from paratune.sweep.stopping import SweepStopRule
 
-    assert sweep.SweepReport is SweepOutcome and sweep.write_report is write_page
-    assert sweep.StoppingRule is SweepStopRule and sweep.finish_sweep is finish_sweep
-    assert sweep.winner_parity is parity.winner_parity and sweep.Parity is parity.Parity
-    for name in sweep._MOVED:  # every old name resolves
-        assert getattr(sweep, name) is not None, name
-    assert "run_sweep" in dir(sweep)
+    assert not hasattr(sweep, "run_sweep") and not hasattr(sweep, "_MOVED")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from paratune.plan import PlanError, load_plan_dict
-from paratune.sweep import LedgerEntry
+from paratune.sweep.ledger import LedgerEntry
 from paratune.tracking import SweepTracker, redact
 from paratune.trial import TrialResult
 

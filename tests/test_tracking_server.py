@@ -23,7 +23,8 @@ from mlflow.tracking import MlflowClient
 
 from paratune.plan import load_plan_dict
 from paratune.space import load_space
-from paratune.sweep import Ledger, LedgerEntry, run_sweep
+from paratune.sweep.ledger import Ledger, LedgerEntry
+from paratune.sweep.driver import run_sweep
 from paratune.sweep.callbacks import LedgerCallback
 from paratune.tracking import SweepTracker, trial_metrics
 from paratune.trial import TrialResult

@@ -106,3 +106,16 @@ def test_a_trial_that_cannot_reach_the_incumbent_stops_early_with_its_partial_fi
     assert result.peak_memory_bytes == [0, 0]  # its extra memory-tracked step was skipped
     # An incumbent it can beat runs every measured step: the same worker code in a reused group,
     # tests/test_session.py::test_the_stop_rule_works_in_a_reused_group.
+
+
+def test_a_loss_that_overflows_fails_the_trial_as_diverged(ray_local):
+    """An lr of 1e20 sends step 1's loss to NaN on every rank: the trial is failed, reason
+    `diverged`, naming the first step and rank (never `ok` with NaN figures, which a sweep would
+    rank by its speed), and the cluster is free for the next trial."""
+    from paratune.failures import classify
+
+    result = run_trial(load_plan_dict({**BASE_PLAN, "lr": 1e20}))
+    assert result.status == "failed" and result.reason == "diverged", (result.status, result.message)
+    assert "loss not finite from step 1 on rank 0 (nan); 2 of 2 rank(s)" in result.message
+    assert classify(RuntimeError(result.message))[0] == "diverged"  # also when only the text survives
+    _resources_released()

@@ -151,7 +151,7 @@ def test_bad_train_loop_is_refused_before_launch(tmp_path, capsys, monkeypatch, 
 @pytest.mark.integration
 def test_example_loop_swept_over_ddp_and_fsdp_ranked_and_logged(ray_local, tmp_path, mlflow_uri, monkeypatch):
     from paratune.pool import get_pool_actor
-    from paratune.sweep import run_sweep
+    from paratune.sweep.driver import run_sweep
 
     monkeypatch.chdir(REPO)
     space = space_from_dict({"name": "user-loop", "fixed": {**FIXED, "profile_comm": False},

@@ -77,13 +77,13 @@ def wheel_env(tmp_path_factory):
 
 
 def test_the_wheel_carries_the_presets_the_shipped_spaces_and_the_entry_points(wheel_env):
-    from paratune.models import preset_names
+    from paratune.models import PRESET_DIR
     from paratune.space import shipped_spaces
 
     wheel, *_ = wheel_env
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"paratune/spaces/{name}.yaml" for name in shipped_spaces()} <= names
-    assert {f"paratune/presets/{name}.json" for name in preset_names()} <= names
+    assert {f"paratune/presets/{p.name}" for p in PRESET_DIR.glob("*.json")} <= names  # models, devices, bands
     assert {"paratune/__main__.py", "paratune/presets/devices.json", "paratune/cli.py"} <= names
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "paratune = paratune.cli:main" in entry_points

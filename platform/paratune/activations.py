@@ -53,13 +53,19 @@ class PhaseBytes:
     per_token: float
     layer_fixed: float = 0.0
     layer_per_token: float = 0.0
+    # The logits' part of per_token (bytes a token per vocabulary entry a rank holds, `_logits_sharded`):
+    # already a rank's; the rest of per_token (the first block, the embedding's output, the norm)
+    # is the unsharded model's, which a tensor-parallel rank holds its share of.
+    vocab_per_token: float = 0.0
 
     def at(self, tokens: float, blocks: int, layer_share: float = 1.0, fixed_share: float = 1.0) -> tuple[float, float]:
         """(bytes that grow with tokens, fixed bytes) for `blocks` blocks of `tokens` tokens;
         `layer_share`/`fixed_share`: the part a tensor-parallel rank holds of a block's
-        activations and of the weights' gradients."""
+        activations (and of what else grows with tokens, the logits aside) and of the weights'
+        gradients."""
         extra = max(0, blocks - 1)
-        grows = tokens * (self.per_token + extra * self.layer_per_token * layer_share)
+        logits = min(self.vocab_per_token, self.per_token)
+        grows = tokens * ((self.per_token - logits) * layer_share + logits + extra * self.layer_per_token * layer_share)
         return max(0.0, grows), max(0.0, self.fixed + extra * self.layer_fixed) * fixed_share
 
 
@@ -369,14 +375,16 @@ def _traced_coefficients(config_json: str, checkpointing: str, precision: str, m
                                   held_phases={p: _fit_phase(v, half, full) for p, v in held.items()})
 
 
-def _formula_coefficients(shape: ModelShape, checkpointing: str, precision: str, seq_len: int) -> ActivationCoefficients:
-    """DESIGN.md: s·b·h·(34 + 5·a·s/h) bytes per layer at 16 bits (x2 in fp32); 2·s·b·h with
-    full recompute; the rest is the logits (tokens x vocab) in fp32. Phases: the loss's two fp32
-    logits-sized gradients and the LM head's gradient at the start of backward, the embedding's
-    gradient at the end."""
+def _formula_coefficients(shape: ModelShape, checkpointing: str, precision: str, seq_len: int,
+                          scores: bool = False) -> ActivationCoefficients:
+    """DESIGN.md: s·b·h·(34 + 5·a·s/h) bytes per layer at 16 bits (x2 in fp32), the 5·a·s/h
+    being attention's s x s scores, which only eager attention keeps (`scores`; SDPA's flash and
+    memory-efficient kernels keep a logsumexp a row); 2·s·b·h with full recompute; the rest is
+    the logits (tokens x vocab) in fp32. Phases: the loss's two fp32 logits-sized gradients and
+    the LM head's gradient at the start of backward, the embedding's gradient at the end."""
     scale = BYTES[precision] / 2
     h, a = shape.hidden, shape.heads
-    per_layer = (2 * h if checkpointing == "full" else h * (34 + 5 * a * seq_len / h)) * scale
+    per_layer = (2 * h if checkpointing == "full" else h * (34 + (5 * a * seq_len / h if scores else 0.0))) * scale
     if checkpointing == "selective":  # SAVED_OPS' outputs: q, k, v, attention, o, gate, up, down; the input
         kv = (shape.kv_heads or a) * shape.head_dim
         per_layer = 2 * (4 * h + 2 * kv + 2 * mlp_width(shape)) * scale + 4 * a
@@ -490,8 +498,8 @@ def _logits_sharded(coeff: ActivationCoefficients, at_v: ActivationCoefficients,
     (the head's weight gradient, fixed, is already divided over tp ranks), so the wider trace is
     of the 1-layer copy alone (`layer_counts` (1,)): 2 fake micro-batches, not 4."""
     def moved(c: PhaseBytes, a: PhaseBytes, b: PhaseBytes) -> PhaseBytes:
-        slope = (b.per_token - a.per_token) / vocab
-        return replace(c, per_token=max(0.0, c.per_token - slope * (vocab - vocab_held)))
+        slope = max(0.0, (b.per_token - a.per_token) / vocab)
+        return replace(c, per_token=max(0.0, c.per_token - slope * (vocab - vocab_held)), vocab_per_token=slope * vocab_held)
 
     def each(mine: dict, narrow: dict, wide: dict) -> dict:
         return {k: moved(v, narrow[k], wide[k]) if k in narrow and k in wide else v for k, v in mine.items()}
@@ -543,6 +551,16 @@ def vocab_held(plan: Plan, vocab: int, hidden: int) -> float:
     return float(vocab)
 
 
+def _eager_attention(plan: Plan) -> bool:
+    """Whether the plan's model runs eager attention (keeps s x s scores; paratune.materialize's
+    choice: SDPA where the family supports it)."""
+    from paratune.materialize import attn_implementation
+    from paratune.models import config_from_key
+    from paratune.shapes import model_config_key
+
+    return attn_implementation(config_from_key(model_config_key(plan))) == "eager"
+
+
 def activation_coefficients(plan: Plan, model: ActivationModel = "trace") -> ActivationCoefficients:
     """Traced (the default), or DESIGN.md's formula when asked for or when the trace fails (the
     method then says why); for the plan's checkpointing mode (`layers`: `_every_nth_block`) and
@@ -554,13 +572,16 @@ def activation_coefficients(plan: Plan, model: ActivationModel = "trace") -> Act
     held_vocab = vocab_held(plan, shape.vocab, shape.hidden)
 
     def formula(mode: str, vocab: int | None = None) -> ActivationCoefficients:
-        return _formula_coefficients(replace(shape, vocab=vocab or shape.vocab), mode, plan.precision, plan.seq_len)
+        return _formula_coefficients(replace(shape, vocab=vocab or shape.vocab), mode, plan.precision, plan.seq_len,
+                                     scores=_eager_attention(plan))
 
     def shaped(get) -> ActivationCoefficients | str:  # noqa: ANN001 - get(mode, vocab)
         # The logits' bytes per vocabulary entry lie outside the blocks: the same whatever the
         # checkpointing (tested), so they are measured once, with full recompute (the cheapest
-        # trace, and one most spaces hold): its trace at V beside a 1-layer one at 2V.
-        pair = (get("full", None), get("full", 2 * shape.vocab)) if held_vocab != shape.vocab else None
+        # trace, and one most spaces hold): its trace at V beside a 1-layer one at 2V. Under tp
+        # too (the logits are a rank's own; the rest of what grows with tokens is divided).
+        pair = ((get("full", None), get("full", 2 * shape.vocab)) if held_vocab != shape.vocab or plan.tp > 1
+                else None)
         if pair is not None and any(isinstance(t, str) for t in pair):
             return next(t for t in pair if isinstance(t, str))
         modes = {}

@@ -48,7 +48,9 @@ def cmd_profile(args: argparse.Namespace, console: Console) -> int:
         console.print(f"profile {i}/{len(requests)} ({label}): measured in {profile.profile_s:.1f} s on "
                       f"{profile.device_name}, stored {path}")
         profiles.append(profile)
-    _print_profiles(profiles, console)
+    from paratune.tables import print_profiles
+
+    print_profiles(profiles, console)
     if args.out:
         Path(args.out).write_text(json.dumps([p.model_dump(mode="json") for p in profiles], indent=1))
         console.print(f"profiles written to {args.out}; predict with: paratune plan {args.space} --profile {args.out}")
@@ -66,25 +68,6 @@ def _cluster_device_name() -> str:
         if answer is not None:
             return answer[0]
     return "cpu"
-
-
-def _print_profiles(profiles, console: Console) -> None:
-    from rich.table import Table
-
-    table = Table(title="profiles: block fwd+bwd (ms, smallest..largest shape), collectives, optimizer")
-    for col in ("env", "device", "blocks", "block ms", "head ms", "all_reduce GB/s", "latency us", "optimizer ns/param",
-                "measured s"):
-        table.add_column(col, justify="left" if col in ("env", "device") else "right")
-    for p in profiles:
-        blocks = sorted(p.blocks, key=lambda b: b.block_s)
-        ar = [c for c in p.collectives if c.op == "all_reduce"]
-        bw = ", ".join(f"{c.bandwidth_gbps:.2f}" for c in ar) or "-"
-        lat = ", ".join(f"{c.latency_s * 1e6:.0f}" for c in ar) or "-"
-        table.add_row(json.dumps(p.env), p.device_name, str(len(p.blocks)),
-                      f"{blocks[0].block_s * 1e3:.1f}..{blocks[-1].block_s * 1e3:.1f}",
-                      f"{min(b.head_s for b in blocks) * 1e3:.1f}..{max(b.head_s for b in blocks) * 1e3:.1f}",
-                      bw, lat, f"{p.optimizer.b * 1e9:.2f}", f"{p.profile_s:.1f}")
-    console.print(table)
 
 
 def cmd_ui(args: argparse.Namespace, console: Console) -> int:

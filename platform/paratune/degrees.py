@@ -9,27 +9,24 @@ from __future__ import annotations
 
 from typing import Any
 
+from paratune.config_sizes import EXPERT_COUNT_KEYS, ConfigSizes, config_sizes
+
 
 def _factorizations(world: int) -> str:
     return ", ".join(f"dp{world // (t * p)} x tp{t} x pp{p}" for t in range(1, world + 1) if world % t == 0
                      for p in range(1, world // t + 1) if (world // t) % p == 0)
 
 
-def _model_numbers(plan: Any) -> dict[str, Any] | None:
-    """The model's config as a dict for the rules that need its shape; None when it cannot be read
+def _model_numbers(plan: Any) -> ConfigSizes | None:
+    """The model's shape for the rules that need it (paratune.config_sizes: aliases such as Bloom's
+    n_head and class defaults resolved as transformers does); None when its config cannot be read
     (the model's own error is reported where the model is built)."""
     from paratune.models import ModelError, load_config_dict
 
     try:
-        return load_config_dict(plan.model, plan.model_overrides)
+        return config_sizes(load_config_dict(plan.model, plan.model_overrides))
     except ModelError:
         return None
-
-
-def _heads(config: dict[str, Any]) -> tuple[int, int]:
-    """(attention heads, key/value heads) of a config dict."""
-    heads = config.get("num_attention_heads", 1)
-    return heads, config.get("num_key_value_heads") or heads
 
 
 def check_degrees(plan: Any) -> None:
@@ -62,13 +59,12 @@ def check_degrees(plan: Any) -> None:
     config = _model_numbers(plan)
     if config is None:
         return
-    heads, kv_heads = _heads(config)
-    layers = config.get("num_hidden_layers", 1)
-    if tp > 1 and (heads % tp or kv_heads % tp):
+    heads, kv_heads, layers = config.heads, config.kv_heads, config.layers
+    if tp > 1 and config.tp_plan_shipped and (heads % tp or kv_heads % tp):
         raise ValueError(f"tp: {tp} must divide attention heads ({heads}) and KV heads ({kv_heads}); allowed: "
                          f"{[d for d in range(1, kv_heads + 1) if heads % d == 0 and kv_heads % d == 0]}")
-    if tp > 1 and config.get("vocab_size", 0) % tp:
-        raise ValueError(f"tp: {tp} must divide vocab_size {config['vocab_size']} (embedding and head are sharded)")
+    if tp > 1 and config.vocab % tp:
+        raise ValueError(f"tp: {tp} must divide vocab_size {config.vocab} (embedding and head are sharded)")
     if pp > 1:
         stages = pp * (2 if plan.pp_schedule == "interleaved_1f1b" else 1)
         if layers < stages:
@@ -109,16 +105,11 @@ def _check_cp_degrees(plan: Any) -> None:
         config = _model_numbers(plan)
         if config is None:
             return
-        heads, kv_heads = _heads(config)
+        heads, kv_heads = config.heads, config.kv_heads
         if kv_heads != heads:
             raise ValueError(f"cp: {cp} with precision 'fp32' and grouped-query attention ({heads} heads, {kv_heads} "
                              "KV heads): CUDA runs fp32 GQA on SDPA's math kernel only, which context parallel cannot "
                              "ring; allowed: precision 'bf16' (flash attention)")
-
-
-# Keys where families keep their number of routed experts (Mixtral num_local_experts, Qwen-MoE /
-# OLMoE / Granite-MoE num_experts, DeepSeek n_routed_experts).
-EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 def routed_expert_count(config: dict[str, Any]) -> int | None:
@@ -156,7 +147,7 @@ def _check_ep_degrees(plan: Any) -> None:
     config = _model_numbers(plan)
     if config is None:
         return
-    experts = routed_expert_count(config)  # None: dense, or kept elsewhere (the preflight builds the model)
+    experts = config.experts  # None: dense, or kept elsewhere (the preflight builds the model)
     if experts is not None and experts % ep:
         raise ValueError(f"ep: {ep} must divide the model's {experts} routed experts; allowed ep: "
                          f"{[d for d in range(1, min(experts, dp) + 1) if experts % d == 0 and dp % d == 0]}")

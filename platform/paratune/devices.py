@@ -153,13 +153,17 @@ class Device:
     gpus_per_node: int = 8
     host_link_gbps: float = 25.0  # GB/s between a GPU and host memory (PCIe): what offload pays
     gpu: str | None = None  # the GPU model (a GPU_PEAK_TFLOPS key): how `auto` finds it
+    # GB/s of the GPU's own memory (HBM), where it differs from its model's datasheet figure
+    # (paratune.efficiency.HBM_GBPS): what memory-bound ops stream at. None: the model's.
+    memory_gbps: float | None = None
 
     @property
     def memory_bytes(self) -> float:
         return self.memory_gib * GiB
 
 
-DEVICE_FIELDS = ("memory_gib", "tflops", "intra_node_gbps", "inter_node_gbps", "gpus_per_node", "host_link_gbps", "gpu")
+DEVICE_FIELDS = ("memory_gib", "tflops", "intra_node_gbps", "inter_node_gbps", "gpus_per_node", "host_link_gbps", "gpu",
+                 "memory_gbps")
 _REQUIRED_DEVICE_FIELDS = ("memory_gib", "tflops", "intra_node_gbps", "inter_node_gbps")
 
 
@@ -182,8 +186,8 @@ def _device_from_spec(name: str, spec: object, source: str, base: dict | None = 
     missing = [k for k in _REQUIRED_DEVICE_FIELDS if k not in merged]
     if missing:
         raise ValueError(f"{where}: missing {', '.join(missing)} (required: {', '.join(_REQUIRED_DEVICE_FIELDS)}; "
-                         f"optional: gpus_per_node, host_link_gbps, gpu)")
-    for field_name in ("memory_gib", "intra_node_gbps", "inter_node_gbps", "host_link_gbps"):
+                         f"optional: gpus_per_node, host_link_gbps, gpu, memory_gbps)")
+    for field_name in ("memory_gib", "intra_node_gbps", "inter_node_gbps", "host_link_gbps", "memory_gbps"):
         if field_name in merged and not _positive_number(merged[field_name]):
             raise ValueError(f"{where}: {field_name}: got {merged[field_name]!r}; allowed: a number > 0")
     tflops = merged["tflops"]
@@ -204,7 +208,8 @@ def _device_from_spec(name: str, spec: object, source: str, base: dict | None = 
                              "(or leave it out: the entry is then found by name only)")
     return Device(name=name, memory_gib=float(merged["memory_gib"]), tflops={k: float(v) for k, v in tflops.items()},
                   intra_node_gbps=float(merged["intra_node_gbps"]), inter_node_gbps=float(merged["inter_node_gbps"]),
-                  gpus_per_node=gpus, host_link_gbps=float(merged.get("host_link_gbps", 25.0)), gpu=gpu)
+                  gpus_per_node=gpus, host_link_gbps=float(merged.get("host_link_gbps", 25.0)), gpu=gpu,
+                  memory_gbps=float(merged["memory_gbps"]) if merged.get("memory_gbps") is not None else None)
 
 
 def _with_gpu_peaks(spec: dict) -> dict:

@@ -7,15 +7,19 @@ each strategy are described once, `data_parallel_comm`, and paratune.timemodel t
 description on measured curves), the roofline's time terms and their fit, and `estimate` /
 `estimate_space` / `Roofline` (a sweep's predictions, refitted on its trials).
 
-Time is a roofline: compute = model FLOPs x (1 + the recomputed share: `recompute_share`) over
-the device's dense peak, float8's converted matmuls over its FP8 peak (`compute_seconds`),
-compile an assumed share off it (COMPILE_COMPUTE_SAVING); communication = ring-collective bytes over the slowest link the group spans; the DP part
-overlaps with backward, TP's does not (async TP: ASYNC_TP_OVERLAP of it hidden); PP adds its
-bubble; expert parallelism (paratune.moe_costs) adds its all-to-all, exposed, on the node's links
-while an ep group fits in a node, else the network's, and scales the routed experts' compute by
-the routing's imbalance (a measured `routing_balance`, else DEFAULT_IMBALANCE). Three constants (compute efficiency,
-communication efficiency, a fixed per-step overhead) are fitted from measured trials
-(`fit_time_constants`); until then DESIGN.md's reference MFU (~40%) and 70% of link bandwidth.
+Time is a roofline: compute = a rank's model FLOPs x (1 + the recomputed share: `recompute_share`)
+at the rates a training step reaches (`achieved_compute_seconds`: on a GPU with kernel figures,
+paratune.efficiency's matmul, causal-attention and HBM rates over their end-to-end share; else
+DEFAULT_COMPUTE_EFFICIENCY of the dense peak, `compute_seconds`); communication = ring-collective
+bytes over the group's bus bandwidth (`collective_gbps`: NVLink inside a node, the group's NICs
+together across nodes); FSDP2's gathers and reduce-scatters hide under the whole micro-batch,
+DDP's and ZeRO's reductions under its backward (`dp_overlap_share`), TP's collectives are exposed
+but for the forward's under async TP (`async_tp_hidden`); PP adds its bubble; expert parallelism
+(paratune.moe_costs) adds its all-to-all, exposed, on the node's links while an ep group fits in a
+node, else one NIC, and scales the routed experts' compute by the routing's imbalance (a measured
+`routing_balance`, else DEFAULT_IMBALANCE). Four constants (the compute rate's multiplier, the
+links' achieved share, fixed costs per step and per micro-batch) are fitted from measured trials
+(`fit_time_constants`); until then 1 (as modelled), 70% of link bandwidth, 0 and 5 ms.
 """
 
 from __future__ import annotations
@@ -24,53 +28,28 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from paratune.adapters import adapted_params, adapter_counts
+from paratune.adapters import adapted_params
 from paratune.activations import ActivationModel
+from paratune.bands import PredictionBand, memory_verdict, prediction_band
 from paratune.devices import Device
+from paratune.efficiency import (
+    DEFAULT_COMPUTE_EFFICIENCY,
+    compute_parts,
+    float8_flops_share,
+    fsdp_copy_seconds,
+    has_kernel_rates,
+    step_flops,
+)
 from paratune.memory import MemoryEstimate, construction_bytes, estimate_memory
 from paratune.moe_costs import (
     DEFAULT_IMBALANCE,
     all_to_all_bytes,
     all_to_all_crosses_nodes,
-    expert_flops_share,
     expert_layout,
     held_with_experts,
 )
 from paratune.plan import Plan
-from paratune.shapes import BYTES, GiB, model_shape, offload_bytes, replicas
-
-# The cost model's public names, importable from here as before the split (paratune.devices,
-# .shapes, .activations, .memory hold them; paratune's own modules import them from there).
-from paratune.activations import (  # noqa: E402, F401
-    PHASES,
-    TRACE_STORE_DIR,
-    ActivationCoefficients,
-    PhaseBytes,
-    activation_coefficients,
-)
-from paratune.devices import (  # noqa: E402, F401
-    DEVICE_FIELDS,
-    RAY_ACCELERATOR_TYPES,
-    device_for_cluster,
-    device_from_probe,
-    devices_for_accelerator_type,
-    get_device,
-    load_devices,
-    probe_gpu,
-)
-from paratune.memory import (  # noqa: E402, F401
-    PHASE_WHEN,
-    ZERO3_MAX_LIVE_PARAMETERS,
-    ModelStates,
-    activation_bytes,
-    memory_moments,
-    model_states,
-)
-from paratune.shapes import (  # noqa: E402, F401
-    ZERO3_PERSISTENCE_THRESHOLD,
-    ModelShape,
-    compute_precision,
-)
+from paratune.shapes import BYTES, GiB, ModelShape, model_shape, offload_bytes, replicas
 
 
 def checked_imbalance(routing_balance: float | None) -> float:
@@ -200,9 +179,10 @@ def comm_volume(plan: Plan, imbalance: float = DEFAULT_IMBALANCE) -> CommVolume:
 # --------------------------------------------------------------------------- time
 @dataclass
 class TimeConstants:
-    """Achieved fraction of peak compute and of link bandwidth, and a fixed per-step cost."""
+    """Achieved share of the modelled compute rate (`achieved_compute_seconds`: 1 = as modelled;
+    a sweep fits it on its trials) and of link bandwidth, and fixed costs per step and micro-batch."""
 
-    compute_efficiency: float = 0.4
+    compute_efficiency: float = 1.0
     comm_efficiency: float = 0.7
     overhead_s: float = 0.0
     # Fixed cost of each micro-batch (kernel launches, Python, the loss): why bigger micro-batches
@@ -222,98 +202,94 @@ class TimeEstimate:
     tokens_per_s_per_gpu: float
 
 
-# torch.compile of each block: the roofline counts FLOPs, which compile does not change; what it
-# removes is the eager time of the memory-bound ops between the matmuls (norms, activations, rotary,
-# residual adds, casts) by fusing them. Assumed: it takes this share off the compute time.
-# torchtitan's Llama-3.1 8B on 8 H100s (benchmarks/llama3_h100_202412_torchtitan.md, Table 1):
-# 5,762 -> 6,667 tokens/s/GPU with compile (-13.6% step time); 10% is the assumption, until a
-# profile or the sweep's refit measures it.
+# torch.compile of each block on a device without kernel figures (the CPU entry; on a GPU with
+# them compile's effect is paratune.efficiency's fused memory traffic): an assumed share off the
+# ideal compute time, until a profile or the sweep's refit measures it.
 COMPILE_COMPUTE_SAVING = 0.10
-# Async TP (torch's micro-pipelined all-gather/reduce-scatter matmuls under sequence
-# parallelism): this share of the tp collectives' time is assumed hidden behind the matmuls they
-# are fused into; the rest stays exposed (the pipeline's first and last chunks, the collectives
-# outside the fused matmuls). torchtitan's 70B on 256 H100s (Table 4): 829 -> 876 tokens/s/GPU.
-ASYNC_TP_OVERLAP = 0.8
-
-
-def recompute_share(plan: Plan, shape: ModelShape | None = None) -> float:
-    """FLOPs the checkpointing recomputes, as a share of the model's (forward + backward = 3x
-    the forward). full: every block's forward again (1/3); layers: ceil(L/N) of a stage's L
-    blocks (`activations._every_nth_block`); selective: only the ops outside SAVED_OPS, counted
-    per token and block: 2 RMSNorms (~5h each), SwiGLU's silu and product (~5 x MLP width),
-    rotary on q and k (~3 x their width), 2 residual adds (h): no matmul, ~1e-4 of the FLOPs
-    (their cost is memory-bound time, which FLOPs do not see; the calibrated model measures it)."""
-    from paratune.measure import flops_per_token
-    from paratune.shapes import mlp_width
-
-    ac = plan.activation_checkpointing
-    if ac == "full":
-        return 1 / 3
-    shape = shape or model_shape(plan)
-    if ac == "layers":
-        blocks = math.ceil(shape.layers / plan.pp)
-        return math.ceil(blocks / plan.checkpoint_every) / blocks / 3
-    if ac == "selective":
-        h, q = shape.hidden, shape.heads * shape.head_dim
-        k = (shape.kv_heads or shape.heads) * shape.head_dim
-        per_block = 10 * h + 5 * mlp_width(shape) + 3 * (q + k) + 2 * h
-        total = flops_per_token(shape.compute, shape.layers, shape.heads, shape.head_dim, plan.seq_len)
-        return shape.layers * per_block / total
-    return 0.0
-
-
-def float8_flops_share(plan: Plan, shape: ModelShape | None = None) -> float:
-    """The share of the model's FLOPs in the matmuls the float8 lever converts: every linear of
-    the decoder blocks (torchao's convert_to_float8_training, the LM head filtered out, as
-    torchtitan does), 6 FLOPs a parameter a token; the head and attention's scores stay bf16."""
-    from paratune.measure import flops_per_token
-
-    if plan.float8 == "none":
-        return 0.0
-    shape = shape or model_shape(plan)
-    head = shape.head or shape.embedding  # the head's matmul (tied: the embedding's weight)
-    converted = 6.0 * max(0.0, shape.compute - head - shape.layers * 2 * shape.hidden)  # minus the norms
-    return converted / flops_per_token(shape.compute, shape.layers, shape.heads, shape.head_dim, plan.seq_len)
 
 
 def compute_seconds(plan: Plan, device: Device, shape: ModelShape | None = None,
                     imbalance: float = DEFAULT_IMBALANCE) -> float:
-    """Ideal compute time per step of one rank: model FLOPs x (1 + recomputed share), the float8
-    matmuls at the device's FP8 peak (where it has one), the rest at the plan's precision's.
-    Under ep the busiest rank's experts compute `imbalance` x the mean tokens (the routed
-    experts' FLOPs share, paratune.moe_costs.expert_flops_share, scaled by it); with ep 1 every
-    rank runs all its tokens' experts itself, whatever the balance."""
-    from paratune.measure import flops_per_token
-
+    """Ideal compute time per step of one rank at the device's dense peak: `step_flops` (model
+    FLOPs x (1 + recomputed share), LoRA's and ep's counted), the float8 matmuls at the device's
+    FP8 peak (where it has one), the rest at the plan's precision's; compile an assumed
+    COMPILE_COMPUTE_SAVING off. What a device without kernel figures is predicted from
+    (`achieved_compute_seconds`), and the floor no measured step beats."""
     shape = shape or model_shape(plan)
-    flops = flops_per_token(shape.compute, shape.layers, shape.heads, shape.head_dim, plan.seq_len)
-    if plan.peft is not None:  # LoRA: no weight-gradient matmuls for the frozen base (2N of 6N); the adapters' 6N
-        counts = adapter_counts(plan)
-        flops += -2.0 * shape.compute + 6.0 * (counts.per_block * shape.layers + counts.root)
-    flops *= plan.tokens_per_step / plan.num_workers * (1 + recompute_share(plan, shape))
-    if plan.ep > 1:
-        flops *= 1 + expert_flops_share(plan) * max(0.0, imbalance - 1.0)
+    flops, _ = step_flops(plan, shape, imbalance)
     peak = device.tflops.get(plan.precision, device.tflops.get("fp32", 1.0)) * 1e12
     f8 = float8_flops_share(plan, shape) if "fp8" in device.tflops else 0.0
     seconds = flops * ((1 - f8) / peak + f8 / (device.tflops.get("fp8", 1.0) * 1e12))
     return seconds * (1 - COMPILE_COMPUTE_SAVING if plan.compile else 1.0)
 
 
+def achieved_compute_seconds(plan: Plan, device: Device, shape: ModelShape | None = None,
+                             imbalance: float = DEFAULT_IMBALANCE) -> float:
+    """Compute time per step of one rank as a training step reaches it: on a GPU with kernel
+    figures (paratune.efficiency: matmuls at its measured matmul rate, causal attention at
+    FlashAttention's by sequence length, memory-bound ops at its HBM bandwidth, over the share a
+    training step reaches); elsewhere (the CPU entry, a device without them) the ideal time over
+    DEFAULT_COMPUTE_EFFICIENCY of the peak (DESIGN's reference MFU)."""
+    shape = shape or model_shape(plan)
+    if plan.precision == "bf16" and has_kernel_rates(device):
+        return compute_parts(plan, device, shape, imbalance=imbalance).seconds
+    return compute_seconds(plan, device, shape, imbalance) / DEFAULT_COMPUTE_EFFICIENCY
+
+
+def collective_gbps(device: Device, group: int, per_node: int, stride: int = 1) -> float:
+    """Bus bandwidth (GB/s per rank) of a ring collective over `group` ranks `stride` apart, laid
+    out node by node (`per_node` GPUs a node). Inside a node: NVLink's (intra_node_gbps). Across
+    nodes NCCL builds one ring per NIC and runs them at once, each node crossing into the next
+    through every NIC its ranks have (one a GPU, inter_node_gbps each): a ring over whole nodes
+    gets the node's NICs together, up to NVLink's figure (NVIDIA/nccl#412, a maintainer: with
+    more NICs "you should get more bandwidth, up to ... the NVLink intra-node bandwidth";
+    NVIDIA/nccl-tests#290: 46-48 GB/s per 400 Gb/s NIC). A group with one rank a node (tp x cp
+    filling the node) has one NIC."""
+    span = group * stride
+    if span <= per_node:
+        return device.intra_node_gbps
+    on_a_node = max(1, min(group, per_node // max(1, stride)))
+    return min(device.intra_node_gbps, device.inter_node_gbps * on_a_node)
+
+
+def async_tp_hidden(plan: Plan) -> float:
+    """The share of the tp collectives async TP hides: the forward's. torch's micro-pipelining
+    (Inductor's pass over the compiled blocks) fuses the forward's all-gather -> matmul and
+    matmul -> reduce-scatter; the PyTorch team measured up to 29% (8B) / 20% (70B) faster
+    forwards but ~8% end to end ("Introducing Async Tensor Parallelism in PyTorch",
+    discuss.pytorch.org/t/209487). Forward collectives: 2 a block a pass (the recomputed forward
+    of full checkpointing is another pass), backward's 2: (1 + again) / (2 + again)."""
+    if not plan.async_tp:
+        return 0.0
+    again = 1.0 if plan.activation_checkpointing == "full" else 0.0
+    return (1 + again) / (2 + again)
+
+
+def dp_overlap_share(plan: Plan) -> float:
+    """The share of the compute the data-parallel collectives can hide under: FSDP2's gathers are
+    prefetched in forward and in backward and its reduce-scatters follow each block's backward
+    (the whole micro-batch); DDP's and ZeRO's reductions run under the backward only (2/3)."""
+    return 1.0 if data_parallel_comm(plan).scheme == "fsdp" else 2 / 3
+
+
 def _time_terms(plan: Plan, device: Device, imbalance: float = DEFAULT_IMBALANCE) -> tuple[float, float, float, float]:
-    """(ideal compute s, ideal DP comm s, ideal TP+PP+CP+EP comm s, pipeline bubble fraction)."""
+    """(compute s as a step reaches it, ideal DP comm s, ideal exposed TP+PP+CP+EP comm s, pipeline
+    bubble fraction). Collectives over links at `collective_gbps`: the dp group (ranks tp x cp
+    apart) across nodes gets its ranks' NICs together."""
     shape = model_shape(plan)
-    compute = compute_seconds(plan, device, shape, imbalance)
+    compute = achieved_compute_seconds(plan, device, shape, imbalance)
     vol = comm_volume(plan, imbalance)
     per_node = plan.gpus_per_node or device.gpus_per_node
-    dp_span = plan.num_workers > per_node  # the dp ring crosses nodes once dp x tp x pp does
-    tp_span = plan.tp > per_node
-    bw = lambda crosses: (device.inter_node_gbps if crosses else device.intra_node_gbps) * 1e9  # noqa: E731
-    dp_s = vol.dp / bw(dp_span)
-    tp_exposed = 1 - ASYNC_TP_OVERLAP if plan.async_tp else 1.0
-    mp_s = vol.tp / bw(tp_span) * tp_exposed + vol.pp / bw(plan.num_workers > per_node)
-    mp_s += vol.cp / bw(plan.tp * plan.cp > per_node)  # counted as exposed: the ring waits on its peers
-    # The all-to-all, exposed: the experts wait on their tokens, the next layer on their results.
-    mp_s += vol.ep / bw(all_to_all_crosses_nodes(plan, per_node)) if vol.ep else 0.0
+    bw = lambda group, stride=1: collective_gbps(device, group, per_node, stride) * 1e9  # noqa: E731
+    dp_s = vol.dp / bw(replicas(plan), plan.tp) if vol.dp else 0.0
+    mp_s = vol.tp / bw(plan.tp) * (1 - async_tp_hidden(plan)) if vol.tp else 0.0
+    # a stage boundary crosses nodes once the stages do: one NIC a pair
+    mp_s += vol.pp / ((device.inter_node_gbps if plan.num_workers > per_node else device.intra_node_gbps) * 1e9)
+    mp_s += vol.cp / bw(plan.cp, plan.tp) if vol.cp else 0.0  # counted as exposed: the ring waits on its peers
+    # The all-to-all, exposed: the experts wait on their tokens, the next layer on their results;
+    # an all-to-all cannot aggregate a node's NICs (NVIDIA/nccl-tests#267): one NIC a rank.
+    crosses = all_to_all_crosses_nodes(plan, per_node)
+    mp_s += vol.ep / ((device.inter_node_gbps if crosses else device.intra_node_gbps) * 1e9) if vol.ep else 0.0
     mp_s += offload_bytes(plan, shape) / (device.host_link_gbps * 1e9)  # not overlapped either
     m = plan.grad_accum
     # Interleaving gives each rank v = 2 stages, which divides the fill/drain time by v (Megatron).
@@ -324,12 +300,17 @@ def _time_terms(plan: Plan, device: Device, imbalance: float = DEFAULT_IMBALANCE
 
 def estimate_time(plan: Plan, device: Device, constants: TimeConstants | None = None,
                   imbalance: float = DEFAULT_IMBALANCE) -> TimeEstimate:
+    """Step time: compute (as a step reaches it, x 1 / `compute_efficiency`, 1 until a sweep
+    fits it), the DP collectives beyond what `dp_overlap_share` of the compute hides, the exposed
+    TP/PP/CP/EP collectives, FSDP2's copies around its collectives (`fsdp_copy_seconds`), the
+    pipeline bubble, a fixed cost per step and per micro-batch."""
     c = constants or TimeConstants()
     compute, dp_s, mp_s, bubble = _time_terms(plan, device, imbalance)
     compute /= c.compute_efficiency
     comm = (dp_s + mp_s) / c.comm_efficiency
-    # DP collectives overlap with backward (about two thirds of compute); TP/PP ones do not.
-    exposed = max(0.0, dp_s / c.comm_efficiency - compute * 2 / 3) + mp_s / c.comm_efficiency
+    exposed = max(0.0, dp_s / c.comm_efficiency - compute * dp_overlap_share(plan)) + mp_s / c.comm_efficiency
+    copies = fsdp_copy_seconds(plan, device)  # FSDP2's copies around its collectives, on the compute stream
+    compute += copies
     step = compute / (1 - bubble) + exposed + c.overhead_s + c.micro_batch_overhead_s * plan.grad_accum
     return TimeEstimate(compute, comm, exposed, bubble, step, plan.tokens_per_step / step / plan.num_workers)
 
@@ -350,25 +331,28 @@ def _spread(column) -> float:  # noqa: ANN001 - a numpy column
 
 def fit_time_constants(samples: list[tuple[Plan, float]], device: Device) -> TimeConstants:
     """Least squares of measured step time on the model's terms:
-    step ≈ a·compute + b·comm + c + d·micro-batches, all >= 0 (a = 1/compute efficiency,
-    b = 1/comm efficiency), fitting only what the trials can tell apart. A term whose column has
+    step ≈ a·compute + b·comm + c + d·micro-batches, all >= 0 (compute as a step reaches it,
+    `achieved_compute_seconds`: a = 1/compute_efficiency, the share of that rate reached; b =
+    1/comm efficiency), fitting only what the trials can tell apart. A term whose column has
     (near) no spread across them (IDENTIFIABLE_SPREAD) is collinear with the constant c and is
-    held at its prior (TimeConstants(): DESIGN's reference compute efficiency, 70% of the links,
-    the micro-batch cost): in a sweep every plan computes the same FLOPs, and a fitted compute
+    held at its prior (TimeConstants(): the modelled compute rate, 70% of the links, the
+    micro-batch cost): in a sweep every plan computes the same FLOPs, and a fitted compute
     coefficient came out anywhere from 11% to 3700% of peak. With few trials, fewer terms (in
-    the order compute, overhead, micro-batches, comm). The compute efficiency never exceeds 1
-    against the device's peak (a >= 1), and held, a never makes compute alone outlast a measured
-    step. `compute_fitted` says whether it was fitted."""
+    the order compute, overhead, micro-batches, comm). Compute is never faster than the device's
+    dense peak (a >= the ideal-at-peak over the modelled time, the largest of the trials'), and
+    held, a never makes compute alone outlast a measured step. `compute_fitted` says whether it
+    was fitted."""
     import numpy as np
 
     prior = TimeConstants()
     if not samples:
         return prior
-    rows, y = [], []
+    rows, y, floor = [], [], 0.0
     for plan, measured in samples:
         compute, dp_s, mp_s, bubble = _time_terms(plan, device)
         rows.append([compute / (1 - bubble), dp_s + mp_s, 1.0, float(plan.grad_accum)])
-        y.append(measured)
+        y.append(measured - fsdp_copy_seconds(plan, device) / (1 - bubble))  # a known cost, not fitted
+        floor = max(floor, compute_seconds(plan, device) / compute if compute > 0 else 0.0)
     X, Y = np.array(rows), np.array(y)
     n = len(samples)
     priors = np.array([1 / prior.compute_efficiency, 1 / prior.comm_efficiency, prior.overhead_s,
@@ -378,12 +362,12 @@ def fit_time_constants(samples: list[tuple[Plan, float]], device: Device) -> Tim
     coef = priors.copy()
     coef[active] = 0.0
     if 0 not in active and X[:, 0].min() > 0:  # held: compute alone never longer than a measured step
-        coef[0] = max(1.0, min(coef[0], float((Y / X[:, 0]).min())))
+        coef[0] = max(floor, min(coef[0], float((Y / X[:, 0]).min())))
     for _ in range(8):  # non-negative least squares by hand: drop terms that come out negative
         rest = Y - X @ np.where(np.isin(np.arange(4), active), 0.0, coef)
         sol, *_ = np.linalg.lstsq(X[:, active], rest, rcond=None) if active else (np.zeros(0),)
-        if 0 in active and sol[active.index(0)] < 1.0:  # faster than the device's peak: hold at the peak
-            coef[0] = 1.0
+        if 0 in active and sol[active.index(0)] < floor:  # faster than the device's peak: hold at the peak
+            coef[0] = floor
             active = [j for j in active if j != 0]
             continue
         if (sol >= 0).all():
@@ -417,10 +401,26 @@ class Estimate:
     # Model FLOPs per token x predicted tokens/s/GPU over the device's bf16 peak (float8 plans
     # too: their FP8 matmuls are not a separate peak), None without a bf16 peak.
     mfu_vs_bf16_peak: float | None = None
+    # The prediction's expected error (paratune.bands.prediction_band) and the memory's verdict
+    # against the capacity within it (paratune.bands.memory_verdict: fits, tight, over).
+    band: PredictionBand | None = None
+    verdict: str = "fits"
 
     @property
     def fits(self) -> bool:
+        """Predicted within the capacity (the prediction itself, its band aside)."""
         return self.overflow is None
+
+    @property
+    def tight(self) -> bool:
+        """The predicted peak is within its band of the capacity (either side): a trial settles it."""
+        return self.verdict == "tight"
+
+    @property
+    def measurable(self) -> bool:
+        """Worth a trial: it fits, or is tight (not refused by the device, not over by more than
+        its band). What a sweep measures and `paratune plan` lists."""
+        return self.refusal is None and (self.fits or self.tight)
 
     def summary(self) -> dict[str, float]:
         """Flat numbers for MLflow and JSON."""
@@ -430,7 +430,9 @@ class Estimate:
                 "predicted_comm_gb_per_step": self.comm.total / 1e9,
                 "predicted_step_time_s": self.time.step_s,
                 "predicted_tokens_per_s_per_gpu": self.time.tokens_per_s_per_gpu,
-                **({"predicted_mfu_vs_bf16_peak": self.mfu_vs_bf16_peak} if self.mfu_vs_bf16_peak else {})}
+                **({"predicted_mfu_vs_bf16_peak": self.mfu_vs_bf16_peak} if self.mfu_vs_bf16_peak else {}),
+                **({"predicted_tokens_band": self.band.tokens, "predicted_memory_band": self.band.memory,
+                    "predicted_memory_tight": float(self.tight)} if self.band else {})}
 
 
 def estimate(plan: Plan, device: Device, constants: TimeConstants | None = None, capacity_gib: float | None = None,
@@ -461,6 +463,9 @@ def estimate(plan: Plan, device: Device, constants: TimeConstants | None = None,
     if steady:
         reasons.append(steady)
     result.overflow = "; ".join(reasons) or None
+    result.band = prediction_band(plan, device)
+    verdicts = {memory_verdict(b, limit, result.band.memory) for b in (memory.total, result.construction)}
+    result.verdict = ("over" if result.refusal or "over" in verdicts else "tight" if "tight" in verdicts else "fits")
     return result
 
 
@@ -468,10 +473,12 @@ def estimate_space(space, device: Device, capacity_gib: float | None = None, mar
                    constants: TimeConstants | None = None, activation_model: ActivationModel = "trace",
                    routing_balance: float | None = None) -> list[Estimate]:
     """Every valid plan of a space (env choices aside: they change neither memory nor volume),
-    those that fit first, fastest first; then those that do not, smallest first."""
+    those worth a trial first (they fit, or are tight: `Estimate.measurable`), fastest first;
+    then those that do not, smallest first."""
     results = [estimate(c.plan, device, constants, capacity_gib, margin, activation_model, routing_balance)
                for c in space.candidates]
-    return sorted(results, key=lambda e: (not e.fits, -e.time.tokens_per_s_per_gpu if e.fits else e.memory.total))
+    return sorted(results, key=lambda e: (not e.measurable, -e.time.tokens_per_s_per_gpu if e.measurable
+                                          else e.memory.total))
 
 
 class Roofline:
@@ -532,4 +539,3 @@ class Roofline:
         return out
 
 
-Calibration = Roofline  # the old name (a public import: paratune.estimate.Calibration)

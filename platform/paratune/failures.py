@@ -27,9 +27,9 @@ import threading
 from typing import Literal
 
 Reason = Literal["oom", "comm_timeout", "hang", "worker_died", "invalid_config", "error", "node_lost",
-                 "insufficient_resources", "invalid_placement", "environment"]
+                 "insufficient_resources", "invalid_placement", "environment", "diverged"]
 REASONS: tuple[str, ...] = ("oom", "comm_timeout", "hang", "worker_died", "invalid_config", "error", "node_lost",
-                            "insufficient_resources", "invalid_placement", "environment")
+                            "insufficient_resources", "invalid_placement", "environment", "diverged")
 # Outcomes that say nothing about the plan: a sweep records them but never scores them (the
 # searcher does not learn the plan is bad) and `--resume` measures the plan again (once the
 # cluster or its environment is fixed).
@@ -39,6 +39,11 @@ CLUSTER_REASONS: frozenset[str] = frozenset({"node_lost", "insufficient_resource
 
 class TrialTimeout(RuntimeError):
     """The trial ran past plan.trial_timeout_s: a hang (a collective or a worker stuck)."""
+
+
+class Diverged(RuntimeError):
+    """A step's loss was not finite (NaN or inf) on some rank: whatever its speed, the plan did
+    not train, so it is a failed trial (reason `diverged`), never a winner."""
 
 
 # NCCL could not make a system or external-library call (ncclSystemError; torch prints "unhandled
@@ -79,6 +84,7 @@ _WATCHDOG_TEARDOWN = re.compile(
 # survivors' timeouts; whether that worker itself died of a timeout, only its own log can say).
 _PATTERNS: list[tuple[str, re.Pattern[str]]] = [
     ("oom", _OOM),
+    ("diverged", re.compile(r"Diverged: |loss not finite")),
     ("invalid_placement", re.compile(r"invalid_placement|PlacementError")),
     ("node_lost", _NODE_DIED),
     ("invalid_config", re.compile(r"PlanError|ModelError|DataError|invalid_config", re.I)),
@@ -204,6 +210,8 @@ def classify(exc: BaseException, worker_logs: str | None = None) -> tuple[Reason
     for e in chain:
         if isinstance(e, TrialTimeout):
             return "hang", str(e)
+        if isinstance(e, Diverged):
+            return "diverged", str(e)
         if isinstance(e, (PlanError, ModelError, DataError)):
             return "invalid_config", f"{type(e).__name__}: {e}"
         if isinstance(e, (MemoryError,)) or type(e).__name__ == "OutOfMemoryError":

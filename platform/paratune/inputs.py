@@ -26,7 +26,9 @@ def check_inputs(plan: Plan, source: str = "plan") -> None:
     if plan.data.kind != "synthetic":
         _check_data(plan.data, source)
     if plan.data.tokenizer is not None:
-        _check_tokenizer(plan.data, int(config.get("vocab_size") or 0), source)
+        from paratune.config_sizes import config_sizes
+
+        _check_tokenizer(plan.data, config_sizes(config).vocab, source)
 
 
 def _check_data(spec: DataSpec, source: str) -> None:

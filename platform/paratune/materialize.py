@@ -29,6 +29,54 @@ def module_seed(seed: int, module_name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
+def _fill_sentinel(t: torch.Tensor) -> None:
+    """NaN (the most negative integer for integer tensors): no family's init writes it."""
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    elif t.dtype != torch.bool:
+        t.fill_(torch.iinfo(t.dtype).min)
+
+
+def _is_sentinel(t: torch.Tensor) -> bool:
+    if t.numel() == 0 or t.dtype == torch.bool:
+        return False
+    if t.is_floating_point() or t.is_complex():
+        return bool(torch.isnan(t).all())
+    return bool((t == torch.iinfo(t.dtype).min).all())
+
+
+def constructor_values(module: nn.Module, slots: list[str], owner: str, config=None,
+                       dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The values a module's own constructor gives the slots its family's `_init_weights` leaves
+    unwritten (xIELU's learned alpha_p / alpha_n and its beta / eps buffers, set in
+    XIELUActivation.__init__, which transformers' init never touches): the class built on the host
+    as the family builds it, with its defaults and, where its constructor takes them, the
+    model's `config` and `dtype` (Apertus: `ACT2CLS["xielu"](dtype=config.dtype)`). A class that
+    needs other arguments, or whose defaults give other shapes, is refused: paratune never trains
+    from uninitialized memory."""
+    import inspect
+
+    from paratune.model_error import ModelError
+
+    accepts = inspect.signature(type(module).__init__).parameters
+    kwargs = {k: v for k, v in (("config", config), ("dtype", dtype)) if k in accepts and v is not None}
+    try:
+        fresh = type(module)(**kwargs)
+    except Exception as err:  # noqa: BLE001 - a constructor that needs arguments
+        raise ModelError(f"model: {owner} ({type(module).__name__}) has {', '.join(slots)} that neither its family's "
+                         f"_init_weights nor a checkpoint sets, and its class cannot be built with its defaults "
+                         f"({type(err).__name__}: {err}); allowed: a model folder whose weights hold them") from None
+    out = {}
+    for k in slots:
+        value = getattr(fresh, k, None)
+        target = getattr(module, k)
+        if not isinstance(value, torch.Tensor) or value.shape != target.shape:
+            raise ModelError(f"model: {owner}.{k} ({type(module).__name__}) is set by neither its family's "
+                             "_init_weights nor its class's defaults; allowed: a model folder whose weights hold it")
+        out[k] = value.detach().to(target.dtype)
+    return out
+
+
 @dataclass(frozen=True)
 class InitTarget:
     """One parameter or buffer slot of a module, and where its value comes from."""
@@ -111,10 +159,15 @@ class ModelInit:
         if all(k in given for k in slots):
             return {k: given[k].detach() for k in slots}
         module.to_empty(device="cpu", recurse=False)
+        for k in slots:  # a sentinel shows what the family's init leaves unwritten (to_empty's memory is garbage)
+            _fill_sentinel(getattr(module, k))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(module_seed(self.seed, owner))
             self._init_fn(owner)(module)
         values = {k: v for k, v in [*module._parameters.items(), *module._buffers.items()] if v is not None}
+        unwritten = [k for k in slots if k not in given and _is_sentinel(values[k])]
+        if unwritten:
+            values.update(constructor_values(module, unwritten, owner, self.config, self.dtype))
         module.to_empty(device="meta", recurse=False)  # give the host memory back
         return {k: (given[k] if k in given else v).detach() for k, v in values.items()}
 

@@ -246,9 +246,10 @@ def model_flops_per_token(config, seq_len: int) -> float:
     experts a token never reaches (Mixtral-8x7B: 12.7B of 46.6B non-embedding parameters)."""
     from paratune.models import parameter_counts
 
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return flops_per_token(parameter_counts(config)["compute"], config.num_hidden_layers, heads, head_dim, seq_len)
+    from paratune.config_sizes import config_sizes
+
+    shape = config_sizes(config)
+    return flops_per_token(parameter_counts(config)["compute"], shape.layers, shape.heads, shape.head_dim, seq_len)
 
 
 def mfu(tokens_per_s_per_gpu: float, flops_per_tok: float, peak_flops: float | None) -> float | None:

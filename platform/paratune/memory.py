@@ -74,6 +74,7 @@ from paratune.shapes import (
     fsdp_shard_degree,
     fully_sharded,
     model_shape,
+    pipeline_in_flight,
     replicas,
 )
 
@@ -178,11 +179,10 @@ def _model_phase_bytes(plan: Plan, shape: ModelShape, coeff: ActivationCoefficie
     being formed."""
     tokens = plan.micro_batch * plan.seq_len // plan.cp
     layers_here = math.ceil(shape.layers / plan.pp)
-    in_flight = 1
-    if plan.pp > 1:  # micro-batches whose activations a stage holds at once
-        in_flight = plan.grad_accum if plan.pp_schedule == "gpipe" else min(plan.grad_accum, plan.pp)
     tp_share = 1.0 / plan.tp if plan.sequence_parallel or plan.tp == 1 else 0.5 + 0.5 / plan.tp
-    others = (in_flight - 1) * tokens * (coeff.per_layer * layers_here * tp_share + coeff.rest)
+    # Other micro-batches in flight (the first stage's): blocks and embedding output; not the head's and loss's
+    embedded = (2 if compute_precision(plan) == "bf16-params" else 4) * shape.hidden  # the last stage has 1 in flight
+    others = (pipeline_in_flight(plan) - 1) * tokens * (coeff.per_layer * layers_here + embedded) * tp_share
     copies = (coeff.per_layer_fixed * layers_here + coeff.rest_fixed) / plan.tp  # saved for backward
     others += float8_cast_bytes(plan, shape)
     out = {}

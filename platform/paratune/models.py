@@ -7,20 +7,20 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch is imported where a model is built: reading configs (validate, plan's checks) needs none
+    import torch
+    from torch import nn
+
+from paratune.model_error import ModelError
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
 
-class ModelError(ValueError):
-    """A model spec that cannot be built (unknown preset, bad path, not a causal decoder)."""
-
-
-# Files in presets/ that are not model configs (the device table lives beside the models).
-NOT_MODELS = {"devices"}
+# Files in presets/ that are not model configs (the device table and the prediction bands,
+# paratune.bands, live beside the models).
+NOT_MODELS = {"devices", "prediction_bands"}
 
 
 def preset_names() -> list[str]:
@@ -119,13 +119,16 @@ def _checked_attn_implementation(config) -> str:
     return attn_implementation(config)
 
 
-def build_model(config, seed: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+def build_model(config, seed: int, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                 sources: list | None = None) -> nn.Module:
     """Model from config, whole, on `device`: random init, or the values `sources` give
     (`ModelInit.sources`; a folder's pretrained weights: `paratune.checkpoints.build_model_with_weights`).
     Its values are those every layout reproduces slice by slice (paratune.materialize)."""
+    import torch
+
     from paratune.materialize import ModelInit, build_meta, materialize
 
+    dtype = dtype or torch.float32
     model = build_meta(config, dtype)
     init = ModelInit(model, config, seed, dtype)
     init.sources += sources or []
@@ -153,6 +156,8 @@ def block_stacks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     a multimodal model's vision tower has blocks of its own). A family that names none (BioGPT,
     CTRL, OpenAI-GPT): the one ModuleList of `num_hidden_layers` modules of one class that hold
     parameters. Almost every family has one stack; a few (HRM, BLT) have several, in order."""
+    from torch import nn
+
     names = set(getattr(model, "_no_split_modules", None) or ())
     lists = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.ModuleList) and len(mod)]
     found: list[tuple[str, nn.ModuleList]] = []
@@ -199,6 +204,8 @@ def _slot(root: nn.Module, target: nn.Module | None) -> tuple[nn.Module, str] | 
 
 
 def _is_norm(module: nn.Module) -> bool:
+    from torch import nn
+
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or "Norm" in type(module).__name__
 
 
@@ -382,6 +389,8 @@ def routed_top_k(model: nn.Module, path: str, experts: nn.Module) -> int:
 
 def count_parameters(model: nn.Module) -> dict[str, int]:
     """Parameter counts of a built model (any device, meta included); see parameter_counts."""
+    from torch import nn
+
     total = sum(p.numel() for p in model.parameters())  # tied weights counted once
     embedding_module = model.get_input_embeddings()
     embedding = embedding_module.weight.numel()
@@ -407,6 +416,7 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
 @lru_cache(maxsize=64)
 def _layout(key: str) -> dict[str, int]:
     config = config_from_key(key)
+    import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):

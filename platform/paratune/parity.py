@@ -10,6 +10,7 @@ and `paratune trial --parity` are judged by the same `winner_parity`.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 
 from paratune.checkpoints import build_model_with_weights
 from paratune.data import TokenBatches
+from paratune.config_sizes import config_sizes
 from paratune.models import build_config, ffn_width_key, load_config_dict, parameter_counts
 from paratune.parallel.runner import StepRunner, apply_activation_checkpointing, make_optimizer
 from paratune.plan import Plan, load_plan_dict
@@ -93,12 +95,18 @@ class Parity:
     # report draws them. Empty where the check stopped before it had them.
     losses: list[float] = field(default_factory=list)
     reference_losses: list[float] = field(default_factory=list)
+    # "as configured", or "deterministic": the model draws random numbers in training (dropout,
+    # router jitter: `switched_off`), which no two layouts draw alike, so both sides of the check
+    # ran with them off; the plan's measured steps keep the model's own settings.
+    mode: str = "as configured"
+    switched_off: dict[str, float] = field(default_factory=dict)
 
     def to_record(self, label: str, key: str) -> dict[str, Any]:
         """One entry of parity.json (math.inf and NaN as null: JSON has neither)."""
         return {"label": label, "key": key, "passed": self.passed, "max_abs_loss_diff": _finite(self.max_abs_loss_diff),
                 "losses": [_finite(v) for v in self.losses], "reference_losses": [_finite(v) for v in self.reference_losses],
-                "proxy": self.proxy, "reason": self.reason}
+                "proxy": self.proxy, "reason": self.reason, "parity_mode": self.mode,
+                "switched_off": self.switched_off}
 
 
 def _finite(value: float | None) -> float | None:
@@ -109,6 +117,45 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+# Config fields that draw random numbers in training: dropout probabilities of every kind
+# (attention_dropout, hidden_dropout, resid_pdrop, embd_pdrop, attn_pdrop, activation_dropout,
+# layerdrop, ...) and routers' jitter (Mixtral's and PhiMoE's router_jitter_noise, input_jitter_noise).
+_STOCHASTIC = re.compile(r"drop|jitter", re.I)
+
+
+def stochastic_settings(config: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """The config's fields (sub-configs' too, as `text_config.x`) that make training draw random
+    numbers, with their values: those above 0."""
+    found: dict[str, float] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            found.update(stochastic_settings(value, f"{prefix}{key}."))
+        elif (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+              and _STOCHASTIC.search(key)):
+            found[f"{prefix}{key}"] = value
+    return found
+
+
+def deterministic_plan(plan: Plan) -> tuple[Plan, dict[str, float]]:
+    """The plan with every dropout and router jitter of its model off (model_overrides), and what
+    was switched off ({} and the plan itself when the model draws nothing)."""
+    settings = stochastic_settings(load_config_dict(plan.model, plan.model_overrides))
+    if not settings:
+        return plan, {}
+    overrides = dict(plan.model_overrides)
+    for path in settings:
+        head, _, leaf = path.rpartition(".")
+        if not head:
+            overrides[leaf] = 0.0
+        else:  # a sub-config: the whole dict, its field zeroed
+            base = load_config_dict(plan.model, plan.model_overrides)
+            node = overrides.setdefault(head.split(".")[0], dict(base.get(head.split(".")[0]) or {}))
+            for part in head.split(".")[1:]:
+                node = node.setdefault(part, {})
+            node[leaf] = 0.0
+    return plan.with_changes(model_overrides=overrides), settings
+
+
 def proxy_shape(plan: Plan) -> dict[str, Any]:
     """Model overrides that shrink the plan's model to a CPU-sized proxy on which the plan stays valid.
 
@@ -117,9 +164,8 @@ def proxy_shape(plan: Plan) -> dict[str, Any]:
     many layers as pipeline stages, hidden = heads x a small head dim.
     """
     config = load_config_dict(plan.model, plan.model_overrides)
-    heads = int(config.get("num_attention_heads") or 1)
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    layers = int(config.get("num_hidden_layers") or 1)
+    sizes = config_sizes(config)
+    heads, kv_heads, layers = sizes.heads, sizes.kv_heads, sizes.layers
     tp = plan.tp
     grouped = heads > kv_heads
     # kv_heads is a multiple of tp (the plan is valid) and so is the rounded bound: so is their minimum.
@@ -129,7 +175,7 @@ def proxy_shape(plan: Plan) -> dict[str, Any]:
     stages = plan.pp * (2 if plan.pp_schedule == "interleaved_1f1b" else 1)
     proxy_layers = max(2, stages)
     # Tokens from a tokenizer can be any id of the model's vocab (already divisible by tp).
-    vocab = int(config["vocab_size"]) if plan.data.tokenizer is not None else _round_up(PROXY_VOCAB, tp)
+    vocab = sizes.vocab if plan.data.tokenizer is not None else _round_up(PROXY_VOCAB, tp)
     shape: dict[str, Any] = {"num_hidden_layers": proxy_layers, "hidden_size": hidden,
                              ffn_width_key(config): 2 * hidden, "num_attention_heads": proxy_heads,
                              "vocab_size": vocab}
@@ -198,8 +244,11 @@ def winner_parity(plan: Plan | dict[str, Any], result: TrialResult) -> Parity:
     shape, step = None, "loading the plan"
     losses: list[float] = []
     reference: list[float] = []
+    off: dict[str, float] = {}
     try:
         plan = plan if isinstance(plan, Plan) else load_plan_dict(plan)
+        step = "switching off the model's random draws"
+        plan, off = deterministic_plan(plan)
         step = "building the model"
         if parameter_counts(build_config(plan.model, plan.model_overrides))["total"] > PARITY_MAX_REFERENCE_PARAMS:
             step = "sizing the proxy"
@@ -214,16 +263,30 @@ def winner_parity(plan: Plan | dict[str, Any], result: TrialResult) -> Parity:
             result = run_trial(plan)
             if not result.ok:
                 message = f"proxy trial failed: {result.reason}: {result.message or ''}"
-                return Parity(False, math.inf, message[:2000], shape, list(result.losses))
+                return Parity(False, math.inf, message[:2000], shape, list(result.losses), mode=_mode(off),
+                              switched_off=off)
+        elif off:  # the measured trial drew dropout masks no reference repeats: the plan again, without them
+            step = "running the plan without its random draws"
+            result = run_trial(plan)
+            if not result.ok:
+                message = f"trial without dropout / router jitter failed: {result.reason}: {result.message or ''}"
+                return Parity(False, math.inf, message[:2000], shape, list(result.losses), mode=_mode(off),
+                              switched_off=off)
         losses = list(result.losses)
         step = "running the reference"
         reference = list(reference_losses(plan, steps=len(losses)))
         diff = max_loss_difference(losses, reference)
     except Exception as err:  # noqa: BLE001 - any check that cannot run is a failed check, with its reason
         message = f"parity check failed while {step}: {type(err).__name__}: {err}"
-        return Parity(False, math.inf, message[:2000], shape, losses, reference)
+        return Parity(False, math.inf, message[:2000], shape, losses, reference, _mode(off), off)
     tolerance = parity_tolerance(plan)
+    if not math.isfinite(diff):
+        return Parity(False, math.inf, "a loss is not finite", shape, losses, reference, _mode(off), off)
     if diff <= tolerance:
-        return Parity(True, diff, "", shape, losses, reference)
+        return Parity(True, diff, "", shape, losses, reference, _mode(off), off)
     return Parity(False, diff, f"max |loss - reference| {diff:.3g} over tolerance {tolerance:g}", shape, losses,
-                  reference)
+                  reference, _mode(off), off)
+
+
+def _mode(off: dict[str, float]) -> str:
+    return "deterministic" if off else "as configured"

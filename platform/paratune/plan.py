@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from paratune.degrees import CP_CPU_REASON, EXPERT_COUNT_KEYS, check_degrees, routed_expert_count  # noqa: F401 (users' names)
+from paratune.degrees import check_degrees
 from paratune.extras import missing_extra
 from paratune.levers import Checkpointing, Float8Recipe, LossForm, check_levers
 

@@ -16,7 +16,8 @@ OPT's learned positions do), and the family's *ForCausalLM adds nothing between 
 loss. PIPELINE_FAMILIES are those whose stages match the single-process reference in the
 loss-parity tests (tests/test_families.py).
 
-Tensor parallelism (paratune.parallel.tp) follows transformers' plan for the family: only the
+Tensor parallelism (paratune.parallel.tp) follows transformers' plan for the family (or, where it
+ships none, the one paratune.parallel.tp_derive derives from the blocks' linears): only the
 styles it implements, on the modules the plan names (under the blocks' stack: "layers.*." for
 Llama and GPT-NeoX), with evenly split dimensions. ZeRO with tp is DeepSpeed's AutoTP, which
 implements fewer of transformers' styles (Phi-3's fused projections are refused by DeepSpeed
@@ -171,15 +172,20 @@ def _is_module(root: nn.Module, path: str, module: nn.Module) -> bool:
 
 def _check_tp(plan: Plan, config, model: nn.Module) -> None:
     from paratune.models import decoder_blocks
-    from paratune.parallel.tp import LINEAR_STYLES, SUPPORTED_STYLES
+    from paratune.parallel.tp import LINEAR_STYLES, SUPPORTED_STYLES, block_prefix
+    from paratune.parallel.tp_derive import family_tp_plan
 
     tp = plan.tp
     allowed_styles = ", ".join(SUPPORTED_STYLES)
-    hf_plan = getattr(config, "base_model_tp_plan", None) or {}
-    if not hf_plan:
-        raise PlanError(f"tp: {tp} with {_family(config)}, which has no tensor-parallel plan in transformers "
-                        "(base_model_tp_plan); allowed: tp 1")
     parts = _parts(config, model, "tp", tp, "tp 1")
+    try:
+        hf_plan, source = family_tp_plan(model)
+    except ValueError as err:
+        raise PlanError(f"tp: {tp} with {_family(config)}, which has no tensor-parallel plan in transformers "
+                        f"(base_model_tp_plan), and none can be derived from its blocks: {err}; allowed: tp 1") from None
+    if source == "derived" and plan.sequence_parallel:
+        raise PlanError(f"sequence_parallel: true with {_family(config)}, whose tp plan paratune derives (transformers "
+                        "ships none): the derived plan names no norms to shard along the sequence; allowed: false")
     embedding, head = parts.embedding, parts.head
     if not isinstance(embedding, nn.Embedding) or not isinstance(head, nn.Linear):
         raise PlanError(f"tp: {tp} with {_family(config)}: paratune shards the input embedding (nn.Embedding) and "
@@ -192,7 +198,7 @@ def _check_tp(plan: Plan, config, model: nn.Module) -> None:
                         "modules only, and DDP's first broadcast fails on the mix of Tensor and DTensor; allowed: "
                         "strategy 'fsdp' (FSDP2 x TP keeps the tie), or ddp with dp 1")
     blocks = decoder_blocks(model)
-    prefix = f"{parts.stack_path}.*."
+    prefix = block_prefix(model, hf_plan)
     from paratune.parallel.ep import expert_module_patterns, under_experts
 
     experts = expert_module_patterns(config) if getattr(plan, "ep", 1) > 1 else []  # ep's, not tp's
@@ -210,14 +216,19 @@ def _check_tp(plan: Plan, config, model: nn.Module) -> None:
         if style not in SUPPORTED_STYLES:
             raise PlanError(f"tp: {tp} with {_family(config)}: transformers' plan shards {pattern} with '{style}' "
                             f"(packed/fused or expert layouts are not sharded by paratune); allowed: tp 1, or "
+                            f"{'ep > 1, which takes the routed experts off tp, or ' if '.experts' in pattern else ''}"
                             f"families whose plans use only {allowed_styles}")
         name = pattern.removeprefix(prefix)
         for index, block in enumerate(blocks):
             try:
                 module = block.get_submodule(name)
             except AttributeError:
+                kinds = sorted({type(b).__name__ for b in blocks})
+                types = sorted(set(getattr(config.get_text_config(), "layer_types", None) or []))
+                hybrid = (f" (hybrid layers: {', '.join(kinds)})" if len(kinds) > 1 else
+                          f" (hybrid layers: layer_types {', '.join(types)})" if len(types) > 1 else "")
                 raise PlanError(f"tp: {tp} with {_family(config)}: transformers' plan names {pattern} ('{style}'), "
-                                f"which block {index} ({type(block).__name__}) does not have; allowed: tp 1") from None
+                                f"which block {index} ({type(block).__name__}) does not have{hybrid}; allowed: tp 1") from None
             _check_module(plan, config, pattern, style, module, LINEAR_STYLES)
 
 

@@ -28,6 +28,7 @@ from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, Callable
 
+from paratune.config_sizes import config_sizes
 from paratune.plan import Plan
 from paratune.profile import (COLLECTIVE_OPS, LEVER_FIELDS, BlockShape, BlockTime, Curve, HeadShape, HeadTime, LinearFit,
                               Profile, ProfileError, ProfileRequest)
@@ -70,9 +71,8 @@ def _local_config(request: ProfileRequest, tp: int, layers: int):
     from paratune.models import build_config, ffn_width_key
 
     full = build_config(request.model, request.model_overrides)
-    heads = full.num_attention_heads
-    kv = getattr(full, "num_key_value_heads", None) or heads
-    head_dim = getattr(full, "head_dim", None) or full.hidden_size // heads
+    sizes = config_sizes(full)
+    heads, kv, head_dim = sizes.heads, sizes.kv_heads, sizes.head_dim
     overrides = dict(request.model_overrides)
     overrides["num_hidden_layers"] = layers
     if tp > 1:

@@ -47,3 +47,43 @@ def quiet_ray_start() -> None:
     logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
     if not any(isinstance(f, RayTokenAuthNotice) for f in logger.filters):
         logger.addFilter(RayTokenAuthNotice())
+
+
+class DeepSpeedCpuNotice(logging.Filter):
+    """DeepSpeed picks its CPU accelerator on a machine without a GPU and warns "Setting accelerator
+    to CPU. If you have GPU or other accelerator, we were unable to detect it."
+    (deepspeed/accelerator/real_accelerator.py) as paratune imports it for a ZeRO plan's config.
+    Dropped only where torch sees no GPU either (then CPU is right); on a GPU machine it stays: there
+    it would mean DeepSpeed missed the GPU."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith("Setting accelerator to CPU"):
+            return True
+        import sys
+
+        torch = sys.modules.get("torch")
+        return bool(torch is not None and torch.cuda.is_available())
+
+
+class MlflowStoreSetup(logging.Filter):
+    """MLflow says at INFO that it makes a new SQLite store's tables ("Creating initial MLflow
+    database tables...", "Updating database tables", mlflow/store/db/utils.py): what a first sweep
+    in a folder always does. Its other lines stay."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Creating initial MLflow database tables") or message == "Updating database tables")
+
+
+def _add(name: str, kind: type[logging.Filter]) -> None:
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, kind) for f in logger.filters):
+        logger.addFilter(kind())
+
+
+def quiet() -> None:
+    """Every filter above, on its logger (idempotent): what the command line installs first thing."""
+    quiet_torchao_import()
+    quiet_ray_start()
+    _add("DeepSpeed", DeepSpeedCpuNotice)
+    _add("mlflow.store.db.utils", MlflowStoreSetup)

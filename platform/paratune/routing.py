@@ -15,8 +15,10 @@ import torch
 class RoutingCounter:
     """Tokens routed to each expert of every routed-experts module, while `counting` is on.
 
-    A forward pre-hook on each experts module (transformers 5.2x calls every family's as
-    experts(hidden_states, top_k_index, top_k_weights)) adds up top_k_index with bincount. Under
+    A forward pre-hook on each experts module (transformers 5.2x calls most families' as
+    experts(hidden_states, top_k_index, top_k_weights); JetMoE's as experts(inputs, expert_size),
+    the tokens per expert already counted) adds up the router's ids, or the counts; a call that
+    carries neither is noted (`unread`), never a crash. Under
     expert parallelism the module's forward is the dispatch (an instance attribute), and its
     pre-hooks still run before it, on the router's global expert ids. Activation checkpointing's
     recompute runs the forward again inside backward (the autograd engine is executing a node
@@ -34,6 +36,7 @@ class RoutingCounter:
         self.counting = False
         self.counts_tokens = counts_tokens  # tp ranks share their tokens: one of them counts
         self.counts: dict[str, torch.Tensor] = {}
+        self.unread: set[str] = set()  # experts modules whose call carried neither ids nor counts
         self.handles = []
         for path, module, count in routed_experts(model):
             # ep's experts module keeps E / ep local experts (`_ep_rows` marks it): the router's ids span all E.
@@ -47,13 +50,17 @@ class RoutingCounter:
             if not self.counting or not self.counts_tokens or torch._C._current_autograd_node() is not None:
                 return None  # off, a tp rank that does not count, or a recompute inside backward
             index = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
-            if index is None:
-                return None
-            flat = index.detach().reshape(-1)
             counts = self.counts[path]
-            if counts.device != flat.device:  # made elsewhere than the router runs: moved once
-                counts = self.counts[path] = counts.to(flat.device)
-            counts.index_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int64))
+            if isinstance(index, torch.Tensor) and not index.is_floating_point():  # the router's expert ids
+                flat = index.detach().reshape(-1)
+                if counts.device != flat.device:  # made elsewhere than the router runs: moved once
+                    counts = self.counts[path] = counts.to(flat.device)
+                counts.index_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int64))
+            elif (isinstance(index, (list, tuple)) and len(index) == experts
+                  and all(isinstance(n, int) for n in index)):  # tokens per expert (JetMoE's expert_size, on the host)
+                counts += torch.tensor(index, dtype=torch.int64, device=counts.device)
+            else:  # a family that hands its experts something else: its routing is not read
+                self.unread.add(path)
             return None
 
         return count_routed

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 
+from paratune.config_sizes import config_sizes
 from paratune.plan import Plan
 
 GiB = 2**30
@@ -108,15 +109,15 @@ def _shape_from_key(key: str) -> ModelShape:
     from paratune.models import config_from_key, parameter_counts, parameter_layout
 
     config = config_from_key(key)
-    layout, heads = parameter_layout(config), config.num_attention_heads
+    layout, sizes = parameter_layout(config), config_sizes(config)
     tensors = _tensor_layout(key)
     return ModelShape(
         total=layout["total"], embedding=layout["embedding"], head=layout["head"], layer=layout["layer"],
         rest=layout["total"] - layout["embedding"] - layout["head"] - layout["layer"] * layout["layers"],
-        layers=layout["layers"], hidden=config.hidden_size, vocab=config.vocab_size, heads=heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        layers=layout["layers"], hidden=sizes.hidden, vocab=sizes.vocab, heads=sizes.heads,
+        head_dim=sizes.head_dim,
         compute=parameter_counts(config)["compute"], largest_leaf=tensors["largest_leaf"],
-        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        kv_heads=sizes.kv_heads,
         largest_layer=layout.get("largest_layer", layout["layer"]), persistent=tensors["persistent"],
         gathered_embedding=tensors["gathered_embedding"], gathered_head=tensors["gathered_head"],
         gathered_layer=tensors["gathered_layer"], gathered_blocks=tensors["gathered_blocks"],
@@ -201,6 +202,22 @@ class HeldParams:
         root = max(0.0, local - stage_blocks(plan, shape) / t)
         return cls(local=local, layer=shape.block / t, first=shape.first / t, root=root, head=min(shape.head / t, root),
                    embedding=min(shape.embedding / t, root), largest=(shape.largest_leaf or shape.block) / t)
+
+
+def pipeline_in_flight(plan: Plan) -> float:
+    """Micro-batches whose activations the first pipeline rank holds at once (of all its
+    blocks): GPipe all; 1F1B pp; interleaved 1F1B (v = 2 stages a rank) its warm-up's chunk
+    forwards and the one running, (v - 1) x micro-batches a round + 2 (pp - 1) + 1 (torch's
+    pipelining/schedules.py `_get_warmup_ops`, rank 0), capped by the micro-batches, over v."""
+    m, pp = plan.grad_accum, plan.pp
+    if pp == 1:
+        return 1.0
+    if plan.pp_schedule == "gpipe":
+        return float(m)
+    if plan.pp_schedule == "interleaved_1f1b":
+        v, per_round = 2, m // max(1, m // pp)
+        return min((v - 1) * per_round + 2 * (pp - 1) + 1, m * v) / v
+    return float(min(m, pp))
 
 
 def fsdp_shard_degree(plan: Plan) -> int:

@@ -340,6 +340,19 @@ def load_space(path: str | Path) -> Space:
     return space_from_dict(data, source=path)
 
 
+def read_space_mapping(path: str | Path) -> dict[str, Any]:
+    """A space file's mapping for `paratune plan`, or a plan file's (plans/*.yaml: no `fixed` or
+    `space`) as the mapping of a space of that one plan."""
+    path = Path(path)
+    raw = read_yaml_mapping(path, "space", SpaceError)
+    if "fixed" not in raw and "space" not in raw:
+        plan = dict(raw)
+        strategy = plan.pop("strategy", "ddp")
+        options = plan.pop(strategy, None) or {}
+        raw = {"name": path.stem, "fixed": plan, "space": {"strategy": {strategy: {k: [v] for k, v in options.items()}}}}
+    return raw
+
+
 def space_from_dict(data: dict[str, Any], source: Path | None = None) -> Space:
     """Validate a space: its sections, the fixed part's own fields, then every combination of
     the fixed part with the swept values as one plan."""

@@ -110,12 +110,13 @@ class Draft:
 
 def draft(model: str, hw: Hardware, lora: bool, data: dict | None, seq_len: int | None) -> Draft:
     """Every layout worth trying on this hardware, before the cost model has its say."""
+    from paratune.config_sizes import config_sizes
     from paratune.models import load_config_dict
 
     config = load_config_dict(model)
-    heads = int(config.get("num_attention_heads") or 1)
-    kv = int(config.get("num_key_value_heads") or heads)
-    longest = int(config.get("max_position_embeddings") or 2048)
+    sizes = config_sizes(config)
+    heads, kv = sizes.heads, sizes.kv_heads
+    longest = int(sizes.max_positions or 2048)
     seq = seq_len or min(longest, 4096 if hw.on_gpu else 128)
     fixed: dict[str, Any] = {"model": str(Path(model).resolve()) if Path(model).exists() else model,
                              "seq_len": seq, "global_batch": 8 * hw.workers if hw.on_gpu else 8,
@@ -128,8 +129,8 @@ def draft(model: str, hw: Hardware, lora: bool, data: dict | None, seq_len: int 
         fixed["peft"] = dict(LORA)
     if data:
         fixed["data"] = data
-    zero_buckets = {} if hw.on_gpu else {"reduce_bucket_size": [int(config.get("hidden_size", 64)) ** 2],
-                                          "allgather_bucket_size": [int(config.get("hidden_size", 64)) ** 2]}
+    zero_buckets = {} if hw.on_gpu else {"reduce_bucket_size": [(sizes.hidden or 64) ** 2],
+                                          "allgather_bucket_size": [(sizes.hidden or 64) ** 2]}
     space: dict[str, Any] = {
         "strategy": {"ddp": {}, "fsdp": {"sharding": ["full", "grad_op"] if hw.on_gpu else ["full"]},
                      "zero": {"stage": [2, 3], **zero_buckets}},

@@ -45,7 +45,8 @@ def strategy_label(plan: dict) -> str:
         if plan.get("ddp", {}).get("bucket_cap_mb", 25) != 25:
             label += f" bucket{plan['ddp']['bucket_cap_mb']:g}MB"
     if strategy == "zero" and plan["zero"].get("reduce_bucket_size", 500_000_000) != 500_000_000:
-        label += f" bucket{plan['zero']['reduce_bucket_size'] / 1e6:g}M"
+        size = plan["zero"]["reduce_bucket_size"]
+        label += f" bucket{size / 1e6:g}M" if size >= 1e6 else f" bucket{size / 1e3:g}K"
     extras = [f"mb{plan['micro_batch']}x{plan['grad_accum']}"]
     if plan.get("tp", 1) > 1:
         extras.append(f"tp{plan['tp']}" + ("+sp" if plan.get("sequence_parallel") else ""))
@@ -248,29 +249,39 @@ def cost_model_line(calibration: dict, results: list[TrialResult]) -> str:
 
 def print_estimates(estimates, device, console: Console, top: int = 20, title: str = "",
                     time_source: str = "roofline with default constants (a sweep refits them on its measured trials)") -> None:
-    """`paratune plan`: the plans predicted to fit, fastest first, then why the others do not."""
+    """`paratune plan`: the plans worth a trial (they fit, or are `tight`: within the memory
+    band of the capacity), fastest first, each with its expected error band; then why the others
+    are not."""
     from collections import Counter
 
-    fitting = [e for e in estimates if e.fits]
+    fitting = [e for e in estimates if e.measurable]
     big = max((e.memory.total for e in estimates), default=0) > 2 * 2**30
     gib, unit = (2**30, "GiB") if big else (2**20, "MiB")
     table = Table(title=title or f"predicted on {device.name} ({device.memory_gib:g} GiB), fastest first")
-    for col in ("#", "plan", "options", "weights", "grads", "optim", "activ.", "buffers", f"peak {unit}",
+    for col in ("#", "plan", "options", "weights", "grads", "optim", "activ.", "buffers", f"peak {unit}", "memory",
                 "comm GB/step", "step s", "tokens/s/GPU"):
-        table.add_column(col, justify="left" if col in ("plan", "options") else "right")
+        table.add_column(col, justify="left" if col in ("plan", "options", "memory") else "right")
     for i, e in enumerate(fitting[:top], 1):
         m = e.memory
+        verdict = (f"tight +-{e.band.memory:.0%}" if e.tight else "fits") if e.band else ("fits" if e.fits else "over")
+        tokens = e.band.tokens_text(e.time.tokens_per_s_per_gpu) if e.band else f"{e.time.tokens_per_s_per_gpu:,.0f}"
         table.add_row(str(i), strategy_label(e.plan.to_dict()), strategy_options(e.plan.to_dict()),
                       *(f"{v / gib:.1f}" for v in m.parts().values()),
-                      f"{m.total / gib:.1f}", f"{e.comm.total / 1e9:.1f}", f"{e.time.step_s:.2f}",
-                      f"{e.time.tokens_per_s_per_gpu:,.0f}")
+                      f"{m.total / gib:.1f}", verdict, f"{e.comm.total / 1e9:.1f}", f"{e.time.step_s:.2f}", tokens)
     console.print(table)
     if len(fitting) > top:
-        console.print(f"... and {len(fitting) - top} more that fit (--top N to see them, --json for all)")
-    rejected = [e for e in estimates if not e.fits]
+        console.print(f"... and {len(fitting) - top} more worth a trial (--top N to see them, --json for all)")
+    if any(e.tight for e in fitting):
+        console.print("tight: the predicted peak is within its band of the capacity (either side); a sweep measures "
+                      "it, and an out-of-memory trial is data")
+    if fitting and fitting[0].band:
+        b = fitting[0].band
+        console.print(f"bands (paratune.estimate.prediction_band): tokens/s/GPU +-{b.tokens:.0%} from {b.tokens_basis}; "
+                      f"memory +-{b.memory:.0%} from {b.memory_basis} (80% of published runs like it within)")
+    rejected = [e for e in estimates if not e.measurable]
     if rejected:
         console.print(f"[red]{len(rejected)} plan(s) predicted not to fit[/red] (capacity "
-                      f"{rejected[0].capacity_bytes / 2**30:.1f} GiB per GPU):")
+                      f"{rejected[0].capacity_bytes / 2**30:.1f} GiB per GPU, beyond the memory band):")
         by_strategy: Counter = Counter(strategy_label(e.plan.to_dict()).split()[0] for e in rejected)
         shown = set()
         for e in rejected:
@@ -281,3 +292,73 @@ def print_estimates(estimates, device, console: Console, top: int = 20, title: s
             console.print(f"  - {label} ({by_strategy[label]} plan(s)), e.g. {strategy_label(e.plan.to_dict())}: "
                           f"{escape(e.overflow or '')}")
     console.print(f"memory: {estimates[0].memory.method if estimates else '-'}; time: {time_source}")
+
+
+def print_profiles(profiles, console: Console) -> None:
+    """`paratune profile`: each stored profile's blocks, collectives and optimizer step."""
+    import json
+
+    table = Table(title="profiles: block fwd+bwd (ms, smallest..largest shape), collectives, optimizer")
+    for col in ("env", "device", "blocks", "block ms", "head ms", "all_reduce GB/s", "latency us", "optimizer ns/param",
+                "measured s"):
+        table.add_column(col, justify="left" if col in ("env", "device") else "right")
+    for p in profiles:
+        blocks = sorted(p.blocks, key=lambda b: b.block_s)
+        ar = [c for c in p.collectives if c.op == "all_reduce"]
+        bw = ", ".join(f"{c.bandwidth_gbps:.2f}" for c in ar) or "-"
+        lat = ", ".join(f"{c.latency_s * 1e6:.0f}" for c in ar) or "-"
+        table.add_row(json.dumps(p.env), p.device_name, str(len(p.blocks)),
+                      f"{blocks[0].block_s * 1e3:.1f}..{blocks[-1].block_s * 1e3:.1f}",
+                      f"{min(b.head_s for b in blocks) * 1e3:.1f}..{max(b.head_s for b in blocks) * 1e3:.1f}",
+                      bw, lat, f"{p.optimizer.b * 1e9:.2f}", f"{p.profile_s:.1f}")
+    console.print(table)
+
+
+def duration(hours: float | None, like: float | None = None) -> str:
+    """A time to train as it reads: minutes, hours, or days past two of them (the unit `like`'s
+    would get, when given: a band in its centre's unit)."""
+    if hours is None:
+        return "-"
+    pick = hours if like is None else like
+    if pick < 1:
+        return f"{hours * 60:,.0f} min"
+    return f"{hours:,.1f} h" if pick < 48 else f"{hours / 24:,.1f} d"
+
+
+def cluster_verdict(row) -> str:
+    """A compare row's marks (paratune.compare.Row): fastest, tied with it, on the Pareto front."""
+    marks = ["fastest"] if row.fastest else (["tie with fastest"] if row.tie_with_fastest else [])
+    return ", ".join(marks + (["Pareto"] if row.pareto else []))
+
+
+def print_clusters(rows, console: Console, title: str, currency: str | None = None) -> None:
+    """`paratune plan --compare`: one line per cluster (paratune.compare.Row), fastest first: its
+    best plan and the runner-up of another strategy, tokens/s/GPU with the band, the time to train,
+    GPU-hours and, with prices, the cost; then why the others fit nowhere."""
+    table = Table(title=title)
+    money = [f"cost {currency}", f"{currency}/1B tokens"] if currency else []
+    for col in ("#", "cluster", "best plan", "tokens/s/GPU", "time to train (band)", "GPU-hours",
+                *money, "runner-up, another strategy", "verdict"):
+        wraps = col in ("best plan", "verdict", "runner-up, another strategy")  # the figures stay on one line
+        table.add_column(col, justify="left" if wraps or col.startswith("cluster") else "right", no_wrap=not wraps)
+    for i, r in enumerate(rows, 1):
+        o = r.outcome
+        where = f"{o.cluster.label} ({o.cluster.layout.replace(' ', '')})"
+        if not o.fits:
+            table.add_row(str(i), where, "[red]no plan fits[/red] (below)", "-", "-", "-", *(["-"] * len(money)), "-", "")
+            continue
+        source = {"measured": " (measured)", "scaled": " (scaled)"}.get(o.source, "")
+        band = f" ± {o.band:.0%}" if o.band else ""
+        runner = "-"
+        if o.runner_up:
+            runner = f"{escape(o.runner_up)}: {o.runner_up_tokens_per_s_per_gpu:,.0f}" + (" (tie)" if o.runner_up_ties else "")
+        low = duration(r.hours_low, r.hours).split()[0]  # "12.2 d (9.8-16.3 d)"
+        table.add_row(str(i), where, escape(o.best or "") + source, f"{o.tokens_per_s_per_gpu:,.0f}{band}",
+                      f"{duration(r.hours)} ({low}-{duration(r.hours_high, r.hours)})", f"{r.gpu_hours:,.0f}",
+                      *([_fmt(r.cost, ",.0f"), _fmt(r.cost_per_billion, ",.2f")] if money else []),
+                      runner, cluster_verdict(r))
+    console.print(table)
+    for r in rows:
+        if not r.outcome.fits:
+            console.print(f"[red]{r.outcome.cluster.label}[/red]: {escape(r.outcome.reason or 'no plan fits')}",
+                          soft_wrap=True)

@@ -228,6 +228,7 @@ def compose(plan: Plan, profile: Profile, imbalance: float = DEFAULT_IMBALANCE) 
     (n-1)/n of it over each rank's link; the profile has no all-to-all curve); the experts'
     gathers and reduce-scatters (FSDP2) or their all-reduce (DDP, once per step) run on the
     expert_dp group (ranks ep apart), the dense part's on dp as without ep."""
+    from paratune.efficiency import fsdp_copy_seconds_per_micro_batch
     from paratune.estimate import data_parallel_comm
     from paratune.moe_costs import expert_flops_share, expert_layout, held_with_experts
     from paratune.shapes import fsdp_shard_degree, local_params, model_shape, offload_bytes, replicas
@@ -247,6 +248,8 @@ def compose(plan: Plan, profile: Profile, imbalance: float = DEFAULT_IMBALANCE) 
     per_rank = [(n - k) * bt.block_s + k * recomputed_bt.block_s + (bt.embed_s if emb else 0.0)
                 + (head_s if head else 0.0) for (n, emb, head), k in zip(stages, recomputed)]
     t_mb = max(per_rank)
+    if gpu:  # FSDP2's copies around its collectives, on the compute stream (the roofline's term)
+        t_mb += fsdp_copy_seconds_per_micro_batch(plan, profile.device_name, shape)
     if plan.ep > 1 and imbalance > 1.0:  # the busiest rank's experts (see above)
         t_mb *= 1 + expert_flops_share(plan) * (imbalance - 1.0)
     v = 2 if plan.pp_schedule == "interleaved_1f1b" else 1
@@ -271,6 +274,10 @@ def compose(plan: Plan, profile: Profile, imbalance: float = DEFAULT_IMBALANCE) 
         else:  # vocab-parallel embedding (all-reduced), colwise head (logits gathered, input grad reduced)
             ends = 2 * ar(act_bytes) + profile.comm_seconds("all_gather", t, logits, 1)
         tp_comm = (layer_collectives * ar(act_bytes) + ends) * slots
+        if plan.async_tp:  # the forward's collectives micro-pipelined into its matmuls (the roofline's term)
+            from paratune.estimate import async_tp_hidden
+
+            tp_comm *= 1 - async_tp_hidden(plan)
 
     # ---- pipeline: activations forward, gradients back, at each boundary, per micro-batch
     pp_comm = 0.0

@@ -89,6 +89,27 @@ def maybe_inject_fault(rank: int, step: int, seed: int | None = None) -> None:
             time.sleep(1)
 
 
+def check_finite(losses: list[torch.Tensor | None], rank: int, world: int, device: torch.device) -> None:
+    """Raise Diverged on every rank (one all-gather, after the timed loop) when a step's loss was
+    NaN or inf on any rank, naming the first such step and its rank; a pipeline stage without a
+    loss (None) says nothing."""
+    import math
+
+    import torch.distributed as dist
+
+    from paratune.failures import Diverged
+
+    first = next(((i, float(x)) for i, x in enumerate(losses) if x is not None and not math.isfinite(float(x))),
+                 None)
+    seen: list[Any] = [None] * world
+    dist.all_gather_object(seen, first)
+    bad = [(step, value, r) for r, found in enumerate(seen) if found is not None for step, value in [found]]
+    if bad:
+        step, value, where = min(bad)
+        raise Diverged(f"loss not finite from step {step} on rank {where} ({value}); {len(bad)} of {world} "
+                       "rank(s) saw a non-finite loss")
+
+
 def reduce_losses_and_times(losses: list[torch.Tensor | None], times: list[float],
                             device: torch.device) -> tuple[list[float], list[float]]:
     """One collective per quantity, after the timed loop: the mean loss over the ranks that
@@ -226,6 +247,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
 
     routing.counting = False
     window.close(ran)  # before any extra step below can raise the allocator's peak
+    check_finite(losses, rank, world, device)  # a plan whose loss blew up did not train: no figures
     del loader  # its workers end here (a trial stopped early leaves steps unread)
     if watch is not None:
         on_every_rank(watch.measured, device)
@@ -398,7 +420,7 @@ def check_before_launch(plan: Plan | dict[str, Any], ray_address: str | None = N
         ensure_ray(ray_address)
         if wants_gpu(plan):
             return plan, flops_tok
-        from paratune.plan import CP_CPU_REASON
+        from paratune.degrees import CP_CPU_REASON
 
         return TrialResult.failed(plan, "invalid_config", f"cp: {plan.cp} on CPU workers: {CP_CPU_REASON}; "
                                   "allowed: cp 1 on CPU")

@@ -37,24 +37,15 @@ T = TypeVar("T")
 # Measured on 2 gloo processes, torch 2.13, tiny Llama, tp 2 with and without sequence parallelism.
 
 
-def _plain_output(module: nn.Module, args, output):
-    """A copy of an AsyncCollectiveTensor output: the copy waits for the collective (eager, through
-    the subclass's dispatch) and keeps autograd's _ToTorchTensorBackward edge; anything else as is."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
-    return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
-
-
 def resolve_async_embedding(model: nn.Module) -> None:
-    """Make tp's embedding hand the first compiled block a plain tensor (see the note above): a
-    forward hook after tp's own output hook (registered later, so it runs later). One copy of the
-    embeddings per step (batch x sequence x hidden), outside the blocks."""
+    """Make tp's embedding hand the first compiled block a plain tensor (see the note above):
+    paratune.parallel.tp's own copy of the embedding's output, installed once (tp installs it too)."""
     from paratune.models import decoder_parts
+    from paratune.parallel.tp import own_embedding_output
 
     embedding = decoder_parts(model).embedding
-    if embedding is not None and not getattr(embedding, "_paratune_plain_output", False):
-        embedding.register_forward_hook(_plain_output)
-        embedding._paratune_plain_output = True
+    if embedding is not None:
+        own_embedding_output(embedding)
 
 
 # Inductor's options for an async-TP plan's blocks: its micro-pipeline pass fuses the

@@ -37,8 +37,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratune.config_sizes import config_sizes
 from paratune.parallel.runner import StepRunner
-from paratune.plan import CP_CPU_REASON, Plan
+from paratune.degrees import CP_CPU_REASON
+from paratune.plan import Plan
 
 IGNORE_INDEX = -100
 # "alltoall" passes each rank's key/value chunk to its neighbour step by step (memory of one chunk);
@@ -75,8 +77,8 @@ def check_cp_supported(config, plan: Plan, device: torch.device) -> None:
     if attn != "sdpa":
         raise ValueError(f"cp: {cp} needs the model's attention to run through torch's SDPA (what the ring "
                          f"replaces), the model uses '{attn}'; allowed: attn_implementation 'sdpa'")
-    heads = getattr(config, "num_attention_heads", 1)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    sizes = config_sizes(config)
+    heads, kv_heads = sizes.heads, sizes.kv_heads
     if device.type == "cuda" and plan.precision == "fp32" and kv_heads != heads:
         raise ValueError(f"cp: {cp} with precision 'fp32' and grouped-query attention ({heads} heads, {kv_heads} "
                          "KV heads): CUDA runs fp32 GQA on SDPA's math kernel only, which context parallel cannot "

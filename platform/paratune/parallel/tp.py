@@ -1,6 +1,7 @@
 """Tensor parallelism with DTensor, from the model family's own TP plan in transformers.
 
-Each block follows the config's `base_model_tp_plan`, with transformers' meaning of each style
+Each block follows the config's `base_model_tp_plan` (where transformers ships none, the plan
+paratune.parallel.tp_derive derives from the blocks' linears, in the same style names), with transformers' meaning of each style
 (transformers/distributed/tensor_parallel.py): `colwise` shards a linear's outputs and keeps the
 output sharded (q/k/v, gate/up), `rowwise` shards its inputs and all-reduces the output (o,
 down); `colwise_gather_output` / `rowwise_split_input` are the same shardings with the output
@@ -100,19 +101,29 @@ def _style(name: str, pattern: str, sequence_parallel: bool) -> ParallelStyle:
                      f"allowed: {', '.join(SUPPORTED_STYLES)}")
 
 
-def block_prefix(model: nn.Module) -> str:
+def block_prefix(model: nn.Module, plan: dict | None = None) -> str:
     """How transformers' TP plan keys of the family start for a block's module: the blocks'
-    stack under the base model, then '*' ('layers.*.' for Llama and GPT-NeoX, 'h.*.' for GPT-2)."""
-    return f"{decoder_parts(model).stack_path}.*."
+    stack under the base model, then '*' ('layers.*.' for Llama and GPT-NeoX, 'h.*.' for GPT-2).
+    Where the plan's keys are relative to an inner text model (Llama-4's `layers.*.` under
+    `model.layers`), the shortest tail of the stack's path that the plan's keys start with."""
+    path = decoder_parts(model).stack_path.split(".")
+    for start in range(len(path)):
+        prefix = ".".join(path[start:]) + ".*."
+        if not plan or any(key.startswith(prefix) for key in plan):
+            return prefix
+    return f"{'.'.join(path)}.*."
 
 
 def block_plan(model: nn.Module, sequence_parallel: bool, expert_parallel: bool = False) -> dict:
-    """Per-block plan from transformers' `base_model_tp_plan` (the blocks' prefix stripped).
+    """Per-block plan from transformers' `base_model_tp_plan`, or the one paratune derives where the
+    family has none (paratune.parallel.tp_derive), the blocks' prefix stripped.
     `expert_parallel`: the routed experts are expert parallelism's (paratune.parallel.ep), not tp's."""
     from paratune.parallel.ep import expert_module_patterns, under_experts
 
-    hf_plan = getattr(model.config, "base_model_tp_plan", None) or {}
-    prefix = block_prefix(model)
+    from paratune.parallel.tp_derive import family_tp_plan
+
+    hf_plan, _ = family_tp_plan(model)
+    prefix = block_prefix(model, hf_plan)
     experts = expert_module_patterns(model.config) if expert_parallel else []
     plan: dict = {}
     for pattern, style in hf_plan.items():
@@ -208,12 +219,34 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False, expert_
         module._parameters[name].requires_grad_(False)
 
 
+def _owned_output(module: nn.Module, args, output):
+    """The sharded embedding's output as a tensor of its own: RowwiseParallel hands back a view made
+    inside _ToTorchTensor (an AsyncCollectiveTensor when the redistribution is async), and a family
+    that scales its embeddings in place (CTRL: `inputs_embeds *= sqrt(d_model)`) is refused by
+    autograd on such a view; a compiled first block needs the wait resolved too
+    (paratune.parallel.compile). One copy of batch x sequence x hidden a micro-batch."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    if isinstance(output, torch.Tensor) and (isinstance(output, AsyncCollectiveTensor) or output._is_view()):
+        return output.clone()
+    return output
+
+
+def own_embedding_output(embedding: nn.Module) -> None:
+    """`_owned_output` as a forward hook of the embedding, once (registered after tp's own output
+    hook, so it runs after it)."""
+    if not getattr(embedding, "_paratune_owned_output", False):
+        embedding.register_forward_hook(_owned_output)
+        embedding._paratune_owned_output = True
+
+
 def _apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, expert_parallel: bool) -> None:
     parts = decoder_parts(model)
     embedding, head = parts.embedding, parts.head
     tied = head.weight is embedding.weight
     sp_out = Shard(1) if sequence_parallel else Replicate()
     parallelize_module(embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=sp_out))
+    own_embedding_output(embedding)
     if sequence_parallel:
         parallelize_module(parts.norm, tp_mesh, SequenceParallel())
     parallelize_module(head, tp_mesh, head_style(model, sp_out))

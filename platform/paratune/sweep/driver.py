@@ -152,6 +152,9 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
         state = _start_parent(space, settings, tracker, digest)
     parent = state["parent_run_id"]
     space, calibration, fastest_first = _predict(space, settings.budget_gb, console)
+    if calibration is not None and state.get("device") != calibration.device.name:  # the report's compare.png
+        state["device"] = calibration.device.name  # finds the sweep's cluster by it (device x num_workers)
+        settings.state_path.write_text(json.dumps(state, indent=2))
     console.print(space.pruning_report())
     shared = {**shared_env(c.plan.env for c in space.candidates),
               **{k: str(v[0]) for k, v in space.env_choices.items() if len(set(map(str, v))) == 1}}
@@ -294,7 +297,8 @@ def _predict(space: Space, budget_gb: float | None, console: Console):
         console.print(f"[yellow]no predictions ({escape(explain(err))}); "
                       "every plan will be measured[/yellow]")
         return space, None, []
-    kept = [c for c in space.candidates if estimates[c.key].fits or not settings.skip_predicted_oom]
+    # a plan within its memory band of the capacity (tight) is measured: the trial settles it
+    kept = [c for c in space.candidates if estimates[c.key].measurable or not settings.skip_predicted_oom]
     if not kept:
         smallest = min(estimates.values(), key=lambda e: e.memory.total)
         raise SweepError(f"every plan is predicted not to fit on {device.name}; the smallest: "
@@ -304,7 +308,8 @@ def _predict(space: Space, budget_gb: float | None, console: Console):
     removed, examples = space.removed.copy(), dict(space.examples)
     for c in space.candidates:
         if c not in kept:
-            rule = f"predicted out of memory on {device.name} (over {estimates[c.key].capacity_bytes / 2**30:.1f} GiB by > {settings.margin:.0%})"
+            rule = (f"predicted out of memory on {device.name} (over {estimates[c.key].capacity_bytes / 2**30:.1f} GiB "
+                    f"by > {settings.margin:.0%}, beyond the prediction's band)")
             if estimates[c.key].refusal:  # the device cannot run its levers (paratune.levers.device_refusal)
                 rule = f"refused on {device.name}: {estimates[c.key].refusal.split(':')[0]}"
             removed[rule] += 1

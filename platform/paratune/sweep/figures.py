@@ -23,7 +23,8 @@ FIGSIZE_IN = (9.0, 4.8)
 DPI = 100
 FIGURE_PIXELS = (int(FIGSIZE_IN[0] * DPI), int(FIGSIZE_IN[1] * DPI))
 # The PNG names, in page order; a figure not drawn this time (no data) leaves no file behind.
-FIGURE_NAMES = ("throughput_memory.png", "importance.png", "predicted.png", "time_split.png", "losses.png")
+FIGURE_NAMES = ("throughput_memory.png", "importance.png", "predicted.png", "time_split.png", "losses.png",
+                "compare.png")
 MIN_IMPORTANCE_TRIALS = 5  # fewer scored trials say nothing about which knob matters
 TOP_LOSS_PLANS = 3
 GiB = 2**30
@@ -363,4 +364,140 @@ def plot_losses(folder: SweepFolder, rows: list[Row]) -> Figure:
     ax.legend(fontsize=7, loc="best")
     out.figure, out.png = fig, _png(fig)
     out.data = {"curves": curves}
+    return out
+
+
+# Where a point's label may go, in order of preference: (dx, dy) in points, horizontal alignment.
+_LABEL_SPOTS = ((8, 5, "left"), (8, -15, "left"), (-8, 5, "right"), (-8, -15, "right"), (0, 12, "center"),
+                (0, -24, "center"), (8, 18, "left"), (8, -28, "left"), (-8, 18, "right"), (-8, -28, "right"))
+
+
+def _place_labels(fig, ax, x: np.ndarray, y: np.ndarray, texts: list[str], fontsize: float) -> None:
+    """Annotate each point with its text where it covers no marker, no other label and stays inside
+    the axes (the first free spot of _LABEL_SPOTS, else the least covered), in order: the first
+    points get the nearest spots."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig).draw()  # the layout, so data -> pixels is final
+    px = fig.dpi / 72.0
+    points = ax.transData.transform(np.column_stack([x, y]))
+    frame = ax.get_window_extent()
+    markers = [(px_ - 11, py_ - 11, px_ + 11, py_ + 11) for px_, py_ in points]
+    labels: list[tuple[float, float, float, float]] = []
+
+    def box(i: int, spot) -> tuple[float, float, float, float]:
+        dx, dy, align = spot
+        w, h = len(texts[i]) * fontsize * 0.58 * px, fontsize * 1.25 * px
+        left = points[i][0] + dx * px - {"left": 0.0, "right": w, "center": w / 2}[align]
+        bottom = points[i][1] + dy * px - (h if dy < 0 else 0.0)
+        return left, bottom, left + w, bottom + h
+
+    def covered(i: int, b) -> float:
+        others = [m for j, m in enumerate(markers) if j != i] + labels
+        area = sum(max(0.0, min(b[2], t[2]) - max(b[0], t[0])) * max(0.0, min(b[3], t[3]) - max(b[1], t[1]))
+                   for t in others)
+        outside = (b[0] < frame.x0) + (b[2] > frame.x1) + (b[1] < frame.y0) + (b[3] > frame.y1)
+        return area + 1e6 * outside
+
+    for i, text in enumerate(texts):
+        spot = min(_LABEL_SPOTS, key=lambda s: (covered(i, box(i, s)) > 0, covered(i, box(i, s)),
+                                                _LABEL_SPOTS.index(s)))
+        labels.append(box(i, spot))
+        far = _LABEL_SPOTS.index(spot) >= 4  # a leader line says whose label it is
+        ax.annotate(text, (x[i], y[i]), textcoords="offset points", xytext=spot[:2], ha=spot[2],
+                    va="top" if spot[1] < 0 else "bottom", fontsize=fontsize, color="0.15", zorder=5,
+                    arrowprops={"arrowstyle": "-", "color": "0.45", "lw": 0.7, "shrinkB": 6} if far else None)
+
+
+def plot_clusters(rows: list, tokens: float, currency: str | None = None, title: str = "") -> Figure:
+    """Time to train against cost, one point per cluster (paratune.compare.Row; GPU-hours where no
+    prices were given), the band as error bars, the time-versus-cost Pareto front as a staircase."""
+    from paratune.compare import tokens_label
+
+    out = Figure(FIGURE_NAMES[5], title or f"Time to train {tokens_label(tokens)} tokens against its cost, per cluster")
+    shown = [r for r in rows if r.hours is not None and (r.cost is not None or currency is None)]
+    missing = [r.outcome.cluster.label for r in rows if r not in shown]
+    if not shown:
+        out.note = "No cluster fits a plan: nothing to draw."
+        return out
+    days = max(r.hours for r in shown) >= 48
+    unit, scale = ("days", 1 / 24) if days else ("hours", 1.0)
+    y = np.array([r.hours * scale for r in shown])
+    y_low, y_high = np.array([r.hours_low * scale for r in shown]), np.array([r.hours_high * scale for r in shown])
+    x = np.array([r.cost if currency else r.gpu_hours for r in shown], float)
+    x_low, x_high = x * y_low / y, x * y_high / y  # the cost follows the time (same GPUs, same price)
+    front = np.array([r.pareto for r in shown])
+    devices = list(dict.fromkeys(r.outcome.cluster.device for r in shown))
+    palette = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive"]
+    markers = {"predicted": "o", "measured": "*", "scaled": "D"}
+    fig, ax = _new_figure()
+    for i, r in enumerate(shown):
+        color = palette[devices.index(r.outcome.cluster.device) % len(palette)]
+        ax.errorbar(x[i], y[i], xerr=[[x[i] - x_low[i]], [x_high[i] - x[i]]],
+                    yerr=[[y[i] - y_low[i]], [y_high[i] - y[i]]], color=color, alpha=0.35, lw=1, capsize=3, zorder=2)
+        ax.scatter(x[i], y[i], color=color, marker=markers.get(r.outcome.source, "o"),
+                   s=160 if r.outcome.source == "measured" else 60, zorder=4, edgecolors="black", linewidths=0.6)
+    order = np.argsort(x[front])
+    ax.plot(x[front][order], y[front][order], drawstyle="steps-post", color="tab:green", lw=1.6, zorder=3,
+            label="Pareto front (no cluster both faster and cheaper)")
+    ax.scatter(x[front], y[front], s=260, facecolors="none", edgecolors="tab:green", linewidths=1.6, zorder=3)
+    for name, color in zip(devices, palette):
+        ax.scatter([], [], color=color, s=40, label=name)
+    for source in sorted({r.outcome.source for r in shown} - {"predicted"}):
+        ax.scatter([], [], color="0.5", marker=markers[source], s=60, label=f"{source} (a sweep's winner)"
+                   if source == "measured" else "scaled by the device's measured / predicted")
+    if max(x_high.max() / x_low.min(), y_high.max() / y_low.min()) > 20:
+        _log_axis(ax.xaxis, ax)
+        _log_axis(ax.yaxis, ax)
+    ax.margins(0.15)
+    ax.set_xlabel(f"cost to train, {currency}" if currency else "GPU-hours to train (no prices given)")
+    ax.set_ylabel(f"time to train, {unit}")
+    ax.set_title(out.title, fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, loc="best")
+    band = max((r.outcome.band for r in shown), default=0.0)
+    ax.text(0.995, 0.01, f"bars: the prediction's band (± {band:.0%} on tokens/s/GPU)", transform=ax.transAxes,
+            ha="right", va="bottom", fontsize=7.5, color="0.4")
+    _place_labels(fig, ax, x, y, [r.outcome.cluster.label + (" (fastest)" if r.fastest else " (tie with fastest)"
+                                                             if r.tie_with_fastest else "") for r in shown], 8.5)
+    out.figure, out.png = fig, _png(fig)
+    out.data = {"labels": [r.outcome.cluster.label for r in shown], "time": y, "spend": x, "pareto": front,
+                "sources": [r.outcome.source for r in shown]}
+    out.caption = (f"{len(shown)} cluster(s); {int(front.sum())} on the Pareto front; error bars: the prediction's "
+                   f"band (± {band:.0%} on tokens/s/GPU)" + (f"; not drawn (nothing fits, or no price): "
+                                                             f"{', '.join(missing)}" if missing else "") + ".")
+    return out
+
+
+def plot_compare(folder: SweepFolder) -> Figure:
+    """`paratune plan --compare --out SWEEP_DIR` left compare.json in the sweep folder: its clusters,
+    the sweep's measured winner in place of its own cluster's prediction and the same device's other
+    clusters scaled by measured / predicted (paratune.compare.with_measured). No compare.json: no
+    figure and no note (the page shows nothing)."""
+    from paratune.compare import from_document, rank, with_measured
+
+    data = None
+    try:
+        data = json.loads((folder.path / "compare.json").read_text())
+        outcomes, tokens, prices = from_document(data)
+    except (OSError, ValueError, KeyError, TypeError):
+        if data is not None:
+            return Figure(FIGURE_NAMES[5], "Time and cost to train, per cluster", note="compare.json is unreadable.")
+        return Figure(FIGURE_NAMES[5], "Time and cost to train, per cluster")
+    device = folder.state.get("device")
+    gpus = (folder.winner_plan or {}).get("num_workers")
+    measured = (folder.winner_summary or {}).get("tokens_per_s_per_gpu_median")
+    ratio = None
+    if device and gpus and measured:
+        outcomes, ratio = with_measured(outcomes, device, int(gpus), float(measured), folder.winner_summary.get("label"))
+    out = plot_clusters(rank(outcomes, tokens, prices), tokens, prices.currency if prices else None,
+                        "Time and cost to train, per cluster")
+    if ratio is None:
+        why = (f"the sweep ran on {gpus} x {device}, not one of these clusters" if device and gpus else
+               "the sweep has no winner or did not record its device")
+        out.caption += f" All predicted ({why})."
+    else:
+        out.caption += (f" {device}:{gpus}: the sweep's measured winner ({measured:,.0f} tokens/s/GPU); the other "
+                        f"{device} clusters: predicted x {ratio:.2f} (measured / predicted on {device}); other devices: "
+                        "predicted.")
     return out

@@ -45,7 +45,6 @@ class SweepOutcome:
     report_path: Path | None = None  # report/report.html (paratune.sweep.page), when it could be written
 
 
-SweepReport = SweepOutcome  # the old name (paratune.sweep.SweepReport), kept for users' imports
 
 
 def finish_sweep(space: Space, outcome: SweepOutcome, ledger: Ledger, tracker, budget_gb: float | None,
@@ -85,6 +84,9 @@ def finish_sweep(space: Space, outcome: SweepOutcome, ledger: Ledger, tracker, b
         outcome.parity_checks.append(check.to_record(candidate.label, candidate.key))
         if check.passed:
             winner, parity = candidate, check
+            if check.mode == "deterministic":
+                console.print(f"loss parity of {escape(candidate.label)} judged with the model's random draws off on "
+                              f"both sides ({escape(', '.join(check.switched_off))}); its measured steps kept them")
             break
         outcome.parity_failures.append({"label": candidate.label, "key": candidate.key, "reason": check.reason})
         console.print(f"[red]{escape(candidate.label)} fails loss parity ({escape(check.reason)}); not a winner[/red]")
@@ -106,6 +108,7 @@ def finish_sweep(space: Space, outcome: SweepOutcome, ledger: Ledger, tracker, b
         summary = {"sweep": space.spec.name, "label": winner.label, "tokens_per_s_per_gpu_median": winner.median,
                    "relative_spread": winner.relative_spread, "measurements": len(winner.values),
                    "parity_max_abs_loss_diff": parity.max_abs_loss_diff, "parity_proxy": parity.proxy,
+                   "parity_mode": parity.mode, "parity_switched_off": parity.switched_off,
                    "parity_failed_above": outcome.parity_failures,
                    "tied_with": [s.label for s in verdict.tied_with_best],
                    "mfu": winner.results[0].mfu, "peak_memory_bytes": winner.results[0].peak_memory_bytes}
@@ -181,4 +184,3 @@ def write_page(sweep_dir: Path, tracker, parent_run_id: str | None, console: Con
     return path
 
 
-write_report = write_page  # the old name (paratune.sweep.write_report), kept for users' imports

@@ -1,6 +1,7 @@
 """A finished sweep as one HTML page: the leaderboard and the figures that explain it.
 
-The page is built from the sweep folder alone (ledger.jsonl, sweep.json, winner/, parity.json:
+The page is built from the sweep folder alone (ledger.jsonl, sweep.json, winner/, parity.json, and
+compare.json where `paratune plan --compare --out` wrote one:
 paratune.sweep.folder), so `paratune report SWEEP_DIR` can rebuild it any time, a resumed sweep
 included. Every image is embedded as a base64 data URI so report.html still works when moved or
 mailed; the same PNGs are written beside it so they can be logged to MLflow as artifacts one by
@@ -14,8 +15,8 @@ import html
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratune.sweep.figures import (FIGURE_NAMES, FIGURE_PIXELS, Figure, plot_importance, plot_losses, plot_predicted,
-                                    plot_throughput_memory, plot_time_split)
+from paratune.sweep.figures import (FIGURE_NAMES, FIGURE_PIXELS, Figure, plot_compare, plot_importance, plot_losses,
+                                    plot_predicted, plot_throughput_memory, plot_time_split)
 from paratune.sweep.folder import Row, SweepFolder, leaderboard, read_sweep
 from paratune.tables import strategy_label
 
@@ -132,7 +133,7 @@ def build_report(sweep_dir: Path, memory_budget_gb: float | None = None) -> Swee
     folder = read_sweep(Path(sweep_dir), memory_budget_gb)
     rows = leaderboard(folder)
     figures = [plot_throughput_memory(folder), plot_importance(folder), plot_predicted(folder),
-               plot_time_split(folder), plot_losses(folder, rows)]
+               plot_time_split(folder), plot_losses(folder, rows), plot_compare(folder)]
     out_dir = Path(sweep_dir) / REPORT_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     pngs = []
@@ -150,7 +151,8 @@ def build_report(sweep_dir: Path, memory_budget_gb: float | None = None) -> Swee
             "the step-time spread and the across-run range).</p>"
             + (_rows_html(rows) if rows else '<p class="note">The ledger holds no trials.</p>')
             + _experts_html(folder)
-            + "".join(_figure_html(f) for f in figures) + "</body></html>")
+            + "".join(_figure_html(f) for f in figures if f.png or f.note)  # compare.png: only with compare.json
+            + "</body></html>")
     html_path = out_dir / HTML_NAME
     html_path.write_text(page)
     return SweepReportPage(html_path, rows, figures, pngs)

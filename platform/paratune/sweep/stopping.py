@@ -69,4 +69,3 @@ class SweepStopRule:
             f"{incumbent.tokens_per_s_per_gpu * (1 + incumbent.noise):,.0f}"))
 
 
-StoppingRule = SweepStopRule  # the old name (paratune.search.StoppingRule), kept for users' imports
