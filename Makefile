@@ -19,7 +19,7 @@ STAMP   = $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt bench/gpu_image.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -c constraints.txt uv torch==2.13.0
-	$(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode -c constraints.txt -e '.[test]'
+	$(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode -c constraints.txt -e '.[all,test]'
 	$(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode --no-deps -c constraints.txt torchtitan
 	$(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode --target $(VENV)/gpu-image-site -r bench/gpu_image.txt
 	touch $(STAMP)

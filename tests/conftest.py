@@ -38,8 +38,10 @@ def pytest_collection_finish(session) -> None:
 # another in one process, as they do without xdist, while the other process runs the gloo and unit
 # modules beside them. Two of them at once (each with its controllers, pools and health checks on
 # the same 2 cores) measured slower than one after the other: 15 min 48 s against 15 min 22 s.
+# test_wheel.py: the installed wheel's `paratune trial` starts a Ray of its own.
 RAY_MODULES = ["test_cli.py", "test_cluster_config.py", "test_cluster_jobs.py", "test_newcomer.py", "test_profile.py",
-               "test_session.py", "test_sweep.py", "test_tracking_server.py", "test_trial_ray.py", "test_user_loop.py"]
+               "test_ray_range.py", "test_session.py", "test_sweep.py", "test_tracking_server.py", "test_trial_ray.py",
+               "test_user_loop.py", "test_wheel.py"]
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -48,6 +50,7 @@ def pytest_collection_modifyitems(config, items) -> None:
         items.sort(key=lambda item: item.path.name not in RAY_MODULES)  # stable
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a venv without xdist (.ci/oldest_ray.sh's) runs too
 def pytest_xdist_make_scheduler(config, log):
     """xdist's scheduling by scope (a scope runs whole in one process), with every Ray module in
     one scope ("ray") and each other module its own."""

@@ -64,7 +64,7 @@ def test_ray_cluster_yaml_validates_against_rays_schema():
     assert "--dashboard-host=127.0.0.1" in head_start and "0.0.0.0" not in head_start
     assert "--host 127.0.0.1" in head_start and "RAY_AUTH_MODE=token" in head_start
     assert all("RAY_AUTH_MODE=token" in c for c in config["worker_start_ray_commands"] if "ray start" in c)
-    assert any("constraints.txt" in c and "-e ~/paratune" in c for c in config["setup_commands"])
+    assert any("constraints.txt" in c and "-e ~/paratune\"[all]\"" in c for c in config["setup_commands"])  # every extra
 
 
 @pytest.mark.parametrize("mutate, message", [

@@ -1,39 +1,57 @@
-"""paratune.launch: the Ray version its private overrides mirror, and the trainers it assembles.
+"""paratune.launch: the Ray releases it runs on, what each lacks, and the trainers it assembles.
 
-The timed trainer overrides two private TorchTrainer methods as Ray 2.60 writes them; another Ray
-may have changed them, so any other release is refused by name before a trainer is built."""
+Ray's public API only, from OLDEST_RAY (2.49: the first Train V2 with
+FailureConfig(controller_failure_limit); before it the controller retries a worker group that
+cannot start forever) to NEWEST_RAY; pyproject.toml declares the same range."""
 
 import re
 from pathlib import Path
 
 import pytest
 
-from paratune.launch import MIRRORED_RAY_VERSION, RayVersionError, check_ray_version
+from paratune.launch import NEWEST_RAY, OLDEST_RAY, RayFeatures, RayVersionError, check_ray_version
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("installed", ["2.60.0", "2.60.3", "2.60.0rc1", "2.60.1.dev0"])
-def test_the_mirrored_release_and_its_patches_pass(installed):
+@pytest.mark.parametrize("installed", ["2.49.0", "2.49.2", "2.53.0rc1", "2.60.0", "2.60.3", "2.61.0", "2.61.1.dev0"])
+def test_every_release_in_the_range_passes(installed):
     check_ray_version(installed)
 
 
-@pytest.mark.parametrize("installed", ["2.61.0", "2.59.1", "3.0.0", "2.6.0", "2.600.0", "nightly", ""])
-def test_another_ray_is_refused_naming_the_installed_and_the_mirrored_version(installed):
+@pytest.mark.parametrize("installed", ["2.48.0", "2.43.0", "2.62.0", "3.0.0", "2.6.0", "2.600.0", "nightly", ""])
+def test_a_ray_outside_the_range_is_refused_naming_it_and_the_range(installed):
     with pytest.raises(RayVersionError) as refused:
         check_ray_version(installed)
     message = str(refused.value)
-    assert f"installed {installed!r}" in message and f"Ray {MIRRORED_RAY_VERSION}" in message
-    assert "_initialize_and_run_controller" in message and f"allowed: ray {MIRRORED_RAY_VERSION}.x" in message
+    assert f"installed {installed!r}" in message and "allowed: ray 2.49 to 2.61.x" in message
 
 
-def test_the_installed_ray_and_pyproject_allow_only_the_mirrored_release():
+def test_the_installed_ray_and_pyproject_declare_the_range():
     import ray
 
     check_ray_version(ray.__version__)
-    major, minor = MIRRORED_RAY_VERSION.split(".")
     [spec] = re.findall(r'"ray\[[^\]]*\]([^"]*)"', (ROOT / "pyproject.toml").read_text())
-    assert spec == f">={major}.{minor},<{major}.{int(minor) + 1}"
+    assert spec == f">={OLDEST_RAY[0]}.{OLDEST_RAY[1]},<{NEWEST_RAY[0]}.{NEWEST_RAY[1] + 1}"
+
+
+def test_what_an_older_ray_lacks_is_said_and_the_newest_lacks_nothing():
+    old = RayFeatures("2.49.2", return_value=False, label_selector=False, controller_failure_limit=True)
+    lost = old.lost()
+    assert len(lost) == 2 and "Result.return_value (Ray 2.56)" in lost[0] and "label_selector (Ray 2.53)" in lost[1]
+    assert RayFeatures("2.60.0", True, True, True).lost() == []
+
+
+def test_the_installed_ray_is_train_v2_and_its_features_match_its_release():
+    """Read from Ray's public config classes (never from the version number)."""
+    import ray
+
+    from paratune.launch import ray_features
+
+    features = ray_features()
+    minor = tuple(int(x) for x in ray.__version__.split(".")[:2])
+    assert features.controller_failure_limit
+    assert (features.return_value, features.label_selector) == (minor >= (2, 56), minor >= (2, 53))
 
 
 def test_a_measurement_is_never_retried_and_training_keeps_rays_trainer():
@@ -56,11 +74,48 @@ def test_a_measurement_is_never_retried_and_training_keeps_rays_trainer():
     timed = build_trainer(loop, {}, name="t", workers=workers, backend="gloo", comm_timeout_s=30,
                           storage_path="/tmp/paratune-test-storage",
                           deadline=Deadline(12.0, "late {deadline_s:.0f}", start_timeout_s=5.0))
-    assert type(timed).__name__ == "TimedTorchTrainer"
+    assert type(timed).__name__ == "TimedTrainer"
     assert (timed.deadline_s, timed.deadline_message, timed.start_timeout_s) == (12.0, "late {deadline_s:.0f}", 5.0)
-    assert timed.run_config.failure_config.max_failures == 0
-    assert timed.run_config.failure_config.controller_failure_limit == 0
-    assert timed.run_config.worker_runtime_env == {"env_vars": {"NCCL_ALGO": "Ring"}}
+    assert timed.kwargs["failure_config"].max_failures == 0
+    assert timed.kwargs["failure_config"].controller_failure_limit == 0
+    # What the runner builds (in its own process) from those arguments: Ray's TorchTrainer.
+    from paratune.launch import _torch_trainer
+
+    inner = _torch_trainer(loop, **timed.kwargs)
+    assert type(inner) is TorchTrainer and inner.run_config.failure_config.controller_failure_limit == 0
+    assert inner.run_config.worker_runtime_env == {"env_vars": {"NCCL_ALGO": "Ring"}}
     training = build_trainer(loop, {}, name="r", workers=workers, backend="gloo", comm_timeout_s=30,
                              storage_path="/tmp/paratune-test-storage", failure_config=FailureConfig(max_failures=3))
     assert type(training) is TorchTrainer and training.run_config.failure_config.max_failures == 3
+
+
+def test_the_runner_env_sets_the_controller_switches_and_the_users_values_win(monkeypatch):
+    """Ray Train's documented RAY_TRAIN_* variables reach the controller through the runner's env:
+    paratune's measurement settings, the worker-group start timeout (60 s on every release: Ray's
+    default was 30 s before 2.54), Train V2 on (2.49-2.50); a user's own value wins, save the start
+    timeout a sweep sets from its autoscaler bound."""
+    from paratune.launch import MEASUREMENT_CONTROLLER_ENV, runner_env
+
+    monkeypatch.delenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", raising=False)
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "3")
+    env = runner_env(None)
+    assert env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "3"
+    assert env["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == MEASUREMENT_CONTROLLER_ENV["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"]
+    assert (env["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"], env["RAY_TRAIN_V2_ENABLED"]) == ("60", "1")
+    assert runner_env(900.0)["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] == "900.0"
+    assert all(name.startswith("RAY_TRAIN_") for name in env)
+
+
+def test_rank_0s_return_comes_back_without_result_return_value():
+    """Ray before 2.56: the value travels in the last report's metrics (base64 of its pickle)."""
+    import base64
+    import pickle
+    from types import SimpleNamespace
+
+    from paratune.launch import RETURN_METRIC, return_value
+
+    out = {"losses": [1.5, 1.25], "placement": [{"rank": 0}]}
+    old = SimpleNamespace(metrics={RETURN_METRIC: base64.b64encode(pickle.dumps(out)).decode()})
+    assert return_value(old) == out
+    assert return_value(SimpleNamespace(metrics=None)) is None and return_value(None) is None
+    assert return_value(SimpleNamespace(return_value=out, metrics=None)) == out

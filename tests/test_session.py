@@ -132,23 +132,34 @@ def assert_fresh_trial_figures(result, plan) -> None:
     node = ray.get_runtime_context().get_node_id()  # one node here; multi-node: test_cluster_jobs
     assert [(p["rank"], p["node_id"], p["local_rank"], p["local_world_size"]) for p in result.placement] == \
         [(0, node, 0, 2), (1, node, 1, 2)]
-    # A measurement is never retried: Ray Train's preemption watcher is not started for it; with no
-    # datasets, no DatasetManager either.
-    from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR, HEALTH_CHECK_INTERVAL_S_ENV_VAR
-
+    # A measurement is never retried: Ray Train's preemption watcher (Ray 2.57+) is not started for
+    # it. The names are Ray's own where this Ray defines them (private constants: read if there).
     from paratune.launch import MEASUREMENT_CONTROLLER_ENV
 
-    assert MEASUREMENT_CONTROLLER_ENV == {ENABLE_PREEMPTION_WATCHER_ENV_VAR: "0", HEALTH_CHECK_INTERVAL_S_ENV_VAR: "0.5"}
+    assert MEASUREMENT_CONTROLLER_ENV == {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+                                          "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+    try:
+        from ray.train.v2._internal import constants
+    except ImportError:
+        constants = None
+    for attr, name in (("ENABLE_PREEMPTION_WATCHER_ENV_VAR", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"),
+                       ("HEALTH_CHECK_INTERVAL_S_ENV_VAR", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")):
+        assert getattr(constants, attr, name) == name
     classes = actor_classes()
-    assert "TrainController" in classes  # the check can see the run's actors
-    assert not {"PreemptionWatcher", "DatasetManager"} & classes, classes
+    if classes is not None:
+        assert "TrainController" in classes and "FitRunner" in classes  # the check can see the run's actors
+        # (Ray Data's DatasetManager, started per run on recent Ray, has no public switch: docs/install.md)
+        assert "PreemptionWatcher" not in classes, classes
 
 
-def actor_classes() -> set[str]:
-    """Every actor class this Ray instance has run (alive or dead)."""
-    import ray._private.state
-
-    return {a["ActorClassName"] for a in ray._private.state.actors().values()}
+def actor_classes() -> set[str] | None:
+    """Every actor class this Ray instance has run (alive or dead), or None where this Ray has not
+    the private listing (the public one, ray.util.state, needs the dashboard the tests go without)."""
+    try:
+        from ray._private.state import actors
+    except ImportError:
+        return None
+    return {a["ActorClassName"] for a in actors().values()}
 
 
 def test_the_stop_rule_works_in_a_reused_group(pool):

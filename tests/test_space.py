@@ -31,6 +31,43 @@ def test_shipped_spaces_load():
         assert space.candidates and space.spec.name
 
 
+def test_a_shipped_space_is_named_and_the_checkouts_folder_is_the_packages(tmp_path, monkeypatch):
+    """The spaces live in the package (a wheel ships them); search_spaces/ is a link to that folder,
+    so `paratune tune search_spaces/local_cpu.yaml` and `paratune tune local_cpu` read one file."""
+    from pathlib import Path
+
+    from paratune.space import SHIPPED_SPACES, resolve_space, shipped_spaces
+
+    root = Path(__file__).resolve().parents[1]
+    assert (root / "search_spaces").resolve() == SHIPPED_SPACES.resolve()
+    assert set(shipped_spaces()) >= {"local_cpu", "tiny_moe_cpu", "llama3_8b_1x8", "llama3_70b_4x8"}
+    monkeypatch.chdir(tmp_path)  # anywhere: no checkout around
+    assert resolve_space("local_cpu") == resolve_space("local_cpu.yaml") == SHIPPED_SPACES / "local_cpu.yaml"
+    assert load_space("local_cpu").spec.name == "local-cpu"
+    (tmp_path / "local_cpu").mkdir()  # a file or folder of that name here is the user's: it is read as given
+    assert resolve_space("local_cpu") == Path("local_cpu")
+    with pytest.raises(SpaceError) as refused:
+        load_space("local_cpus")
+    assert str(refused.value).startswith("space: 'local_cpus' is neither a file nor a shipped space; "
+                                         "did you mean 'local_cpu'? allowed: deepseek_v3_671b_32x8,")
+    with pytest.raises(SpaceError, match="neither a file nor a shipped space"):
+        load_space("elsewhere/local_cpu.yaml")  # a path is a path
+
+
+def test_spaces_lists_the_shipped_ones_and_prints_one(capsys):
+    from paratune.cli import main
+    from paratune.space import shipped_spaces
+
+    assert main(["spaces"]) == 0
+    listed = capsys.readouterr().out
+    assert all(f"│ {name} " in listed for name in shipped_spaces()), listed
+    row = next(line for line in listed.splitlines() if "│ local_cpu " in line)
+    assert "small-llama" in row and "ddp, fsdp, zero" in row and "deepspeed" in row
+    assert main(["spaces", "local_cpu"]) == 0
+    assert capsys.readouterr().out == shipped_spaces()["local_cpu"].read_text()
+    assert main(["spaces", "nope"]) == 2
+
+
 def test_static_pruning_counts_and_reasons():
     space = space_from_dict(SPACE)
     # ddp 2 + fsdp 2 + zero 4 = 8 structures x 4 micro-batches = 32 combinations.

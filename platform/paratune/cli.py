@@ -1,4 +1,4 @@
-"""`paratune init | plan | tune | trial | train | report | profile | ui | validate | models`."""
+"""`paratune init | plan | tune | trial | train | report | profile | ui | validate | models | spaces`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,15 @@ from rich.console import Console
 from rich.markup import escape
 
 from paratune.plan import PlanError, load_plan
+
+
+def _say_ray_fallbacks(console: Console) -> None:
+    """What the installed Ray lacks and what paratune does instead (paratune.launch.RayFeatures), once."""
+    from paratune.launch import ray_features
+
+    features = ray_features()
+    for line in features.lost():
+        console.print(f"[dim]ray {features.version}: {escape(line)}[/dim]", soft_wrap=True)
 
 
 def _cmd_trial(args: argparse.Namespace, console: Console) -> int:
@@ -32,6 +41,7 @@ def _cmd_trial(args: argparse.Namespace, console: Console) -> int:
                 [{"name": n, "parity_max_abs_diff": d, "parity_passed": passed.get(i), **r.model_dump()}
                  for i, (n, r, d) in enumerate(rows)], indent=2))
 
+    _say_ray_fallbacks(console)
     for i, path in enumerate(args.plans, 1):
         name = Path(path).stem
         try:
@@ -106,6 +116,7 @@ def _cmd_tune(args: argparse.Namespace, console: Console) -> int:
         search = search or ("grid" if space.spec.search.algorithm == "calibrated" else None)
     from paratune.launch import paratune_home
 
+    _say_ray_fallbacks(console)
     out = Path(args.out) if args.out else paratune_home() / space.spec.name
     try:
         outcome = run_sweep(space, out, trials=args.trials, algorithm=search, seed=args.seed,
@@ -176,6 +187,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
         return 2
     if args.workers:
         plan = plan.with_changes(num_workers=args.workers)
+    _say_ray_fallbacks(console)
     result = run_training(plan, steps=args.steps, checkpoint_every=args.checkpoint_every,
                           max_failures=args.max_failures, name=args.name, tracking_uri=args.tracking_uri,
                           storage_path=args.storage, hf_out=args.hf_out)
@@ -204,8 +216,13 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     from paratune.tables import print_estimates
     from paratune.inputs import check_space_inputs
     from paratune.plan import absolute_local_paths
-    from paratune.space import SpaceError, read_space_mapping, space_from_dict
+    from paratune.space import SpaceError, read_space_mapping, resolve_space, space_from_dict
 
+    try:
+        args.space = str(resolve_space(args.space))  # a file, or a shipped space's name (--compare too)
+    except SpaceError as err:
+        console.print(f"[red]cannot plan[/red]\n{escape(str(err))}")
+        return 2
     if args.compare:  # which cluster to train on (paratune.compare_cli); without it, nothing below changes
         from paratune.compare_cli import cmd_compare
 
@@ -500,26 +517,6 @@ def _cmd_init(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _cmd_models(args: argparse.Namespace, console: Console) -> int:
-    from rich.table import Table
-
-    from paratune.models import build_config, parameter_counts, preset_names
-
-    table = Table(title="model presets (random init from config; never downloaded)")
-    # "active params": N in 6N, what a token's matmuls touch (MoE: the routed top-k experts only).
-    for col in ("preset", "type", "layers", "hidden", "heads/kv", "params", "active params"):
-        table.add_column(col)
-    for name in preset_names():
-        cfg = build_config(name)
-        counts = parameter_counts(cfg)
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads  # GPT-NeoX, OPT: no GQA
-        table.add_row(name, cfg.model_type, str(cfg.num_hidden_layers), str(cfg.hidden_size),
-                      f"{cfg.num_attention_heads}/{kv_heads}",
-                      f"{counts['total'] / 1e6:,.1f}M", f"{counts['compute'] / 1e6:,.1f}M")
-    console.print(table)
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     from paratune.quiet import quiet
 
@@ -532,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parity", action="store_true", help="also compare losses to a single-process reference")
     p.add_argument("--json", help="write the results to this JSON file")
     p = sub.add_parser("tune", help="sweep a search space with Ray Tune + Optuna; MLflow; export the winner")
-    p.add_argument("space", help="search space YAML (search_spaces/)")
+    p.add_argument("space", help="search space YAML, or a shipped space's name (paratune spaces)")
     p.add_argument("--trials", type=int, help="trial budget (default: the space's search.trials)")
     p.add_argument("--search", choices=["calibrated", "tpe", "random", "grid"], help="search algorithm (default: the space's)")
     p.add_argument("--seed", type=int, help="searcher seed (default: the space's)")
@@ -559,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
                                     "last checkpoint, under hf_model/)")
     p.add_argument("--json", help="write the result to this JSON file")
     p = sub.add_parser("plan", help="predict memory, communication and speed of a space's plans (no GPU needed)")
-    p.add_argument("space", help="search space YAML")
+    p.add_argument("space", help="search space or plan YAML, or a shipped space's name (paratune spaces)")
     p.add_argument("--device", help="device from the table (see --devices; default h100-80gb, or cpu with a CPU "
                    "--profile)")
     p.add_argument("--devices", help="a JSON/YAML file adding or overriding devices")
@@ -581,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
                    "report draws them; default $PARATUNE_HOME/compare-<space>)")
     p = sub.add_parser("profile", help="measure what a space's plans need on the cluster (blocks, collectives, "
                                        "optimizer) for `plan --profile` and the sweep's time model")
-    p.add_argument("space", help="search space YAML")
+    p.add_argument("space", help="search space YAML, or a shipped space's name (paratune spaces)")
     p.add_argument("--out", help="also write the profiles (a JSON list) to this file")
     p.add_argument("--store", help="profile store folder (default: $PARATUNE_HOME/profiles)")
     p.add_argument("--reps", type=int, help="timed repetitions per measurement (default 4)")
@@ -593,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("validate", help="check a plan file and print it with derived fields")
     p.add_argument("plan")
     sub.add_parser("models", help="list model presets and their parameter counts")
+    p = sub.add_parser("spaces", help="list the shipped search spaces (plan, tune and profile take one by name)")
+    p.add_argument("name", nargs="?", help="print this shipped space's YAML (to copy and adapt)")
     p = sub.add_parser("init", help="write a starter search space for a model on the hardware at hand")
     p.add_argument("model", help="a preset (paratune models), a model folder (config.json + safetensors) or a config.json")
     p.add_argument("--gpus", type=int, help="GPUs (default: one node of --device, the Ray cluster's, or this machine's)")
@@ -606,10 +605,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="the space file to write (default: <name>.yaml here)")
     args = parser.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 160)
+    from paratune.cli_catalog import cmd_models, cmd_spaces
     from paratune.cli_cluster import cmd_profile, cmd_ui
 
     handler = {"trial": _cmd_trial, "tune": _cmd_tune, "report": _cmd_report, "train": _cmd_train, "plan": _cmd_plan, "ui": cmd_ui,
-               "validate": _cmd_validate, "models": _cmd_models, "init": _cmd_init, "profile": cmd_profile}[args.command]
+               "validate": _cmd_validate, "models": cmd_models, "spaces": cmd_spaces, "init": _cmd_init,
+               "profile": cmd_profile}[args.command]
     return handler(args, console)
 
 

@@ -6,13 +6,17 @@ device decides GPU or CPU workers, that decides what Ray reserves per worker, th
 the env vars in place before the process group starts (`worker_demand`), and `build_trainer`
 turns that into a TorchTrainer. Measurements get the timed trainer (a deadline, never retried,
 Ray's controller trimmed for a measurement); the training run keeps Ray's own TorchTrainer and
-defaults. Ray-private overrides live only here, checked against the Ray version they mirror.
+defaults. Ray's public API only (RunConfig, FailureConfig, ScalingConfig, Train's documented
+RAY_TRAIN_* variables, Ray Core's actors), on every release from OLDEST_RAY to NEWEST_RAY: what a
+release lacks is read from its public config classes (`ray_features`) and its fallback said
+(`RayFeatures.lost`).
 
 Ray is imported inside the functions: the worker path imports this module without Ray.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import time
@@ -24,25 +28,72 @@ from paratune import placement
 from paratune.failures import TrialTimeout
 from paratune.plan import Plan
 
-# The Ray release whose private TorchTrainer internals (`_initialize_and_run_controller`,
-# `_create_default_callbacks`) the timed trainer mirrors; pyproject.toml allows only its patches.
-MIRRORED_RAY_VERSION = "2.60"
+# The Ray releases paratune runs on (pyproject.toml declares the same range): from 2.49, the first
+# Train V2 with FailureConfig(controller_failure_limit) (before it the controller retries a worker
+# group that cannot start forever), to the next minor after 2.60. Ray's public API only; what a
+# release lacks is feature-detected (ray_features) and its fallback said (RayFeatures.lost).
+OLDEST_RAY = (2, 49)
+NEWEST_RAY = (2, 61)
 
 
 class RayVersionError(RuntimeError):
-    """The installed Ray is not the one whose private internals the timed trainer mirrors."""
+    """The installed Ray is outside the releases paratune supports."""
 
 
-def check_ray_version(installed: str, mirrored: str = MIRRORED_RAY_VERSION) -> None:
-    """Raise RayVersionError unless `installed` (ray.__version__) is a release of `mirrored`
-    (major.minor; any patch): another Ray may have changed what the overrides copy."""
+def check_ray_version(installed: str, oldest: tuple[int, int] = OLDEST_RAY, newest: tuple[int, int] = NEWEST_RAY) -> None:
+    """Raise RayVersionError unless `installed` (ray.__version__) is a release from `oldest` to
+    `newest` (major.minor, any patch)."""
     found = re.match(r"(\d+)\.(\d+)(?:\D|$)", installed or "")
-    want = tuple(int(x) for x in mirrored.split(".")[:2])
-    if found is None or (int(found.group(1)), int(found.group(2))) != want:
+    if found is None or not oldest <= (int(found.group(1)), int(found.group(2))) <= newest:
         raise RayVersionError(
-            f"ray: installed {installed!r}, but paratune's timed trainer (paratune.launch: TimedTorchTrainer's "
-            f"_initialize_and_run_controller and _create_default_callbacks) mirrors Ray {mirrored}'s private "
-            f"internals; allowed: ray {mirrored}.x (pyproject.toml; constraints.txt pins it)")
+            f"ray: installed {installed!r}; allowed: ray {oldest[0]}.{oldest[1]} to {newest[0]}.{newest[1]}.x "
+            f"(pyproject.toml; constraints.txt pins the tested one)")
+
+
+@dataclass(frozen=True)
+class RayFeatures:
+    """What the installed Ray Train V2 offers through its public API (read from its config classes)."""
+
+    version: str
+    return_value: bool  # Result.return_value: rank 0's return (Ray 2.56)
+    label_selector: bool  # ScalingConfig(label_selector=[per worker]) (Ray 2.53)
+    controller_failure_limit: bool  # FailureConfig(controller_failure_limit) (Ray 2.49)
+
+    def lost(self) -> list[str]:
+        """What paratune does without on this Ray, and what it does instead (one line each; [] on 2.56
+        and later). docs/install.md "Ray versions" says the same."""
+        out = []
+        if not self.return_value:
+            out.append("no Result.return_value (Ray 2.56): rank 0's measurements come back in one last "
+                       "ray.train.report with an empty checkpoint (one more barrier after the measured steps, "
+                       "one small checkpoint folder per run); a training run reads its outcome from its last "
+                       "checkpoint")
+        if not self.label_selector:
+            out.append("no ScalingConfig.label_selector (Ray 2.53): a whole-node trial's workers are not pinned "
+                       "to the nodes leased to it (Ray packs them; every rank still checks the layout: "
+                       "invalid_placement)")
+        return out
+
+
+def ray_features() -> RayFeatures:
+    """The installed Ray's features; RayVersionError if ray.train came up as Train V1 (Ray 2.49-2.50
+    with RAY_TRAIN_V2_ENABLED unset when ray.train was first imported: paratune/__init__.py sets it)."""
+    import dataclasses
+
+    import ray
+    from ray.train import FailureConfig, Result, ScalingConfig
+
+    def has(cls, name: str) -> bool:
+        return any(f.name == name for f in dataclasses.fields(cls))
+
+    from ray.train.torch import TorchTrainer
+
+    if not TorchTrainer.__module__.startswith("ray.train.v2."):
+        raise RayVersionError(f"ray {ray.__version__}: ray.train was imported with Train V1 (RAY_TRAIN_V2_ENABLED="
+                              f"{os.environ.get('RAY_TRAIN_V2_ENABLED')!r}); paratune needs Train V2: import paratune "
+                              "before ray.train, or set RAY_TRAIN_V2_ENABLED=1")
+    return RayFeatures(ray.__version__, has(Result, "return_value"), has(ScalingConfig, "label_selector"),
+                       has(FailureConfig, "controller_failure_limit"))
 
 
 # --------------------------------------------------------------------------- Ray and storage
@@ -222,88 +273,162 @@ def remove_leaked_placement_groups(before: set[str]) -> int:
 
 
 # --------------------------------------------------------------------------- the timed trainer
-def abort_controller(controller) -> None:
-    """End a Ray Train run now, whatever its state: abort (shuts the worker group down), then kill."""
-    import ray
-
-    try:
-        ray.get(controller.abort.remote(), timeout=60)
-    except Exception:  # noqa: BLE001 - abort exits the actor; kill it in any case
-        pass
-    ray.kill(controller, no_restart=True)
-
-
-# Ray Train's controller settings for a measurement (Ray's own switches; a user's environment
-# wins; the training job, paratune.training, keeps Ray's defaults):
-# - A measurement is never retried (max_failures 0), so the preemption watcher (an actor per run
-#   that polls node drains to hand the run a grace window before a restart) has nothing to do: a
-#   trial on a drained node ends node_lost either way. Off: one Ray process fewer per trial (a
-#   few CPU-seconds of imports each).
-# - The controller polls its workers every 2 s: a trial's end (and its failure) is noticed up to
-#   2 s late, every trial of a sweep. Every 0.5 s: a poll is one small task per worker, and a
-#   missed poll is only a worker's fault after 10 minutes of them.
+# Ray Train's controller settings for a measurement, by their documented environment variables (a
+# user's own RAY_TRAIN_* values win; the training job, paratune.training, keeps Ray's defaults).
+# Ray Train reads them in the process that calls fit() and hands them to its controller and workers:
+# the measurement's runner actor gets them in its runtime_env.
+# - A measurement is never retried (max_failures 0), so the preemption watcher (Ray 2.57+; an
+#   actor per run that polls node drains) has nothing to do: off, one Ray process fewer per trial.
+# - The controller polls its workers every 2 s by default: a trial's end is noticed up to 2 s late.
 MEASUREMENT_CONTROLLER_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+V2_ENABLED_ENV = "RAY_TRAIN_V2_ENABLED"  # Ray 2.49-2.50: Train V2 only when set to 1 (paratune/__init__.py sets it)
+WORKER_GROUP_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # named by Ray's own startup-timeout error
 
 
-def timed_trainer_class():
-    """TorchTrainer whose fit() gives up after a deadline, aborting the controller and workers.
+def runner_env(start_timeout_s: float | None) -> dict[str, str]:
+    """The env of a measurement's runner: the caller's RAY_TRAIN_* (theirs win), then paratune's."""
+    env = {k: v for k, v in os.environ.items() if k.startswith("RAY_TRAIN_")}
+    for name, value in MEASUREMENT_CONTROLLER_ENV.items():
+        env.setdefault(name, value)
+    env.setdefault(V2_ENABLED_ENV, "1")
+    # Ray's default is 30 s before 2.55, 60 s since: paratune asks for 60 s on every release.
+    env[WORKER_GROUP_START_TIMEOUT_ENV] = str(start_timeout_s) if start_timeout_s is not None else \
+        env.get(WORKER_GROUP_START_TIMEOUT_ENV, "60")
+    return env
 
-    Ray Train's own timeouts cover process-group setup and collectives (TorchConfig.timeout_s)
-    but not a worker stuck elsewhere; a sweep must never wait forever on one trial. This mirrors
-    Ray 2.60's `_initialize_and_run_controller`, waiting on the controller with a deadline
-    (check_ray_version refuses another Ray). While the run lasts `controller` is its handle (a
-    session aborts it from another thread); then the handle goes, so Ray ends the controller and
-    with it the workers and placement group a failed run (e.g. its process group setup) would
-    otherwise keep alive.
-    """
+
+RETURN_METRIC = "paratune_return"
+
+
+def _return_by_report(train_loop, config):
+    """Ray before 2.56 (no Result.return_value): rank 0's return reaches the driver as the metrics of
+    one last ray.train.report (a barrier: every rank reports) with a tiny checkpoint, since Train V2
+    keeps a report's metrics in Result.metrics only with a checkpoint. After the measured steps."""
+    import base64
+    import pickle
+    import tempfile
+
+    import ray.train
+
+    out = train_loop(config)
+    metrics = {RETURN_METRIC: base64.b64encode(pickle.dumps(out)).decode()}  # any picklable value, as return_value
+    if ray.train.get_context().get_world_rank() == 0:
+        with tempfile.TemporaryDirectory() as folder:
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
+    else:
+        ray.train.report(metrics)
+    return out
+
+
+def return_value(result) -> Any:
+    """Rank 0's return: Result.return_value, or (Ray before 2.56) the last report's metrics."""
+    import base64
+    import pickle
+
+    if result is None:
+        return None
+    if hasattr(result, "return_value"):
+        return result.return_value
+    metrics = result.metrics or {}
+    return pickle.loads(base64.b64decode(metrics[RETURN_METRIC])) if RETURN_METRIC in metrics else None
+
+
+class FitRunner:
+    """One TorchTrainer.fit() at a time, in a 0-CPU actor on the caller's node that paratune owns.
+
+    The deadline is Ray Core's ownership: Ray Train's controller is an actor of the process that calls
+    fit(), and its workers are the controller's, so ray.kill() on this runner ends them all (the
+    placement group stays: remove_leaked_placement_groups). Not threaded: Ray 2.49-2.50's fit()
+    registers a SIGINT handler, which only the main thread may."""
+
+    def fit(self, train_loop, kwargs: dict[str, Any]):
+        """(Result or None, the error that ended the run or None)."""
+        if not ray_features().return_value:
+            train_loop = functools.partial(_return_by_report, train_loop)
+        try:
+            result = _torch_trainer(train_loop, **kwargs).fit()
+        except Exception as err:  # noqa: BLE001 - returned, not raised: the caller sees Ray's own error
+            return None, err
+        return result, result.error
+
+
+@functools.cache
+def _runner_class():
     import ray
-    import ray.train.v2.api.data_parallel_trainer as dpt
-    from ray.train.torch import TorchTrainer
 
-    check_ray_version(ray.__version__)
+    return ray.remote(FitRunner)
 
-    class TimedTorchTrainer(TorchTrainer):
-        deadline_s: float = 1800.0
-        deadline_message: str = "hang: trial exceeded trial_timeout_s={deadline_s:.0f}s; workers aborted"
-        controller = None
-        start_timeout_s: float | None = None  # Ray Train's worker-group start timeout (None: its 60 s)
 
-        def _create_default_callbacks(self):
-            """Ray's callbacks, less the datasets callback when there are no datasets (a trial
-            has none): with none it still starts a DatasetManager actor per run, a process that
-            imports Ray Data (pandas, pyarrow: ~2.7 CPU-seconds) and serves nothing."""
-            from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+class TimedTrainer:
+    """A measurement's TorchTrainer: fit() gives up after a deadline, ending the controller and its
+    workers (abort() does the same from another thread; a session's request timeout)."""
 
-            callbacks = super()._create_default_callbacks()
-            return [c for c in callbacks if self.datasets or not isinstance(c, DatasetsCallback)]
+    deadline_message: str = "hang: trial exceeded trial_timeout_s={deadline_s:.0f}s; workers aborted"
 
-        def _initialize_and_run_controller(self, **controller_init_kwargs):
-            env_vars = dpt.get_env_vars_to_propagate()
-            if self.start_timeout_s is not None:
-                from ray.train.v2._internal.constants import WORKER_GROUP_START_TIMEOUT_S_ENV_VAR
+    def __init__(self, train_loop, kwargs: dict[str, Any], deadline: "Deadline"):
+        self.train_loop, self.kwargs = train_loop, kwargs
+        self.deadline_s = deadline.seconds
+        self.start_timeout_s = deadline.start_timeout_s
+        if deadline.message is not None:
+            self.deadline_message = deadline.message
+        self.runner = None
+        self.aborted = False
 
-                env_vars[WORKER_GROUP_START_TIMEOUT_S_ENV_VAR] = str(self.start_timeout_s)
-            env_vars.setdefault(dpt.RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
-                                dpt.DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)
-            for name, value in MEASUREMENT_CONTROLLER_ENV.items():
-                env_vars.setdefault(name, value)  # set by the user (propagated by Ray): theirs
-            controller_cls = ray.remote(
-                num_cpus=0,
-                label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},
-                runtime_env={"env_vars": env_vars},
-            )(dpt.TrainController)
-            self.controller = controller = controller_cls.remote(**controller_init_kwargs)
-            try:
-                done, _ = ray.wait([controller.run.remote()], timeout=self.deadline_s)
-                if not done:
-                    abort_controller(controller)
-                    raise TrialTimeout(self.deadline_message.format(deadline_s=self.deadline_s))
-                ray.get(done[0])
-                return ray.get(controller.get_result.remote())
-            finally:
-                self.controller = controller = None
+    def fit(self):
+        import ray
 
-    return TimedTorchTrainer
+        runner = _runner_class().options(
+            num_cpus=0, scheduling_strategy=placement.on_this_node(),
+            runtime_env={"env_vars": runner_env(self.start_timeout_s)}).remote()
+        self.runner = runner
+        try:
+            done, _ = ray.wait([runner.fit.remote(self.train_loop, self.kwargs)], timeout=self.deadline_s)
+            if not done or self.aborted:
+                self.abort()
+                raise TrialTimeout(self.deadline_message.format(deadline_s=self.deadline_s))
+            result, error = ray.get(done[0])
+            if error is not None:
+                raise error
+            return result
+        finally:
+            self.runner = None
+            ray.kill(runner, no_restart=True)
+
+    def abort(self) -> None:
+        """End the run now, whatever its state (the runner, so its controller and workers)."""
+        import ray
+
+        self.aborted = True
+        runner = self.runner
+        if runner is not None:
+            ray.kill(runner, no_restart=True)
+
+
+def _torch_trainer(train_loop, *, train_loop_config, name, workers: "WorkerDemand", backend: str, comm_timeout_s: float,
+                   storage_path, nodes, failure_config, checkpoint_config, callbacks):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    run: dict[str, Any] = {"name": name, "storage_path": str(storage_path)}
+    if failure_config is not None:
+        run["failure_config"] = failure_config
+    if checkpoint_config is not None:
+        run["checkpoint_config"] = checkpoint_config
+    # Env vars reach every worker before TorchConfig starts the process group.
+    run["worker_runtime_env"] = {"env_vars": workers.env} if workers.env else None
+    if callbacks is not None:
+        run["callbacks"] = callbacks
+    scaling: dict[str, Any] = {}
+    if nodes and ray_features().label_selector:
+        scaling["label_selector"] = placement.pinned_selectors(workers.demand, nodes)
+    return TorchTrainer(
+        train_loop,
+        train_loop_config=train_loop_config,
+        scaling_config=ScalingConfig(num_workers=workers.workers, use_gpu=workers.use_gpu,
+                                     resources_per_worker=workers.per_worker, **scaling),
+        torch_config=TorchConfig(backend=backend, timeout_s=int(comm_timeout_s)),
+        run_config=RunConfig(**run),
+    )
 
 
 @dataclass(frozen=True)
@@ -323,44 +448,29 @@ def build_trainer(train_loop: Callable[[dict[str, Any]], Any], train_loop_config
                   deadline: Deadline | None = None, failure_config: Any = None, checkpoint_config: Any = None,
                   callbacks: list[Any] | None = None):
     """The TorchTrainer for `workers`: their resources (pinned to `nodes`, whole nodes held for
-    them, when given), the process-group backend and timeout, and their env vars in place before
-    the process group starts.
+    them, when given and Ray has per-worker label selectors), the process-group backend and timeout,
+    and their env vars in place before the process group starts.
 
-    With a `deadline`: a measurement, on the timed trainer (its controller trimmed by
-    MEASUREMENT_CONTROLLER_ENV), never retried and never letting the controller loop forever.
+    With a `deadline`: a measurement, a TimedTrainer (fit in a runner actor, the controller trimmed
+    by MEASUREMENT_CONTROLLER_ENV), never retried and never letting the controller loop forever.
     Without: Ray's own TorchTrainer, with `failure_config`, `checkpoint_config` and `callbacks`
     (Ray's defaults where None): the training run."""
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    import ray
 
-    run: dict[str, Any] = {"name": name, "storage_path": str(storage_path or default_storage())}
-    if deadline is not None:
-        # A trial is a measurement: never retry it, and never let the controller loop forever.
-        run["failure_config"] = FailureConfig(max_failures=0, controller_failure_limit=0)
-    elif failure_config is not None:
-        run["failure_config"] = failure_config
-    if checkpoint_config is not None:
-        run["checkpoint_config"] = checkpoint_config
-    # Env vars reach every worker before TorchConfig starts the process group.
-    run["worker_runtime_env"] = {"env_vars": workers.env} if workers.env else None
-    if callbacks is not None:
-        run["callbacks"] = callbacks
-    trainer_cls = timed_trainer_class() if deadline is not None else TorchTrainer
-    trainer = trainer_cls(
-        train_loop,
-        train_loop_config=train_loop_config,
-        scaling_config=ScalingConfig(
-            num_workers=workers.workers, use_gpu=workers.use_gpu, resources_per_worker=workers.per_worker,
-            label_selector=placement.pinned_selectors(workers.demand, nodes) if nodes else None),
-        torch_config=TorchConfig(backend=backend, timeout_s=int(comm_timeout_s)),
-        run_config=RunConfig(**run),
-    )
-    if deadline is not None:
-        trainer.deadline_s = deadline.seconds
-        trainer.start_timeout_s = deadline.start_timeout_s
-        if deadline.message is not None:
-            trainer.deadline_message = deadline.message
-    return trainer
+    check_ray_version(ray.__version__)
+    kwargs: dict[str, Any] = dict(train_loop_config=train_loop_config, name=name, workers=workers, backend=backend,
+                                  comm_timeout_s=comm_timeout_s, storage_path=str(storage_path or default_storage()),
+                                  nodes=nodes, failure_config=failure_config, checkpoint_config=checkpoint_config,
+                                  callbacks=callbacks)
+    if deadline is None:
+        ray_features()  # Train V2 in this process (fit() runs here), or say how to get it
+        return _torch_trainer(train_loop, **kwargs)
+    from ray.train import FailureConfig
+
+    # A trial is a measurement: never retry it, and never let the controller loop forever.
+    kwargs.update(failure_config=FailureConfig(max_failures=0, controller_failure_limit=0), checkpoint_config=None,
+                  callbacks=None)
+    return TimedTrainer(train_loop, kwargs, deadline)
 
 
 def fit(trainer) -> tuple[Any, BaseException | None]:

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from paratune.degrees import check_degrees
+from paratune.extras import missing_extra
 from paratune.levers import Checkpointing, Float8Recipe, LossForm, check_levers
 
 Strategy = Literal["ddp", "fsdp", "zero"]
@@ -288,6 +289,9 @@ class Plan(_Strict):
 
     @model_validator(mode="after")
     def _check_rules(self) -> "Plan":
+        missing = missing_extra(self)  # first: a space sweeping it drops all such plans under this one rule
+        if missing is not None:
+            raise ValueError(missing)
         check_degrees(self)
         dp = self.dp_degree
         per_step = self.micro_batch * dp

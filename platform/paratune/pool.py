@@ -231,7 +231,7 @@ def get_pool_actor(name: str = DEFAULT_POOL_NAME, *, namespace: str | None = Non
     dict (raises RequestFailed); groups() -> list[dict]; close().
     It runs on the caller's node (the driver's: the head on a cluster), as Ray Train pins its
     controller there: a 0-CPU actor may otherwise land on any node, and when that node dies, every
-    worker group of the sweep (whose Train controllers it runs) goes with it."""
+    worker group of the sweep (whose runners and Train controllers it owns) goes with it."""
     import ray
 
     return ray.remote(PoolActor).options(

@@ -494,7 +494,7 @@ def _run_with_ray(request: ProfileRequest, ray_address: str | None, storage_path
     import uuid
 
     from paratune.launch import (Deadline, build_trainer, ensure_ray, fit, placement_groups, process_group_backend,
-                                 remove_leaked_placement_groups, worker_demand)
+                                 remove_leaked_placement_groups, return_value, worker_demand)
 
     ensure_ray(ray_address)
     plan = workers_plan(request)
@@ -505,7 +505,7 @@ def _run_with_ray(request: ProfileRequest, ray_address: str | None, storage_path
         name=f"profile-{uuid.uuid4().hex[:8]}", workers=workers, backend=process_group_backend(plan, workers.use_gpu),
         comm_timeout_s=PROFILE_COMM_TIMEOUT_S, storage_path=storage_path, deadline=Deadline(request.timeout_s))
     result, error = fit(trainer)  # an error: reported with its cause below
-    out = result.return_value if result is not None else None
+    out = return_value(result)
     if error is not None or out is None:
         remove_leaked_placement_groups(before)
         raise ProfileError(f"profile of {request.model} on {request.world_size} workers (env {request.env}) "

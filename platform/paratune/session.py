@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 from paratune import measure, placement
 from paratune.failures import Reason, TrialTimeout, classify
-from paratune.launch import (Deadline, WorkerDemand, abort_controller, build_trainer, default_storage, placement_groups,
+from paratune.launch import (Deadline, WorkerDemand, build_trainer, default_storage, placement_groups,
                              remove_leaked_placement_groups, remove_placement_group)
 from paratune.plan import Plan, load_plan_dict
 from paratune.trial import release_cached_memory, train_and_measure
@@ -262,7 +262,21 @@ def _serve(config: dict[str, Any]) -> dict[str, Any]:
         del result
         seq += 1
     _release_memory(device)
+    if _ray_destroys_the_group_unchecked():
+        # Ray before 2.55 ends a multi-worker group with dist.destroy_process_group() unchecked: with
+        # no default group it raises, the group's shutdown stops there and its placement group is
+        # never released. Leave it one (gloo, a new store) to destroy.
+        _init_process_group(mailbox, seq, rank, world, "gloo", 60)
     return {"requests": seq}
+
+
+def _ray_destroys_the_group_unchecked() -> bool:
+    import re
+
+    import ray
+
+    found = re.match(r"(\d+)\.(\d+)", ray.__version__)
+    return found is not None and (int(found.group(1)), int(found.group(2))) < (2, 55)
 
 
 def probe(payload: dict[str, Any], rank: int, world: int, local_world: int, device) -> dict[str, Any]:
@@ -333,8 +347,8 @@ class WorkerSession:
             return
         self._before = set(placement_groups())
         self._mailbox = ray.remote(_Mailbox).options(num_cpus=0).remote(self.key.world_size)
-        # The timed trainer keeps its controller's handle while the run lasts, so a request past
-        # its timeout can abort the group from another thread; its deadline is the group's life.
+        # The timed trainer keeps its runner's handle while the run lasts (its fit() runs there), so a
+        # request past its timeout can end the group from another thread; its deadline is the group's life.
         trainer = build_trainer(
             _serve, {"mailbox": self._mailbox}, name=f"session-{self.id}", workers=self.key.workers,
             # Replaced before the first request runs (by the request's backend and timeout). NCCL
@@ -408,13 +422,11 @@ class WorkerSession:
                 raise RequestFailed(*classify(error))
 
     def _abort(self) -> None:
-        controller, until = None, time.monotonic() + 30
-        while controller is None and not self.ended and time.monotonic() < until:
-            controller = getattr(self._trainer, "controller", None)  # None until fit has made it
-            if controller is None:
-                time.sleep(0.5)
-        if controller is not None:
-            abort_controller(controller)
+        until = time.monotonic() + 30
+        while getattr(self._trainer, "runner", None) is None and not self.ended and time.monotonic() < until:
+            time.sleep(0.5)  # None until fit has made it
+        if self._trainer is not None:
+            self._trainer.abort()
         self._ended.wait(90)
         self._end_after_failure()
 

@@ -30,6 +30,7 @@ from paratune.plan import (
     format_validation_error,
     load_plan_dict,
     read_yaml_mapping,
+    unknown_field_message,
 )
 
 STRATEGY_OPTIONS: dict[str, type[BaseModel]] = {"ddp": DDPOptions, "fsdp": FSDPOptions, "zero": ZeroOptions}
@@ -305,9 +306,34 @@ def enumerate_candidates(spec: SpaceFile, details: dict[str, str] | None = None
     return candidates, total, removed, examples
 
 
+# The spaces paratune ships (in the package: a wheel has them; the checkout's search_spaces/ is this folder).
+SHIPPED_SPACES = Path(__file__).parent / "spaces"
+
+
+def shipped_spaces() -> dict[str, Path]:
+    """The shipped spaces by name (the file's stem: `local_cpu`), sorted."""
+    return {p.stem: p for p in sorted(SHIPPED_SPACES.glob("*.yaml"))}
+
+
+def resolve_space(name_or_path: str | Path) -> Path:
+    """A space file as given, else the shipped space of that name (`local_cpu` or `local_cpu.yaml`):
+    `paratune plan|tune|profile local_cpu` works from any folder, and under `ray job submit` with
+    nothing from the working directory. Neither: SpaceError with the shipped names, closest first."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    shipped = shipped_spaces()
+    name = path.name.removesuffix(".yaml").removesuffix(".yml")
+    if path.parent == Path(".") and name in shipped:
+        return shipped[name]
+    raise SpaceError(f"space: {str(name_or_path)!r} is neither a file nor a shipped space; "
+                     f"{unknown_field_message(name, list(shipped))} (`paratune spaces` lists them), or a space file")
+
+
 def load_space(path: str | Path) -> Space:
-    """Read and validate a space file; every error names the file, the key path and what is allowed."""
-    path = Path(path)
+    """Read and validate a space file (or a shipped space by name); every error names the file, the key
+    path and what is allowed."""
+    path = resolve_space(path)
     data = read_yaml_mapping(path, "space", SpaceError)
     if isinstance(data.get("fixed"), dict):  # the fixed part's local files, as a plan file's
         data = {**data, "fixed": absolute_local_paths(data["fixed"], path.resolve().parent)}

@@ -119,14 +119,35 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
             if rank == 0:
                 (Path(folder) / PROGRESS_FILE).write_text(json.dumps(
                     {"next_step": done, "losses": losses, "resumed_at": resumed_at}))
-            ray.train.report({"step": done, "first_step": first, "losses": new_losses, "step_times_s": new_times},
-                             checkpoint=ray.train.Checkpoint.from_directory(folder),
+            report = {"step": done, "first_step": first, "losses": new_losses, "step_times_s": new_times}
+            if done == steps:  # the run's throughput with its last checkpoint (Ray before 2.56 reads it there)
+                report["tokens_per_s_per_gpu"] = _throughput(plan, times_this_attempt)
+            ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(folder),
                              checkpoint_dir_name=f"step_{done:08d}")
-    # The first step of an attempt pays for warm-up: leave it out of the throughput.
-    measured = times_this_attempt[1:] or times_this_attempt
     return {"losses": losses, "resumed_at": resumed_at,
-            "tokens_per_s_per_gpu": measure.tokens_per_second_per_gpu(plan.tokens_per_step, measured, plan.num_workers)
-            if measured else None}
+            "tokens_per_s_per_gpu": _throughput(plan, times_this_attempt)}
+
+
+def _throughput(plan: Plan, times: list[float]) -> float | None:
+    """tokens/s/GPU over an attempt's steps; its first pays for warm-up and is left out."""
+    measured = times[1:] or times
+    return measure.tokens_per_second_per_gpu(plan.tokens_per_step, measured, plan.num_workers) if measured else None
+
+
+def _outcome_of(result: Any, steps: int) -> dict[str, Any] | None:
+    """Rank 0's outcome: Result.return_value (Ray 2.56+), else read from the run's last checkpoint
+    (its progress file, and the throughput its report carried): an extra checkpoint for the return
+    value (paratune.launch's fallback for measurements) would become the run's latest."""
+    if result is None or hasattr(result, "return_value"):
+        return result.return_value if result is not None else None
+    if result.checkpoint is None:
+        return None
+    with result.checkpoint.as_directory() as folder:
+        progress = json.loads((Path(folder) / PROGRESS_FILE).read_text())
+    if progress["next_step"] != steps:
+        return None
+    return {"losses": progress["losses"], "resumed_at": progress["resumed_at"],
+            "tokens_per_s_per_gpu": (result.metrics or {}).get("tokens_per_s_per_gpu")}
 
 
 # --------------------------------------------------------------------------- driver side
@@ -195,7 +216,7 @@ def run_training(plan: Plan | dict[str, Any], *, steps: int, checkpoint_every: i
         failure_config=FailureConfig(max_failures=max_failures), checkpoint_config=CheckpointConfig(num_to_keep=2),
         callbacks=[_progress_callback(tracking_uri, run_id, plan.tokens_per_step, plan.num_workers)])
     result, error = fit(trainer)  # an error: the run failed past max_failures
-    out = result.return_value if result is not None else None
+    out = _outcome_of(result, steps)
     checkpoint = result.checkpoint.path if result is not None and result.checkpoint is not None else None
     if error is not None or out is None:
         reason, message = classify(error) if error is not None else ("error", "no result from rank 0")

@@ -29,7 +29,7 @@ import torch
 from paratune import devices, measure, placement
 from paratune.devices import sync_device
 from paratune.failures import Reason, classify
-from paratune.launch import (Deadline, WorkerDemand, build_trainer, ensure_ray, fit, placement_groups,
+from paratune.launch import (Deadline, WorkerDemand, build_trainer, ensure_ray, fit, placement_groups, return_value,
                              process_group_backend, remove_leaked_placement_groups, wants_gpu, worker_demand)
 from paratune.plan import Plan, PlanError, load_plan_dict
 from paratune.results import TrialResult
@@ -448,7 +448,7 @@ def run_trial(plan: Plan | dict[str, Any], *, storage_path: str | Path | None = 
         deadline=Deadline(plan.trial_timeout_s, start_timeout_s=placement.worker_start_timeout_s()))
     t0, fit_started = time.perf_counter(), time.time()
     result, error = fit(trainer)
-    out = result.return_value if result is not None else None
+    out = return_value(result)
     wall = time.perf_counter() - t0
     if error is not None or out is None:
         remove_leaked_placement_groups(before)

@@ -8,8 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 from ray.tune import Callback
-from ray.tune.experimental.output import AirVerbosity
-from ray.tune.experimental.output import ProgressReporter as AirProgressReporter
 from rich.console import Console
 from rich.markup import escape
 
@@ -21,14 +19,23 @@ from paratune.tables import env_label, strategy_label, varying_env
 from paratune.results import TrialResult
 
 
-class QuietTuneOutput(AirProgressReporter):
+try:  # Tune's console reporter: on Tune's "internals" page, not its stable API (present Ray 2.43-2.60)
+    from ray.tune.experimental.output import AirVerbosity
+    from ray.tune.experimental.output import ProgressReporter as AirProgressReporter
+except ImportError:  # a Ray without it: Tune's own output at verbose 0 (its banner and result folder show)
+    AirVerbosity = AirProgressReporter = None
+
+
+class QuietTuneOutput(AirProgressReporter or object):
     """Ray Tune's console output, silenced: its banner table, "View detailed results here", the
     TensorBoard hint and its trial tables say nothing a paratune user needs (paratune prints
     progress itself, paratune.progress). tune.run reports to the first such reporter among the
     callbacks, so the one Tune appends by itself (at AirVerbosity 0 here) only ever gets calls
     that print nothing at that verbosity. `paratune tune --verbose` leaves Tune's own in place."""
 
-    _heartbeat_threshold = _start_end_verbosity = _intermediate_result_verbosity = AirVerbosity.DEFAULT
+    available = AirProgressReporter is not None
+    if available:
+        _heartbeat_threshold = _start_end_verbosity = _intermediate_result_verbosity = AirVerbosity.DEFAULT
 
     def __init__(self) -> None:
         super().__init__(AirVerbosity.SILENT)

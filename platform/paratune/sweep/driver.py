@@ -257,7 +257,7 @@ def _search(run: SweepRun, done: int, remaining: int) -> None:
                                               run.fastest_first[: space.spec.estimate.start_from_predicted]],
                                        early_stop_steps=early_stop_steps),
             num_samples=remaining, max_concurrent_trials=concurrency(space), reuse_actors=True)
-    callbacks = [callback] if verbose else [callback, QuietTuneOutput()]
+    callbacks = [callback] if verbose or not QuietTuneOutput.available else [callback, QuietTuneOutput()]
     tuner = tune.Tuner(tuned, param_space=param_space, tune_config=tune_config,
                        run_config=tune.RunConfig(name=f"tune-{len(ledger.entries)}", storage_path=str(out_dir / "tune"),
                                                  callbacks=callbacks, verbose=1 if verbose else 0))
