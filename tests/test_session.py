@@ -232,3 +232,20 @@ def test_plans_share_a_group_only_when_they_need_the_same_workers():
     assert gpu != key() and dict(gpu.resources) == {"GPU": 1.0, "CPU": 2.0}
     assert gpu.demand() == {"GPU": 2.0, "CPU": 4.0}
     assert dict(gpu.env)["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"  # worker_env's GPU defaults count
+
+
+def test_a_pool_that_died_during_the_sweep_is_ended_without_a_traceback(ray_local, capsys):
+    """Ray's memory monitor can kill the pool's actor mid-sweep (seen under load, 2026-12-06): the
+    sweep's end must still close, say so, and go on to its summary and the winner's files."""
+    import ray
+    from rich.console import Console
+
+    from paratune.sweep.cluster import close_pool, start_pool
+
+    name = start_pool(Console())
+    assert name is not None
+    actor = get_pool_actor(name)
+    ray.get(actor.close.remote(), timeout=60)  # alive and answering
+    ray.kill(actor, no_restart=True)
+    close_pool(name)  # no RayActorError
+    assert "could not close its groups (ActorDiedError)" in capsys.readouterr().out
