@@ -22,6 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
+from paratune.config_sizes import config_sizes
 from paratune.plan import Plan
 from paratune.shapes import BYTES, ModelShape, compute_precision, mlp_width, model_shape
 
@@ -260,7 +261,7 @@ def _trace_micro_batch(config, tokens: int, checkpointing: str, precision: str, 
             add_traced_adapters(model, peft_json, precision)
         if checkpointing in ("full", "selective"):  # the trace runs the runtime's own checkpoint (tp's is not traced)
             checkpoint_blocks(model, checkpointing)
-        ids = torch.randint(0, config.vocab_size, (sequences, tokens // sequences))
+        ids = torch.randint(0, config_sizes(config).vocab, (sequences, tokens // sequences))
         known = [t.untyped_storage() for t in (*model.parameters(), *model.buffers())]
         tracker = _LiveBytes(known)
         blocks = decoder_blocks(model)

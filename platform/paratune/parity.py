@@ -48,7 +48,7 @@ def reference_training(plan: Plan, steps: int | None = None) -> tuple[list[float
     device = torch.device("cpu")
     runner = StepRunner(model, make_optimizer(model.parameters(), plan), plan, device,
                         autocast=plan.precision == "bf16")
-    data = TokenBatches(plan.data, config.vocab_size, plan.seq_len, plan.global_batch, plan.seed)
+    data = TokenBatches(plan.data, config_sizes(config).vocab, plan.seq_len, plan.global_batch, plan.seed)
     torch.manual_seed(plan.seed + 1)
     losses = []
     for step in range(steps):

@@ -164,7 +164,7 @@ def _profile_block_shapes(request: ProfileRequest, device, barrier: Callable[[],
         mb, seq, hidden = shape.micro_batch, shape.seq_len, config.hidden_size
         x = torch.randn(mb, seq, hidden, device=device, requires_grad=True)
         grad = torch.randn(mb, seq, hidden, device=device)
-        ids = torch.randint(0, config.vocab_size, (mb, seq), device=device)
+        ids = torch.randint(0, config_sizes(config).vocab, (mb, seq), device=device)
         labels = torch.randint(0, full_vocab, (mb, seq), device=device)
 
         def run_block() -> None:
@@ -225,7 +225,7 @@ def _profile_heads(request: ProfileRequest, device, barrier: Callable[[], None],
             continue
         mb, seq = shape.micro_batch, shape.seq_len
         x = torch.randn(mb, seq, config.hidden_size, device=device, requires_grad=True)
-        labels = torch.randint(0, config.vocab_size, (mb, seq), device=device)
+        labels = torch.randint(0, config_sizes(config).vocab, (mb, seq), device=device)
         head = None if shape.loss == "chunked" else StageModule(model, (0, 0), first=False, last=True)
         if head is not None:
             head.autocast = autocast

@@ -28,6 +28,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from paratune import measure
+from paratune.config_sizes import config_sizes
 from paratune.failures import Reason, classify
 from paratune.hf_export import export_hf_folder, export_refusal, trained_modules
 from paratune.plan import Plan, PlanError, load_plan_dict
@@ -81,7 +82,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     dp_rank = dims.dp_rank(rank)
     model_config = build_config(plan.model, plan.model_overrides)
     runner = build_runner(model_config, plan, device, local_world)
-    data = TokenBatches(plan.data, model_config.vocab_size, plan.seq_len, plan.global_batch, plan.seed)
+    data = TokenBatches(plan.data, config_sizes(model_config).vocab, plan.seq_len, plan.global_batch, plan.seed)
 
     start, losses, resumed_at = 0, [], []
     checkpoint = ray.train.get_checkpoint()

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from paratune import devices, measure, placement
+from paratune.config_sizes import config_sizes
 from paratune.devices import sync_device
 from paratune.failures import Reason, classify
 from paratune.launch import (Deadline, WorkerDemand, build_trainer, ensure_ray, fit, placement_groups, return_value,
@@ -185,7 +186,7 @@ def train_and_measure(plan: Plan, rank: int, world: int, local_world: int, devic
         meter.abandon()
     devices.warm_up_process_groups(device)  # communicators and cuBLAS before step 0, not in compile_s
     torch.manual_seed(plan.seed + 1 + dp_rank)  # dropout differs per data rank (same within a tp group)
-    data = TokenBatches(plan.data, config.vocab_size, plan.seq_len, plan.global_batch, plan.seed)
+    data = TokenBatches(plan.data, config_sizes(config).vocab, plan.seq_len, plan.global_batch, plan.seed)
 
     def batches(step: int) -> list[torch.Tensor]:
         return [m.to(device) for m in data.micro_batches(step, dp_rank, dims.dp, plan.micro_batch)]
