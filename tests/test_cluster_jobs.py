@@ -426,6 +426,7 @@ def test_a_sweep_survives_a_dead_worker_a_killed_driver_and_a_lost_node(cluster)
     # drivers' node: a 0-CPU actor on a worker node would have died with it, and the sweep with it.
     pools = [a for a in ray_list(cluster, "actors", "class_name=PoolActor")]
     assert len(pools) == 2 and {names.get(a["node_id"]) for a in pools} == {"head"}, pools
-    # So did every measurement's runner (its fit(): the Train controller is the runner's).
-    runners = ray_list(cluster, "actors", "class_name=FitRunner")
-    assert runners and {names.get(a["node_id"]) for a in runners} == {"head"}, runners
+    # Every measurement's runner (its fit(): the Train controller is the runner's) ran, and none is
+    # left (above). A runner sits on its caller's node: the pool's (the head) for a reused group,
+    # the Tune trainable's for a trial that launches its own workers, which may be a worker node.
+    assert ray_list(cluster, "actors", "class_name=FitRunner")
