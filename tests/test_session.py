@@ -85,6 +85,7 @@ def assert_same_measurement(fresh, reused, peak_spread: float = 0.0) -> None:
 
 
 def test_a_reused_group_measures_a_plan_as_a_fresh_one_does(pool):
+    before = actor_ids()  # the session's Ray ran other modules' actors (a training run keeps its watcher)
     fresh = run_trial(load_plan_dict(FSDP))  # its own group, torn down before the pool starts one
     assert_fresh_trial_figures(fresh, load_plan_dict(FSDP))
     # One group: ZeRO-2 (DeepSpeed's groups) first in fresh processes, then FSDP2 (a DeviceMesh),
@@ -145,21 +146,31 @@ def assert_fresh_trial_figures(result, plan) -> None:
     for attr, name in (("ENABLE_PREEMPTION_WATCHER_ENV_VAR", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"),
                        ("HEALTH_CHECK_INTERVAL_S_ENV_VAR", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")):
         assert getattr(constants, attr, name) == name
-    classes = actor_classes()
+    classes = actor_classes(since=before)
     if classes is not None:
         assert "TrainController" in classes and "FitRunner" in classes  # the check can see the run's actors
         # (Ray Data's DatasetManager, started per run on recent Ray, has no public switch: docs/install.md)
         assert "PreemptionWatcher" not in classes, classes
 
 
-def actor_classes() -> set[str] | None:
-    """Every actor class this Ray instance has run (alive or dead), or None where this Ray has not
-    the private listing (the public one, ray.util.state, needs the dashboard the tests go without)."""
+def actor_ids() -> set[str]:
+    """The ids of every actor this Ray instance has run so far (empty without the private listing)."""
+    try:
+        from ray._private.state import actors
+    except ImportError:
+        return set()
+    return set(actors())
+
+
+def actor_classes(since: set[str] = frozenset()) -> set[str] | None:
+    """Every actor class this Ray instance has run (alive or dead) but the actors in `since`, or None
+    where this Ray has not the private listing (the public one, ray.util.state, needs the dashboard
+    the tests go without)."""
     try:
         from ray._private.state import actors
     except ImportError:
         return None
-    return {a["ActorClassName"] for a in actors().values()}
+    return {a["ActorClassName"] for i, a in actors().items() if i not in since}
 
 
 def test_the_stop_rule_works_in_a_reused_group(pool):
