@@ -87,7 +87,7 @@ def assert_same_measurement(fresh, reused, peak_spread: float = 0.0) -> None:
 def test_a_reused_group_measures_a_plan_as_a_fresh_one_does(pool):
     before = actor_ids()  # the session's Ray ran other modules' actors (a training run keeps its watcher)
     fresh = run_trial(load_plan_dict(FSDP))  # its own group, torn down before the pool starts one
-    assert_fresh_trial_figures(fresh, load_plan_dict(FSDP))
+    assert_fresh_trial_figures(fresh, load_plan_dict(FSDP), before)
     # One group: ZeRO-2 (DeepSpeed's groups) first in fresh processes, then FSDP2 (a DeviceMesh),
     # DDP after both, ZeRO-2 after DDP.
     zero_first = pool.measure(ZERO2)
@@ -115,7 +115,7 @@ def test_a_reused_group_measures_a_plan_as_a_fresh_one_does(pool):
     assert fsdp.wall_s < fresh.wall_s
 
 
-def assert_fresh_trial_figures(result, plan) -> None:
+def assert_fresh_trial_figures(result, plan, before: set[str] = frozenset()) -> None:
     """run_trial's own figures: parity with the reference, the throughput computed from the measured
     steps only, where every rank ran, and Ray Train's run without the actors a measurement never
     needs."""
