@@ -249,7 +249,7 @@ def winner_parity(plan: Plan | dict[str, Any], result: TrialResult) -> Parity:
         plan = plan if isinstance(plan, Plan) else load_plan_dict(plan)
         step = "switching off the model's random draws"
         plan, off = deterministic_plan(plan)
-        step = "building the model"
+        step, what = "building the model", ""
         if parameter_counts(build_config(plan.model, plan.model_overrides))["total"] > PARITY_MAX_REFERENCE_PARAMS:
             step = "sizing the proxy"
             shape = proxy_shape(plan)
@@ -259,17 +259,13 @@ def winner_parity(plan: Plan | dict[str, Any], result: TrialResult) -> Parity:
             if size > PARITY_MAX_REFERENCE_PARAMS:
                 return Parity(False, math.inf, f"proxy has {size:,} parameters, over the "
                               f"{PARITY_MAX_REFERENCE_PARAMS:,} a reference on the driver's CPU allows", shape)
-            step = "running the proxy trial"
-            result = run_trial(plan)
-            if not result.ok:
-                message = f"proxy trial failed: {result.reason}: {result.message or ''}"
-                return Parity(False, math.inf, message[:2000], shape, list(result.losses), mode=_mode(off),
-                              switched_off=off)
+            step, what = "running the proxy trial", "proxy trial"
         elif off:  # the measured trial drew dropout masks no reference repeats: the plan again, without them
-            step = "running the plan without its random draws"
+            step, what = "running the plan without its random draws", "trial without dropout / router jitter"
+        if what:  # a trial of the check's own
             result = run_trial(plan)
             if not result.ok:
-                message = f"trial without dropout / router jitter failed: {result.reason}: {result.message or ''}"
+                message = f"{what} failed: {result.reason}: {result.message or ''}"
                 return Parity(False, math.inf, message[:2000], shape, list(result.losses), mode=_mode(off),
                               switched_off=off)
         losses = list(result.losses)
