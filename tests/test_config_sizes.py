@@ -66,3 +66,17 @@ def test_tp_degrees_read_the_aliased_and_the_default_head_counts(tmp_path):
     with pytest.raises(PlanError, match=r"tp: 16 must divide attention heads \(32\) and KV heads \(8\)"):
         load_plan_dict({**BASE_PLAN, "model": str(mistral), "num_workers": 16, "global_batch": 16, "micro_batch": 1,
                         "tp": 16})
+
+
+def test_a_heterogeneous_config_is_read_per_layer():
+    """Gemma-4's sliding and global layers carry their own head_dim (transformers >= 5.2 refuses the
+    global read of a per-layer attribute): the sizes take the largest, the one memory is sized by."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("gemma4_text", **{k: v for k, v in tiny_config("gemma4_text").items()
+                                                    if k != "model_type"})
+    assert config.is_heterogeneous
+    per_layer = {layer.head_dim for layer in config.per_layer_config}
+    assert len(per_layer) == 2, per_layer  # the zoo keeps one layer of each kind
+    assert config_sizes(config).head_dim == max(per_layer)
+    assert config_sizes(tiny_config("gemma4_text")).head_dim == max(per_layer)

@@ -461,3 +461,34 @@ def test_a_slot_neither_init_nor_its_class_can_set_is_refused():
     with pytest.raises(ModelError, match=r"model: blocks.0.act \(NeedsArguments\) has scale .* cannot be built "
                                          r"with its defaults .*allowed: a model folder whose weights hold them"):
         constructor_values(NeedsArguments(4), ["scale"], "blocks.0.act")
+
+
+def test_a_value_an_enclosing_module_initializes_is_taken_from_its_init(tmp_path):
+    """Falcon-H1's model-level _init_weights writes every mixer's mup_vector (a buffer its mixer's own
+    init leaves alone, and whose class needs a layer index): the materialized model holds it."""
+    from family_zoo import write_config
+    from transformers.models.falcon_h1.modeling_falcon_h1 import compute_mup_vector
+
+    config = build_config(str(write_config("falcon_h1", tmp_path)), {})
+    model = build_model(config, seed=0)
+    vectors = [m.mup_vector for m in model.modules() if type(m).__name__ == "FalconH1Mixer"]
+    assert vectors and all(torch.equal(v, compute_mup_vector(config).to(v.dtype)) for v in vectors)
+
+
+def test_a_class_is_rebuilt_with_the_arguments_its_module_keeps(tmp_path):
+    """GPT-1's Conv1D projections are set by Conv1D(nf, nx) itself, which openai-gpt's init leaves
+    alone: paratune rebuilds the class with the nf / nx the module keeps (normal(0, 0.02), zero bias)."""
+    from family_zoo import write_config
+
+    model = build_model(build_config(str(write_config("openai-gpt", tmp_path)), {}), seed=0)
+    conv = model.transformer.h[0].attn.c_attn
+    assert type(conv).__name__ == "Conv1D"
+    assert torch.count_nonzero(conv.bias) == 0 and 0.015 < conv.weight.std().item() < 0.025
+
+
+def test_a_family_trained_on_images_is_refused_with_the_reason(tmp_path):
+    from family_zoo import write_config
+
+    with pytest.raises(ModelError, match=r"\(git\) computes its loss after its image tokens .*paratune trains causal "
+                                         r"LMs on token ids"):
+        build_config(str(write_config("git", tmp_path)), {})

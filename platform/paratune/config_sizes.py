@@ -69,7 +69,7 @@ def _read(text: Any, data: dict[str, Any]) -> ConfigSizes:
     """The sizes from the config object `text`, or from the dict `data` where there is none."""
 
     def read(name: str, default: Any) -> Any:
-        value = getattr(text, name, None) if text is not None else data.get(name)
+        value = _attribute(text, name) if text is not None else data.get(name)
         return default if value is None else value
 
     heads = int(read("num_attention_heads", 1))
@@ -81,6 +81,21 @@ def _read(text: Any, data: dict[str, Any]) -> ConfigSizes:
                       experts=next((int(v) for v in (read(k, None) for k in EXPERT_COUNT_KEYS)
                                     if isinstance(v, int) and not isinstance(v, bool) and v >= 2), None),
                       tp_plan_shipped=text is None or bool(getattr(text, "base_model_tp_plan", None)))
+
+
+def _attribute(config: Any, name: str) -> Any:
+    """config.name; on a heterogeneous config (transformers >= 5.2: Gemma-4's sliding and global layers
+    with their own head_dim) a per-layer attribute is the largest of its layers' values, the one that
+    sizes memory (transformers refuses the global read)."""
+    if getattr(config, "is_heterogeneous", False):
+        per_layer = getattr(config, "per_layer_config", None)
+        try:
+            getattr(config, name, None)
+        except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError: read it per layer
+            values = [getattr(layer, name, None) for layer in per_layer or ()]
+            numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            return max(numbers) if numbers else next((v for v in values if v is not None), None)
+    return getattr(config, name, None)
 
 
 def _kv_heads(read, heads: int) -> int:

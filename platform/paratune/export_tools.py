@@ -92,7 +92,7 @@ def accelerate_config(plan: Plan) -> tuple[dict[str, Any], list[str]]:
     else:
         cfg["distributed_type"] = "MULTI_GPU"
         notes.append(f"accelerate: DDP bucket_cap_mb {plan.ddp.bucket_cap_mb} goes in DistributedDataParallelKwargs "
-                     "(code, not config)")
+                     f"{'(with find_unused_parameters=True) ' if plan.ddp.find_unused_parameters else ''}(code, not config)")
     if plan.strategy == "fsdp" and (plan.tp > 1 or plan.cp > 1 or (plan.fsdp and plan.fsdp.sharding == "hybrid")):
         replicate, shard = data_parallel_split(plan)
         cfg["parallelism_config"] = {"parallelism_config_dp_replicate_size": replicate,
@@ -140,6 +140,8 @@ def training_arguments(plan: Plan, deepspeed_path: str = "deepspeed.json") -> tu
         args["ddp_bucket_cap_mb"] = int(plan.ddp.bucket_cap_mb)
         if plan.ddp.bucket_cap_mb != int(plan.ddp.bucket_cap_mb):
             notes.append(f"TrainingArguments: ddp_bucket_cap_mb is an int; {plan.ddp.bucket_cap_mb} rounded down")
+        if plan.ddp.find_unused_parameters:
+            args["ddp_find_unused_parameters"] = True
     for name, degree in (("tp", plan.tp), ("pp", plan.pp), ("cp", plan.cp), ("ep", plan.ep)):
         if degree > 1:
             notes.append(f"TrainingArguments: {name} {degree} not expressible")
@@ -185,7 +187,8 @@ def torchtitan_overrides(plan: Plan) -> tuple[list[str] | None, list[str]]:
     if plan.strategy == "fsdp" and plan.fsdp.cpu_offload:
         args.append(_flag("training.enable_cpu_offload", True))
     if plan.ddp is not None:
-        notes.append(f"torchtitan: DDP bucket_cap_mb {plan.ddp.bucket_cap_mb} not expressible")
+        notes.append(f"torchtitan: DDP bucket_cap_mb {plan.ddp.bucket_cap_mb}"
+                     f"{' and find_unused_parameters' if plan.ddp.find_unused_parameters else ''} not expressible")
     notes.append("torchtitan: add --module <model> --config <registry function> (paratune's model is not in its registry)")
     return args, notes
 

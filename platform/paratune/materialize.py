@@ -51,7 +51,8 @@ def constructor_values(module: nn.Module, slots: list[str], owner: str, config=N
     unwritten (xIELU's learned alpha_p / alpha_n and its beta / eps buffers, set in
     XIELUActivation.__init__, which transformers' init never touches): the class built on the host
     as the family builds it, with its defaults and, where its constructor takes them, the
-    model's `config` and `dtype` (Apertus: `ACT2CLS["xielu"](dtype=config.dtype)`). A class that
+    model's `config` and `dtype` (Apertus: `ACT2CLS["xielu"](dtype=config.dtype)`) and the
+    arguments the module keeps under their own names (Conv1D's nf / nx, a mixer's layer_idx). A class that
     needs other arguments, or whose defaults give other shapes, is refused: paratune never trains
     from uninitialized memory."""
     import inspect
@@ -59,10 +60,18 @@ def constructor_values(module: nn.Module, slots: list[str], owner: str, config=N
     from paratune.model_error import ModelError
 
     accepts = inspect.signature(type(module).__init__).parameters
-    kwargs = {k: v for k, v in (("config", config), ("dtype", dtype)) if k in accepts and v is not None}
-    try:
-        fresh = type(module)(**kwargs)
-    except Exception as err:  # noqa: BLE001 - a constructor that needs arguments
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    fresh, err = None, None
+    for candidate in ([config, text] if text is not config else [config]):  # a multimodal text block: its text config
+        kwargs = {k: v for k, v in (("config", candidate), ("dtype", dtype)) if k in accepts and v is not None}
+        kwargs.update({k: getattr(module, k) for k, p in accepts.items() if k not in kwargs and k != "self"
+                       and p.default is inspect.Parameter.empty and hasattr(module, k)})
+        try:
+            fresh = type(module)(**kwargs)
+            break
+        except Exception as error:  # noqa: BLE001 - a constructor that needs arguments
+            err = error
+    if fresh is None:
         raise ModelError(f"model: {owner} ({type(module).__name__}) has {', '.join(slots)} that neither its family's "
                          f"_init_weights nor a checkpoint sets, and its class cannot be built with its defaults "
                          f"({type(err).__name__}: {err}); allowed: a model folder whose weights hold them") from None
@@ -167,9 +176,30 @@ class ModelInit:
         values = {k: v for k, v in [*module._parameters.items(), *module._buffers.items()] if v is not None}
         unwritten = [k for k in slots if k not in given and _is_sentinel(values[k])]
         if unwritten:
+            unwritten = self._ancestor_init(owner, module, unwritten)
+        if unwritten:
             values.update(constructor_values(module, unwritten, owner, self.config, self.dtype))
         module.to_empty(device="meta", recurse=False)  # give the host memory back
         return {k: (given[k] if k in given else v).detach() for k, v in values.items()}
+
+    def _ancestor_init(self, owner: str, module: nn.Module, unwritten: list[str]) -> list[str]:
+        """The slots still unwritten after the enclosing modules' `_init_weights` ran, nearest first
+        (Falcon-H1's model-level init writes every mixer's mup_vector): the ancestors stay on meta,
+        so their own values cost nothing and only this module's host memory is written."""
+        template = self._template_model()
+        parts = owner.split(".")
+        for depth in range(len(parts) - 1, -1, -1):
+            name = ".".join(parts[:depth])
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(module_seed(self.seed, owner))
+                try:
+                    self._init_fn(name)(template.get_submodule(name))
+                except Exception:  # noqa: BLE001 - an init that cannot run beside meta tensors: the next source
+                    continue
+            unwritten = [k for k in unwritten if _is_sentinel(getattr(module, k))]
+            if not unwritten:
+                break
+        return unwritten
 
     def shared_values(self, owner: str, src: int) -> dict[str, torch.Tensor]:
         """`host_values(owner)` computed by rank `src` only and broadcast to every rank, on

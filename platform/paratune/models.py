@@ -78,6 +78,13 @@ def model_init(model: str) -> str:
     return f"random init (architecture from {path})"
 
 
+# Causal-LM classes transformers ships whose training step needs more than token ids, by model_type.
+NOT_TRAINED_ON_TEXT = {
+    "git": "computes its loss after its image tokens (GitForCausalLM slices the logits past the pixel_values' "
+           "patches: token ids alone give it no positions to score)",
+}
+
+
 def build_config(model: str, overrides: dict[str, Any] | None = None):
     """A transformers PretrainedConfig for a decoder-only causal LM."""
     from transformers import AutoConfig
@@ -94,6 +101,9 @@ def build_config(model: str, overrides: dict[str, Any] | None = None):
         raise ModelError(f"model config: {type(err).__name__}: {err}") from None
     if getattr(config, "is_encoder_decoder", False):
         raise ModelError(f"model: '{model}' is an encoder-decoder; paratune tunes decoder-only LMs")
+    if model_type in NOT_TRAINED_ON_TEXT:
+        raise ModelError(f"model: '{model}' ({model_type}) {NOT_TRAINED_ON_TEXT[model_type]}; paratune trains "
+                         "causal LMs on token ids")
     config.use_cache = False
     config._attn_implementation = _checked_attn_implementation(config)
     return config

@@ -100,6 +100,11 @@ class DDPOptions(_Strict):
     bucket_cap_mb: RealNumber = Field(25.0, gt=0, le=4096)
     gradient_as_bucket_view: bool = True
     static_graph: bool = False
+    # torch's own flag (HF TrainingArguments' ddp_find_unused_parameters): DDP looks each step for
+    # parameters the step does not reach (a pooler, a vision tower, an indexer trained by another
+    # loss) instead of waiting for their gradients. Off by default, as in torch: a plan without it
+    # on such a model fails its first step naming those parameters.
+    find_unused_parameters: bool = False
 
 
 class FSDPOptions(_Strict):

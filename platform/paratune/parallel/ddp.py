@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from functools import partial
+from typing import Callable
 
 import torch
 from torch import nn
@@ -56,7 +57,36 @@ def wrap_ddp(model: nn.Module, plan: Plan, device: torch.device) -> DistributedD
         bucket_cap_mb=opts.bucket_cap_mb,
         gradient_as_bucket_view=opts.gradient_as_bucket_view,
         static_graph=opts.static_graph,
+        find_unused_parameters=opts.find_unused_parameters,
     )
+
+
+def unreached_parameters_check(ddp: DistributedDataParallel, plan: Plan) -> Callable[[], None] | None:
+    """A check after the first step's backward that every trainable parameter got a gradient, unless
+    the plan lets DDP find the unused ones: torch's own error comes a step later and names indices."""
+    if plan.ddp is None or plan.ddp.find_unused_parameters:
+        return None
+    ignored = set(getattr(ddp.module, "_ddp_params_and_buffers_to_ignore", ()))
+    checked = [False]
+
+    def check() -> None:
+        if checked[0]:
+            return
+        checked[0] = True
+        missing = [n for n, p in ddp.module.named_parameters() if p.requires_grad and p.grad is None and n not in ignored]
+        if missing:
+            raise RuntimeError(f"ddp: {len(missing)} parameters get no gradient from a training step "
+                               f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): the model holds "
+                               "parts a text-only step does not reach; allowed: ddp.find_unused_parameters: true "
+                               "(DDP skips them each step), or strategy fsdp / zero")
+    return check
+
+
+def _chain(*hooks: Callable[[], None] | None) -> Callable[[], None] | None:
+    present = [h for h in hooks if h is not None]
+    if not present:
+        return None
+    return lambda: [h() for h in present] and None
 
 
 def parallelize_ddp(model: nn.Module, init: ModelInit, plan: Plan, device: torch.device) -> StepRunner:
@@ -94,7 +124,9 @@ def parallelize_ddp(model: nn.Module, init: ModelInit, plan: Plan, device: torch
         from paratune.parallel.tp import clip_grad_norm
 
         return StepRunner(ddp, make_optimizer(ddp.parameters(), plan), plan, device, sync_context,
-                          autocast=plan.precision == "bf16", before_step=partial(reduce_expert_gradients, model, meshes),
+                          autocast=plan.precision == "bf16",
+                          before_step=_chain(unreached_parameters_check(ddp, plan),
+                                             partial(reduce_expert_gradients, model, meshes)),
                           clip=partial(clip_grad_norm, list(ddp.parameters()), plan.grad_clip, ep_group=meshes.ep_group))
     return StepRunner(ddp, make_optimizer(ddp.parameters(), plan), plan, device, sync_context,
-                      autocast=plan.precision == "bf16")
+                      autocast=plan.precision == "bf16", before_step=unreached_parameters_check(ddp, plan))

@@ -88,7 +88,8 @@ def _wrap_ddp(module: nn.Module, plan: Plan, dims: ParallelDims, layout: DataPar
     opts = plan.ddp
     assert opts is not None
     return DistributedDataParallel(module, process_group=dims.dp_mesh.get_group(), bucket_cap_mb=opts.bucket_cap_mb,
-                                   gradient_as_bucket_view=opts.gradient_as_bucket_view, static_graph=opts.static_graph)
+                                   gradient_as_bucket_view=opts.gradient_as_bucket_view, static_graph=opts.static_graph,
+                                   find_unused_parameters=opts.find_unused_parameters)
 
 
 def _sync_context(module: nn.Module, plan: Plan, layout: DataParallelLayout):
