@@ -217,7 +217,7 @@ def memory_section(memory: dict) -> list[str]:
              f"Machine: {memory['machine']['machine']}; torch {memory['machine'].get('torch')}, DeepSpeed "
              f"{memory['machine'].get('deepspeed')}, transformers {memory['machine'].get('transformers')}; measured "
              f"{memory['machine'].get('date')}. Command: `{memory.get('command', '')}`.", "",
-             "Measured: the trial's worker code (`paratune.trial.train_and_measure`) on 2 gloo processes "
+             "Measured: the trial's worker code (`paratune.trial_worker.train_and_measure`) on 2 gloo processes "
              "(tests/gloo_harness.py, no Ray), fp32, one warm-up and one timed step, then PyTorch's MemTracker over "
              "one more step (tensor storage, the larger rank), with the buffers DDP (its gradient buckets) and "
              "DeepSpeed ZeRO-3 (its reduce bucket) allocate before the step handed to the tracker "

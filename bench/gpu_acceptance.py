@@ -3,7 +3,7 @@
 For each strategy family (DDP, FSDP2 full, ZeRO-2, ZeRO-3, ZeRO-3 with optimizer offload and
 DeepSpeed's CPU Adam) and two lever families on FSDP2 full (every block compiled; torchao's
 float8 tensorwise linears), a bf16 trial on the Llama-3.2-1B shape through the very worker code a Ray
-trial runs (`paratune.trial.train_and_measure` on a one-rank process group: the device image has
+trial runs (`paratune.trial_worker.train_and_measure` on a one-rank process group: the device image has
 no Ray), with: tokens/s/GPU and MFU, peak memory against the cost model's prediction,
 construction memory, the compute dtype of every linear layer's matmul (must be bf16; a float8
 plan's converted linears float8_e4m3fn and the rest bf16: paratune.precision), the
@@ -124,7 +124,7 @@ def beyond_this_run() -> list[str]:
 def _release() -> None:
     """What a reused worker group does between plans (paratune.session): collect, then give back
     the device's and the pinned host caches (the offload families fill the latter)."""
-    from paratune.trial import release_cached_memory
+    from paratune.trial_worker import release_cached_memory
 
     gc.collect()
     release_cached_memory(_device())
@@ -138,13 +138,14 @@ def run_family(name: str, family: dict[str, Any]) -> dict[str, Any]:
     from paratune.failures import classify
     from paratune.models import build_config
     from paratune.precision import precision_problem
-    from paratune.trial import summarize, train_and_measure
+    from paratune.trial import summarize
+    from paratune.trial_worker import train_and_measure
 
-    plan = _plan(family)
-    why_not = family_unavailable(family)
+    why_not = family_unavailable(family)  # before the plan: its validation refuses float8 without torchao
     if why_not is not None:
         print(f"family {name}: skipped: {why_not}", flush=True)
         return {"family": name, "status": "skipped", "reason": "skipped", "message": why_not}
+    plan = _plan(family)
     t0 = time.perf_counter()
     try:
         out = train_and_measure(plan, 0, 1, 1, _device())
@@ -209,7 +210,7 @@ def comm_share_probe() -> dict[str, Any]:
 def oversized() -> dict[str, Any]:
     """A plan that cannot fit must come back as `oom`, classified from what the worker raised."""
     from paratune.failures import classify
-    from paratune.trial import train_and_measure
+    from paratune.trial_worker import train_and_measure
 
     plan = _plan({**OVERSIZED})
     try:

@@ -60,7 +60,7 @@ def run_variant(micro_batch: int, ckpt: str, track: Callable[[object], None] | N
 def release(device: torch.device) -> None:
     """Free a finished variant: reference cycles wait for the collector, and the CUDA caching
     allocator keeps freed blocks reserved (and the peak counters) unless told otherwise."""
-    from paratune.trial import release_cached_memory
+    from paratune.trial_worker import release_cached_memory
 
     gc.collect()
     release_cached_memory(device)

@@ -1,7 +1,7 @@
 """Peak memory per rank, predicted vs measured, in sample and out of sample: the memory part of
 bench/estimate_accuracy.py (which calls it and writes the report).
 
-Measured by the trial's own worker code (`paratune.trial.train_and_measure`) on 2 gloo processes
+Measured by the trial's own worker code (`paratune.trial_worker.train_and_measure`) on 2 gloo processes
 (tests/gloo_harness.py, no Ray: the same function Ray Train runs), peak tensor memory of one
 extra step by PyTorch's MemTracker, with DDP's buckets visible to it (bench/memory_tracking.py).
 

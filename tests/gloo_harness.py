@@ -77,7 +77,7 @@ def _worker(rank: int, world: int, port: int, plan_dicts: list[dict], queue, set
     import torch.distributed as dist
 
     from paratune.plan import load_plan_dict
-    from paratune.trial import train_and_measure
+    from paratune.trial_worker import train_and_measure
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -107,7 +107,7 @@ def _worker(rank: int, world: int, port: int, plan_dicts: list[dict], queue, set
 # What every worker imports, imported once by the fork server: its children start with them loaded
 # (8 processes importing torch and transformers on 2 cores took ~85 s; forked, ~13 s). DeepSpeed
 # too (~1.5 s of CPU per rank of every set of processes that runs a ZeRO plan; it starts no thread).
-PRELOAD = ["torch", "torch.distributed", "paratune.trial", "paratune.parallel", "transformers",
+PRELOAD = ["torch", "torch.distributed", "paratune.trial", "paratune.trial_worker", "paratune.parallel", "transformers",
            "transformers.models.llama.modeling_llama", "transformers.models.gpt_neox.modeling_gpt_neox",
            "transformers.models.opt.modeling_opt", "deepspeed"]
 

@@ -66,7 +66,7 @@ def lora_measure(plan, rank, world, local_world, device):
     import torch.distributed as dist
 
     import paratune.parallel as par
-    from paratune.trial import train_and_measure
+    from paratune.trial_worker import train_and_measure
 
     built, original = [], par.build_runner
 

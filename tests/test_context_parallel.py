@@ -192,7 +192,7 @@ def measure_with_gradients(plan, rank: int, world: int, local_world: int, device
     seeded with seed + 1 + dp rank (the cp ranks of a dp rank train on the same sequences), on
     step 0's micro-batches of this dp rank, as the reference's first step on the whole batch."""
     import paratune.parallel
-    from paratune.trial import train_and_measure
+    from paratune.trial_worker import train_and_measure
 
     build = paratune.parallel.build_runner
     armed: list[dict] = []

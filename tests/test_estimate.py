@@ -271,7 +271,7 @@ from paratune.devices import (  # noqa: E402
     devices_for_accelerator_type,
     load_devices,
 )
-from paratune.memory import construction_bytes  # noqa: E402
+from paratune.construction import construction_bytes  # noqa: E402
 
 DEVICE_NAMES = json.loads((Path(__file__).parent / "data" / "gpu" / "device_names.json").read_text())["devices"]
 MiB = 2**20
@@ -372,7 +372,7 @@ def test_zero_with_autotp_as_deepspeed_lays_it_out():
     untied embedding and the norms whole (95,552 parameters per rank at tp 2), ZeRO-3 partitions
     everything over dp x tp (79,008); construction builds the whole fp32 model first at ZeRO 0-2
     (779,584 bytes measured) and gathers one module whole under ZeRO-3 (578,240 measured)."""
-    from paratune.memory import construction_bytes
+    from paratune.construction import construction_bytes
     from paratune.shapes import local_params as _local_params
 
     base = {"model": "tiny-llama", "seq_len": 32, "global_batch": 8, "micro_batch": 2, "num_workers": 2, "tp": 2,

@@ -27,6 +27,7 @@ class Sections:
 
 PLANS = {
     "ddp": {},
+    "ddp-unused": {"ddp": {"find_unused_parameters": True}},
     "fsdp": {"strategy": "fsdp", "precision": "bf16", "activation_checkpointing": "selective"},
     "hybrid": {"strategy": "fsdp", "num_workers": 4, "fsdp": {"sharding": "hybrid", "shard_group_size": 2}},
     "zero3": {"strategy": "zero", "zero": {"stage": 3, "offload_param": True, "offload_optimizer": True}},
@@ -96,6 +97,9 @@ def test_training_arguments_construct(tmp_path: Path, name: str) -> None:
         assert fsdp[0].startswith({"full": "full_shard", "hybrid": "hybrid_shard"}[plan.fsdp.sharding])
     if plan.tp > 1:
         assert any("tp 2 not expressible" in n for n in notes)
+    if plan.ddp is not None:  # torch's flag as HF names it; absent, HF decides (on without gradient checkpointing)
+        assert fields.get("ddp_find_unused_parameters") == (True if plan.ddp.find_unused_parameters else None)
+        assert args.ddp_find_unused_parameters == fields.get("ddp_find_unused_parameters")
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp", "hybrid", "tp2pp2"])

@@ -492,3 +492,27 @@ def test_a_family_trained_on_images_is_refused_with_the_reason(tmp_path):
     with pytest.raises(ModelError, match=r"\(git\) computes its loss after its image tokens .*paratune trains causal "
                                          r"LMs on token ids"):
         build_config(str(write_config("git", tmp_path)), {})
+
+
+@pytest.mark.integration
+def test_ddp_names_the_parameters_a_step_leaves_out_and_trains_with_torchs_flag(tmp_path):
+    """BigBird's pooler gets no gradient from a causal-LM step. Torch's DDP fails the step after
+    with parameter indices; paratune's check fails the first naming them and the flag that fixes it,
+    and the plan with ddp.find_unused_parameters trains like the reference."""
+    import re
+
+    from family_zoo import write_config
+    from gloo_harness import run_named_batch
+
+    path = write_config("big_bird", tmp_path / "big_bird")
+    from paratune.parity import deterministic_plan
+
+    plan, _ = deterministic_plan(load_plan_dict({**BASE_PLAN, "seed": 7, "track_memory": False, "model": str(path),
+                                                 "strategy": "ddp"}))  # BigBird ships dropout 0.1
+    flagged = plan.with_changes(ddp={"find_unused_parameters": True})
+    runs = run_named_batch({"flag": flagged, "as torch": plan})
+    assert isinstance(runs["as torch"], Exception)
+    assert re.search(r"ddp: 2 parameters get no gradient from a training step \(bert\.pooler\.weight, "
+                     r"bert\.pooler\.bias\).* allowed: ddp\.find_unused_parameters: true", str(runs["as torch"]))
+    _, out = runs["flag"]
+    assert max_loss_difference(out["losses"], reference_for(plan)) < 1e-5

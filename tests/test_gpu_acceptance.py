@@ -89,7 +89,7 @@ def test_the_float8_family_says_torchao_is_not_importable_and_is_not_run(monkeyp
 
 # What a worker imports (the acceptance run and the GPU bench import these without Ray): every
 # module of the worker path, the model-parallel layouts the five families do not reach included.
-WORKER_PATH = ["paratune.trial", "paratune.placement", "paratune.measure", "paratune.failures", "paratune.plan",
+WORKER_PATH = ["paratune.trial", "paratune.trial_worker", "paratune.placement", "paratune.measure", "paratune.failures", "paratune.plan",
                "paratune.data", "paratune.models", "paratune.materialize", "paratune.precision",
                "paratune.parity", "paratune.preflight", "paratune.estimate", "paratune.devices", "paratune.shapes",
                "paratune.activations", "paratune.memory", "paratune.results", "paratune.launch",

@@ -128,7 +128,7 @@ def test_release_gives_back_the_pinned_host_cache(monkeypatch):
     keeps when freed: between two plans of a reused worker group the release empties it too, after
     the device cache, and the session's release goes through it."""
     from paratune import session
-    from paratune.trial import release_cached_memory
+    from paratune.trial_worker import release_cached_memory
 
     calls = _record_cuda_release(monkeypatch)
     release_cached_memory(torch.device("cuda", 0))
@@ -144,7 +144,7 @@ def test_release_gives_back_the_pinned_host_cache(monkeypatch):
 
 def test_release_falls_back_to_the_device_generic_host_cache(monkeypatch):
     """A torch without the CUDA binding's name uses torch.accelerator's public form."""
-    from paratune.trial import release_cached_memory
+    from paratune.trial_worker import release_cached_memory
 
     calls = _record_cuda_release(monkeypatch)
     monkeypatch.delattr(torch._C, "_host_emptyCache")

@@ -14,7 +14,8 @@ import pytest
 
 from paratune.devices import get_device
 from paratune.estimate import _time_terms, comm_volume, compute_seconds, estimate, estimate_space
-from paratune.memory import construction_bytes, memory_moments
+from paratune.construction import construction_bytes
+from paratune.memory import memory_moments
 from paratune.moe_costs import (
     all_to_all_bytes,
     all_to_all_crosses_nodes,

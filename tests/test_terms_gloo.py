@@ -33,7 +33,7 @@ def count_fsdp_collectives() -> None:
 
 def measure_with_counts(plan, rank, world, local_world, device):
     """train_and_measure, and the collectives it ran (per step)."""
-    from paratune.trial import train_and_measure
+    from paratune.trial_worker import train_and_measure
 
     CALLS.clear()
     out = train_and_measure(plan, rank, world, local_world, device)

@@ -40,7 +40,8 @@ from paratune.efficiency import (
     has_kernel_rates,
     step_flops,
 )
-from paratune.memory import MemoryEstimate, construction_bytes, estimate_memory
+from paratune.construction import construction_bytes
+from paratune.memory import MemoryEstimate, estimate_memory
 from paratune.moe_costs import (
     DEFAULT_IMBALANCE,
     all_to_all_bytes,

@@ -61,7 +61,6 @@ from paratune.activations import (
 )
 from paratune.adapters import adapted_params, frozen_base_saving
 from paratune.devices import Device
-from paratune.construction import construction_bytes  # noqa: F401 - its home before the split
 from paratune.moe_costs import DEFAULT_IMBALANCE, ExpertShare, add_dispatch, held_with_experts, shard_params
 from paratune.plan import Plan
 from paratune.shapes import (

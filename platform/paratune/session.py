@@ -40,7 +40,7 @@ from paratune.failures import Reason, TrialTimeout, classify
 from paratune.launch import (Deadline, WorkerDemand, build_trainer, default_storage, placement_groups,
                              remove_leaked_placement_groups, remove_placement_group)
 from paratune.plan import Plan, load_plan_dict
-from paratune.trial import release_cached_memory, train_and_measure
+from paratune.trial_worker import release_cached_memory, train_and_measure
 
 MEASURE_FUNCTION = "paratune.session:measure_request"
 # A group's own deadline (the controller is aborted past it). Requests have their own timeouts;

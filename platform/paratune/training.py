@@ -33,7 +33,7 @@ from paratune.failures import Reason, classify
 from paratune.hf_export import export_hf_folder, export_refusal, trained_modules
 from paratune.plan import Plan, PlanError, load_plan_dict
 from paratune.launch import build_trainer, ensure_ray, fit, process_group_backend, worker_demand
-from paratune.trial import maybe_inject_fault, reduce_losses_and_times, sync_device
+from paratune.trial_worker import maybe_inject_fault, reduce_losses_and_times, sync_device
 
 PROGRESS_FILE = "progress.json"  # next step and the loss curve so far (rank 0 writes it)
 STATE_DIR = "state"  # model + optimizer shards
