@@ -54,7 +54,8 @@ def _find_unused(plan):
 
 def _reason(error: str) -> str:
     """paratune's own sentence out of a worker's traceback."""
-    return next((line.strip() for line in error.splitlines() if UNREACHED in line), error[-300:])[:300]
+    lines = [line.strip() for line in error.splitlines() if UNREACHED in line and "raise" not in line]
+    return (lines[-1] if lines else error[-300:])[:300]
 
 
 def families() -> list[str]:

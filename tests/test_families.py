@@ -516,3 +516,16 @@ def test_ddp_names_the_parameters_a_step_leaves_out_and_trains_with_torchs_flag(
                      r"bert\.pooler\.bias\).* allowed: ddp\.find_unused_parameters: true", str(runs["as torch"]))
     _, out = runs["flag"]
     assert max_loss_difference(out["losses"], reference_for(plan)) < 1e-5
+
+
+@pytest.mark.parametrize("case", [{"strategy": "fsdp"}, {"compile": True}, {"activation_checkpointing": "full"}])
+def test_a_plan_that_works_block_by_block_is_refused_before_launch_where_blocks_cannot_be_found(tmp_path, case):
+    """XLM keeps its attentions, norms and MLPs in four parallel lists: FSDP2's units, compile and
+    checkpointing have no block to work on; ddp as it is trains it (bench/results/families_parity.md)."""
+    from family_zoo import write_config
+
+    path = str(write_config("xlm", tmp_path))
+    with pytest.raises(PlanError, match=r"works block by block: cannot tell the decoder blocks of XLMWithLMHeadModel "
+                                        r"apart: .*allowed: strategy ddp or zero, without compile or checkpointing"):
+        check_plan_against_model(load_plan_dict({**BASE_PLAN, "model": path, **case}))
+    check_plan_against_model(load_plan_dict({**BASE_PLAN, "model": path, "strategy": "ddp"}))

@@ -177,8 +177,10 @@ class ModelInit:
         unwritten = [k for k in slots if k not in given and _is_sentinel(values[k])]
         if unwritten:
             unwritten = self._ancestor_init(owner, module, unwritten)
-        if unwritten:
-            values.update(constructor_values(module, unwritten, owner, self.config, self.dtype))
+        if unwritten:  # seeded as the init is: a constructor that draws (Conv1D's normal_) gives every process one value
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(module_seed(self.seed, owner))
+                values.update(constructor_values(module, unwritten, owner, self.config, self.dtype))
         module.to_empty(device="meta", recurse=False)  # give the host memory back
         return {k: (given[k] if k in given else v).detach() for k, v in values.items()}
 

@@ -31,6 +31,7 @@ from functools import lru_cache
 
 from torch import nn
 
+from paratune.model_error import ModelError
 from paratune.plan import Plan, PlanError
 
 # Families whose pipeline stages train exactly like the reference (measured, fp32 < 1e-5).
@@ -86,12 +87,15 @@ def check_plan_against_model(plan: Plan, config=None) -> None:
         if refusal is not None:
             raise PlanError(refusal)
     ep = getattr(plan, "ep", 1)
-    if plan.tp == 1 and plan.pp == 1 and cp == 1 and ep == 1 and plan.float8 == "none":
+    per_block = plan.strategy == "fsdp" or plan.activation_checkpointing != "none" or plan.compile
+    if plan.tp == 1 and plan.pp == 1 and cp == 1 and ep == 1 and plan.float8 == "none" and not per_block:
         return  # data parallelism keeps every layer whole: nothing family-specific to check
     from paratune.models import build_config, config_key
 
     config = config if config is not None else build_config(plan.model, plan.model_overrides)
     model = _meta_model(config_key(config))
+    if per_block:
+        _check_blocks(plan, model)
     if ep > 1:  # the family's EP plan must name experts paratune can split (paratune.parallel.ep)
         from paratune.parallel.ep import ep_refusal
 
@@ -110,6 +114,21 @@ def check_plan_against_model(plan: Plan, config=None) -> None:
         _check_sequence_parallel(plan, config, model)
     if plan.pp > 1:
         _check_pp(plan, config, model)
+
+
+def _check_blocks(plan: Plan, model: nn.Module) -> None:
+    """FSDP2 shards, checkpointing and compile work block by block: a model whose decoder blocks
+    cannot be told apart (XLM's four parallel lists) is refused here, not on the workers."""
+    from paratune.models import decoder_blocks
+
+    try:
+        decoder_blocks(model)
+    except ModelError as err:
+        uses = [what for what, on in (("strategy fsdp", plan.strategy == "fsdp"), ("compile", plan.compile),
+                                      (f"activation_checkpointing {plan.activation_checkpointing}",
+                                       plan.activation_checkpointing != "none")) if on]
+        raise PlanError(f"{' and '.join(uses)} works block by block: {err}; allowed: strategy ddp or zero, "
+                        "without compile or checkpointing") from None
 
 
 def _check_float8(plan: Plan, model: nn.Module) -> None:
