@@ -18,7 +18,8 @@ TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "
         "vocab_size": 512, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4, "num_local_experts": 4,
         "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "hidden_size_global": 64,
         "encoder_hash_byte_group_vocab": 512, "vocab_size_per_layer_input": 512, "ngram_vocab_size_base": 512,
-        "adapter_in_dim": 64, "adapter_out_dim": 64, "adapter_input_size": 64, "d_head": 16}
+        "adapter_in_dim": 64, "adapter_out_dim": 64, "adapter_input_size": 64, "d_head": 16,
+        "zero_expert_num": 2}
 # Multi-head latent attention (DeepSeek-V2/V3 and kin): its head sizes and ranks shrunk together, the rotary
 # part equal to head_dim (the rotary embedding reads head_dim), and as many kv heads as heads (MLA has no GQA).
 TINY_MLA = {"kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16,
