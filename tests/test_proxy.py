@@ -160,6 +160,28 @@ def test_small_model_is_compared_with_the_reference_directly():
     assert "over tolerance 0.0001" in off.reason
 
 
+def test_a_model_that_amplifies_rounding_passes_within_its_own_sensitivity(tmp_path):
+    """CPM-Ant at lr 1e-2 moves its third loss by ~8e-3 when its initial weights move by 1e-7: a
+    layout whose reduction order differs (here: the reference with such weights) passes, saying so;
+    a loss off by more than that, or a first loss that differs (another model), still fails."""
+    from family_zoo import write_config
+
+    from paratune.parity import reference_training, rounding_sensitivity
+
+    plan = load_plan_dict({"model": str(write_config("cpmant", tmp_path)), "seq_len": 16, "global_batch": 4,
+                           "micro_batch": 2, "num_workers": 2, "warmup_steps": 1, "measure_steps": 2, "lr": 1e-2})
+    reference = reference_losses(plan)
+    rounded = reference_training(plan, weight_noise=1e-8)[0]
+    sensitivity = rounding_sensitivity(plan, 3, reference=reference)
+    assert 1e-4 < max(abs(a - b) for a, b in zip(rounded, reference)) < sensitivity
+    check = winner_parity(plan, _ok_result(plan, rounded))
+    assert check.passed and "amplifies rounding at lr 0.01 (the first losses agree)" in check.reason
+    far = winner_parity(plan, _ok_result(plan, [*reference[:2], reference[2] + 10 * sensitivity]))
+    assert not far.passed and "over tolerance" in far.reason
+    other = winner_parity(plan, _ok_result(plan, [reference[0] + 1e-3, *rounded[1:]]))
+    assert not other.passed
+
+
 # --------------------------------------------------------------------------- finish_sweep, without Ray
 @pytest.fixture(scope="module")
 def tracker(tmp_path_factory):

@@ -2,7 +2,9 @@
 
 The single-process reference trains the same model, data, optimizer and global batch on one CPU
 process; a distributed plan is correct only if its first steps' losses match it, within
-`parity_tolerance`. A model too big for the driver's CPU is judged on a proxy: the same plan on a
+`parity_tolerance`, or, where the first losses agree, within what the reference itself moves when its
+initial weights move by fp32 rounding (`rounding_sensitivity`: a model that amplifies rounding at
+its learning rate, e.g. CPM-Ant). A model too big for the driver's CPU is judged on a proxy: the same plan on a
 few small layers of the same family (`parity_proxy`). The sweep's winner (paratune.sweep.finish)
 and `paratune trial --parity` are judged by the same `winner_parity`.
 """
@@ -31,9 +33,11 @@ def reference_losses(plan: Plan, steps: int | None = None) -> list[float]:
     return reference_training(plan, steps)[0]
 
 
-def reference_training(plan: Plan, steps: int | None = None) -> tuple[list[float], torch.nn.Module]:
+def reference_training(plan: Plan, steps: int | None = None,
+                       weight_noise: float = 0.0) -> tuple[list[float], torch.nn.Module]:
     """The single-process reference run: its per-step losses and the trained model (what every
-    layout's exported weights are compared with)."""
+    layout's exported weights are compared with). `weight_noise`: every initial weight scaled by
+    (1 + weight_noise x a fixed normal draw), for rounding_sensitivity."""
     steps = plan.total_steps if steps is None else steps
     config = build_config(plan.model, plan.model_overrides)
     if plan.peft is not None:  # the same LoRA adapters, values and frozen base as every layout
@@ -43,6 +47,11 @@ def reference_training(plan: Plan, steps: int | None = None) -> tuple[list[float
         model = build_adapted_model(config, plan, sources=checkpoint_sources(plan.model, config))
     else:
         model = build_model_with_weights(config, seed=plan.seed, weights=plan.model)  # a folder's pretrained values too
+    if weight_noise:
+        draws = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(1 + weight_noise * torch.randn(param.shape, generator=draws, dtype=param.dtype))
     apply_activation_checkpointing(model, plan)
     model.train()
     device = torch.device("cpu")
@@ -55,6 +64,15 @@ def reference_training(plan: Plan, steps: int | None = None) -> tuple[list[float
         micro = data.micro_batches(step, dp_rank=0, dp_degree=1, micro_batch=plan.micro_batch)
         losses.append(float(runner.train_step(micro)))
     return losses, model
+
+
+def rounding_sensitivity(plan: Plan, steps: int, scale: float = 1e-7, reference: list[float] | None = None) -> float:
+    """How far the reference's own losses move when its initial weights move by fp32 rounding
+    (x (1 + 1e-7 noise)): a layout's reduction order moves them by about as much. ~5e-7 on
+    Llama-like models at lr 1e-2; models whose training amplifies rounding (CPM-Ant 8e-3,
+    Gemma-3n 2e-2 in 3 steps) cannot be held to 1e-4 at that learning rate."""
+    base = reference if reference is not None else reference_losses(plan, steps)
+    return max_loss_difference(reference_training(plan, steps, weight_noise=scale)[0], base)
 
 
 def max_loss_difference(losses: list[float], reference: list[float]) -> float:
@@ -89,7 +107,8 @@ class Parity:
 
     passed: bool
     max_abs_loss_diff: float  # math.inf when nothing could be compared
-    reason: str = ""  # why it failed; empty when it passed
+    reason: str = ""  # why it failed; empty when it passed within the tolerance (said when within the model's
+    # own rounding sensitivity instead: rounding_sensitivity)
     proxy: dict[str, Any] | None = None  # the proxy's shape (model overrides) when one stood in
     # What was compared (the plan's per-step losses, or its proxy's; the reference's): the sweep
     # report draws them. Empty where the check stopped before it had them.
@@ -280,8 +299,26 @@ def winner_parity(plan: Plan | dict[str, Any], result: TrialResult) -> Parity:
         return Parity(False, math.inf, "a loss is not finite", shape, losses, reference, _mode(off), off)
     if diff <= tolerance:
         return Parity(True, diff, "", shape, losses, reference, _mode(off), off)
+    sensitivity = _amplified_rounding(plan, losses, reference)
+    if diff <= sensitivity:
+        return Parity(True, diff, f"max |loss - reference| {diff:.3g} is over {tolerance:g} but within the "
+                      f"{sensitivity:.3g} the reference itself moves when its initial weights move by fp32 rounding: "
+                      f"this model amplifies rounding at lr {plan.lr:g} (the first losses agree)", shape, losses,
+                      reference, _mode(off), off)
     return Parity(False, diff, f"max |loss - reference| {diff:.3g} over tolerance {tolerance:g}", shape, losses,
                   reference, _mode(off), off)
+
+
+def _amplified_rounding(plan: Plan, losses: list[float], reference: list[float]) -> float:
+    """The reference's own rounding sensitivity where the first losses agree (the same model before any
+    update: a layout that computes another model never passes this way); 0 where they do not, or
+    where the check cannot run (the plan then fails on its difference, as before)."""
+    if abs(losses[0] - reference[0]) > 1e-6 * max(1.0, abs(reference[0])):
+        return 0.0
+    try:
+        return rounding_sensitivity(plan, len(losses), reference=reference)
+    except Exception:  # noqa: BLE001 - no figure: the plain tolerance decides
+        return 0.0
 
 
 def _mode(off: dict[str, float]) -> str:
