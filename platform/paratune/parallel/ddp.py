@@ -83,10 +83,15 @@ def unreached_parameters_check(ddp: DistributedDataParallel, plan: Plan) -> Call
 
 
 def _chain(*hooks: Callable[[], None] | None) -> Callable[[], None] | None:
+    """The hooks that are set, run in order, as one before_step hook (None: none is set)."""
     present = [h for h in hooks if h is not None]
     if not present:
         return None
-    return lambda: [h() for h in present] and None
+
+    def run_all() -> None:
+        for hook in present:
+            hook()
+    return run_all
 
 
 def parallelize_ddp(model: nn.Module, init: ModelInit, plan: Plan, device: torch.device) -> StepRunner:
