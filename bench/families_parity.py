@@ -41,7 +41,6 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 TOLERANCE = 1e-4
-FIRST_LOSS_TOLERANCE = 1e-6  # relative above a loss of 1 (fp32 sums of a loss of 25 differ by 2e-6)
 STRATEGIES = {"ddp": {"strategy": "ddp"}, "fsdp": {"strategy": "fsdp", "fsdp": {"sharding": "full"}}}
 TP = {"fsdp-tp2": {"strategy": "fsdp", "fsdp": {"sharding": "full"}, "tp": 2}}  # --tp: dp 1 x tp 2
 BASE = {"seq_len": 32, "global_batch": 8, "micro_batch": 2, "num_workers": 2, "warmup_steps": 1, "measure_steps": 2,
@@ -124,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from gloo_harness import run_named_batch
     from machine import describe
-    from paratune.parity import max_loss_difference, reference_losses, rounding_sensitivity
+    from paratune.parity import first_losses_agree, max_loss_difference, reference_losses, rounding_sensitivity
 
     chosen = args.only.split(",") if args.only else families()
     t0 = time.perf_counter()
@@ -173,8 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         bad = [s for s, r in layouts.items() if "needs" not in r and
                ("error" in r or r["max_abs_diff"] is None or r["max_abs_diff"] > TOLERANCE)]
         first = layouts["ddp"] if "first_loss" in layouts.get("ddp", {}) else layouts.get(f"ddp{FIND_UNUSED}", {})
-        if "first_loss" in first and (abs(first["first_loss"] - first["reference_first_loss"])
-                                      > FIRST_LOSS_TOLERANCE * max(1.0, abs(first["reference_first_loss"]))):
+        if "first_loss" in first and not first_losses_agree(first["first_loss"], first["reference_first_loss"]):
             bad.append("first loss")
         if bad and "first loss" not in bad and "rounding_sensitivity" in row:
             bad = [s for s in bad if "error" in layouts[s] or layouts[s]["max_abs_diff"] is None
