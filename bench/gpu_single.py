@@ -30,7 +30,8 @@ from machine import describe  # noqa: E402
 from paratune import devices, measure  # noqa: E402
 from paratune.data import TokenBatches  # noqa: E402
 from paratune.models import build_config, build_model  # noqa: E402
-from paratune.parallel.runner import StepRunner, apply_activation_checkpointing, make_optimizer  # noqa: E402
+from paratune.parallel.recompute import apply_checkpointing  # noqa: E402
+from paratune.parallel.runner import StepRunner, make_optimizer  # noqa: E402
 from paratune.plan import load_plan_dict  # noqa: E402
 
 MODEL, SEQ, GLOBAL_BATCH = "llama3.2-1b", 2048, 8
@@ -75,7 +76,7 @@ def _measure_variant(micro_batch: int, ckpt: str, device: torch.device,
     config = build_config(plan.model)
     model = build_model(config, seed=0, device=device)  # fp32 master weights, bf16 autocast
     model.train()
-    apply_activation_checkpointing(model, plan)
+    apply_checkpointing(model, plan)
     optimizer = make_optimizer(model.parameters(), plan)
     runner = StepRunner(model, optimizer, plan, device, autocast=True)
     if track is not None:

@@ -218,11 +218,12 @@ def reference_gradients(plan) -> dict:
 
     from paratune.data import TokenBatches
     from paratune.models import build_config, build_model
-    from paratune.parallel.runner import StepRunner, apply_activation_checkpointing, make_optimizer
+    from paratune.parallel.recompute import apply_checkpointing
+    from paratune.parallel.runner import StepRunner, make_optimizer
 
     config = build_config(plan.model, plan.model_overrides)
     model = build_model(config, seed=plan.seed)
-    apply_activation_checkpointing(model, plan)
+    apply_checkpointing(model, plan)
     model.train()
     runner = StepRunner(model, make_optimizer(model.parameters(), plan), plan, torch.device("cpu"),
                         autocast=plan.precision == "bf16")

@@ -19,12 +19,12 @@ from paratune.efficiency import (
 from paratune.estimate import (
     _time_terms,
     achieved_compute_seconds,
-    async_tp_hidden,
     collective_gbps,
     compute_seconds,
     dp_overlap_share,
     estimate,
 )
+from paratune.levers import async_tp_hidden
 from paratune.plan import load_plan_dict
 from paratune.shapes import model_shape
 

@@ -8,7 +8,8 @@ import pytest
 from gloo_harness import run_plans_on_gloo
 from test_timemodel import make_profile
 
-from paratune.estimate import async_tp_hidden, comm_volume, dp_overlap_share
+from paratune.estimate import comm_volume, dp_overlap_share
+from paratune.levers import async_tp_hidden
 from paratune.plan import load_plan_dict
 from paratune.timemodel import compose
 

@@ -444,7 +444,7 @@ def _print_levers(estimates, device, console: Console, top: int) -> None:
     console.print(table)
     console.print("levers in the roofline (paratune.efficiency): recompute adds its FLOPs and the forward's "
                   "memory traffic; float8's linears at torchao's measured speed-up; compile fuses the memory-bound "
-                  "ops between matmuls; async TP hides the forward's tp collectives (estimate.async_tp_hidden); "
+                  "ops between matmuls; async TP hides the forward's tp collectives (levers.async_tp_hidden); "
                   "compile changes no memory")
 
 

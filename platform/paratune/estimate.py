@@ -14,7 +14,7 @@ DEFAULT_COMPUTE_EFFICIENCY of the dense peak, `compute_seconds`); communication 
 bytes over the group's bus bandwidth (`collective_gbps`: NVLink inside a node, the group's NICs
 together across nodes); FSDP2's gathers and reduce-scatters hide under the whole micro-batch,
 DDP's and ZeRO's reductions under its backward (`dp_overlap_share`), TP's collectives are exposed
-but for the forward's under async TP (`async_tp_hidden`); PP adds its bubble; expert parallelism
+but the share the levers hide (paratune.levers.tp_comm_hidden: async TP's forward); PP adds its bubble; expert parallelism
 (paratune.moe_costs) adds its all-to-all, exposed, on the node's links while an ep group fits in a
 node, else one NIC, and scales the routed experts' compute by the routing's imbalance (a measured
 `routing_balance`, else DEFAULT_IMBALANCE). Four constants (the compute rate's multiplier, the
@@ -41,6 +41,7 @@ from paratune.efficiency import (
     step_flops,
 )
 from paratune.construction import construction_bytes
+from paratune.levers import compute_time_factor, tp_comm_hidden
 from paratune.memory import MemoryEstimate, estimate_memory
 from paratune.moe_costs import (
     DEFAULT_IMBALANCE,
@@ -203,25 +204,19 @@ class TimeEstimate:
     tokens_per_s_per_gpu: float
 
 
-# torch.compile of each block on a device without kernel figures (the CPU entry; on a GPU with
-# them compile's effect is paratune.efficiency's fused memory traffic): an assumed share off the
-# ideal compute time, until a profile or the sweep's refit measures it.
-COMPILE_COMPUTE_SAVING = 0.10
-
-
 def compute_seconds(plan: Plan, device: Device, shape: ModelShape | None = None,
                     imbalance: float = DEFAULT_IMBALANCE) -> float:
     """Ideal compute time per step of one rank at the device's dense peak: `step_flops` (model
     FLOPs x (1 + recomputed share), LoRA's and ep's counted), the float8 matmuls at the device's
     FP8 peak (where it has one), the rest at the plan's precision's; compile an assumed
-    COMPILE_COMPUTE_SAVING off. What a device without kernel figures is predicted from
+    paratune.levers.compile's COMPILE_COMPUTE_SAVING off. What a device without kernel figures is predicted from
     (`achieved_compute_seconds`), and the floor no measured step beats."""
     shape = shape or model_shape(plan)
     flops, _ = step_flops(plan, shape, imbalance)
     peak = device.tflops.get(plan.precision, device.tflops.get("fp32", 1.0)) * 1e12
     f8 = float8_flops_share(plan, shape) if "fp8" in device.tflops else 0.0
     seconds = flops * ((1 - f8) / peak + f8 / (device.tflops.get("fp8", 1.0) * 1e12))
-    return seconds * (1 - COMPILE_COMPUTE_SAVING if plan.compile else 1.0)
+    return seconds * compute_time_factor(plan)  # the levers' (compile: COMPILE_COMPUTE_SAVING off)
 
 
 def achieved_compute_seconds(plan: Plan, device: Device, shape: ModelShape | None = None,
@@ -253,19 +248,6 @@ def collective_gbps(device: Device, group: int, per_node: int, stride: int = 1) 
     return min(device.intra_node_gbps, device.inter_node_gbps * on_a_node)
 
 
-def async_tp_hidden(plan: Plan) -> float:
-    """The share of the tp collectives async TP hides: the forward's. torch's micro-pipelining
-    (Inductor's pass over the compiled blocks) fuses the forward's all-gather -> matmul and
-    matmul -> reduce-scatter; the PyTorch team measured up to 29% (8B) / 20% (70B) faster
-    forwards but ~8% end to end ("Introducing Async Tensor Parallelism in PyTorch",
-    discuss.pytorch.org/t/209487). Forward collectives: 2 a block a pass (the recomputed forward
-    of full checkpointing is another pass), backward's 2: (1 + again) / (2 + again)."""
-    if not plan.async_tp:
-        return 0.0
-    again = 1.0 if plan.activation_checkpointing == "full" else 0.0
-    return (1 + again) / (2 + again)
-
-
 def dp_overlap_share(plan: Plan) -> float:
     """The share of the compute the data-parallel collectives can hide under: FSDP2's gathers are
     prefetched in forward and in backward and its reduce-scatters follow each block's backward
@@ -283,7 +265,7 @@ def _time_terms(plan: Plan, device: Device, imbalance: float = DEFAULT_IMBALANCE
     per_node = plan.gpus_per_node or device.gpus_per_node
     bw = lambda group, stride=1: collective_gbps(device, group, per_node, stride) * 1e9  # noqa: E731
     dp_s = vol.dp / bw(replicas(plan), plan.tp) if vol.dp else 0.0
-    mp_s = vol.tp / bw(plan.tp) * (1 - async_tp_hidden(plan)) if vol.tp else 0.0
+    mp_s = vol.tp / bw(plan.tp) * (1 - tp_comm_hidden(plan)) if vol.tp else 0.0  # the levers' (async TP)
     # a stage boundary crosses nodes once the stages do: one NIC a pair
     mp_s += vol.pp / ((device.inter_node_gbps if plan.num_workers > per_node else device.intra_node_gbps) * 1e9)
     mp_s += vol.cp / bw(plan.cp, plan.tp) if vol.cp else 0.0  # counted as exposed: the ring waits on its peers

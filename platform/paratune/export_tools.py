@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from paratune.levers import export_notes
 from paratune.plan import Plan
 
 NOTES_KEY = "_paratune_notes"
@@ -19,9 +20,7 @@ def _common_notes(plan: Plan, tool: str) -> list[str]:
     notes = []
     if plan.env:
         notes.append(f"{tool}: communication env vars ({', '.join(sorted(plan.env))}) are in env.sh; source it first")
-    if plan.float8 != "none":
-        notes.append(f"{tool}: float8 recipe '{plan.float8}' (torchao) not expressed here")
-    return notes
+    return notes + export_notes(plan, tool)  # what the tool cannot express of the levers (paratune.levers)
 
 
 def block_class_name(plan: Plan) -> str | None:

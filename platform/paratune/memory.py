@@ -61,6 +61,7 @@ from paratune.activations import (
 )
 from paratune.adapters import adapted_params, frozen_base_saving
 from paratune.devices import Device
+from paratune.levers import extra_memory_bytes
 from paratune.moe_costs import DEFAULT_IMBALANCE, ExpertShare, add_dispatch, held_with_experts, shard_params
 from paratune.plan import Plan
 from paratune.shapes import (
@@ -183,7 +184,7 @@ def _model_phase_bytes(plan: Plan, shape: ModelShape, coeff: ActivationCoefficie
     embedded = (2 if compute_precision(plan) == "bf16-params" else 4) * shape.hidden  # the last stage has 1 in flight
     others = (pipeline_in_flight(plan) - 1) * tokens * (coeff.per_layer * layers_here + embedded) * tp_share
     copies = (coeff.per_layer_fixed * layers_here + coeff.rest_fixed) / plan.tp  # saved for backward
-    others += float8_cast_bytes(plan, shape)
+    others += float8_cast_bytes(plan, shape) + extra_memory_bytes(plan, shape)  # the levers' own (paratune.levers)
     out = {}
     phases = coeff.held_phases if held and coeff.held_phases else coeff.phases
     for phase, bytes_ in phases.items():

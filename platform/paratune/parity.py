@@ -22,7 +22,8 @@ from paratune.checkpoints import build_model_with_weights
 from paratune.data import TokenBatches
 from paratune.config_sizes import config_sizes
 from paratune.models import build_config, ffn_width_key, load_config_dict, parameter_counts
-from paratune.parallel.runner import StepRunner, apply_activation_checkpointing, make_optimizer
+from paratune.parallel.recompute import apply_checkpointing
+from paratune.parallel.runner import StepRunner, make_optimizer
 from paratune.plan import Plan, load_plan_dict
 from paratune.results import TrialResult
 from paratune.trial import run_trial
@@ -52,7 +53,7 @@ def reference_training(plan: Plan, steps: int | None = None,
         with torch.no_grad():
             for param in model.parameters():
                 param.mul_(1 + weight_noise * torch.randn(param.shape, generator=draws, dtype=param.dtype))
-    apply_activation_checkpointing(model, plan)
+    apply_checkpointing(model, plan)
     model.train()
     device = torch.device("cpu")
     runner = StepRunner(model, make_optimizer(model.parameters(), plan), plan, device,

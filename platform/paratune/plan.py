@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from paratune.degrees import check_degrees
 from paratune.extras import missing_extra
-from paratune.levers import Checkpointing, Float8Recipe, LossForm, check_levers
+from paratune.levers import check_levers, lever_fields, ordered_fields
 
 Strategy = Literal["ddp", "fsdp", "zero"]
 FsdpSharding = Literal["full", "grad_op", "hybrid", "no_shard"]
@@ -191,8 +191,9 @@ class DataSpec(_Strict):
         return self
 
 
-class Plan(_Strict):
-    """One configuration of one trial. `micro_batch x grad_accum x dp_degree == global_batch`."""
+class PlanCore(_Strict):
+    """The Plan's own fields and rules; the levers' fields are added from their registry (`plan_class`).
+    One configuration of one trial. `micro_batch x grad_accum x dp_degree == global_batch`."""
 
     model: str = "tiny-llama"  # a preset name (paratune.models.PRESETS) or a path to config.json
     model_overrides: dict[str, Any] = Field(default_factory=dict)
@@ -227,14 +228,7 @@ class Plan(_Strict):
     # Fine-tuning with LoRA adapters (paratune.adapters); None: full fine-tune, every weight trained.
     peft: PeftSpec | None = None
 
-    # The levers (paratune.levers says what each value does and where it cannot run).
-    activation_checkpointing: Checkpointing = "none"  # none | selective (per op) | layers | full
-    checkpoint_every: int = Field(2, ge=2, le=1024)  # 'layers': every N-th block recomputed
-    compile: bool = False  # torch.compile each decoder block (one graph, reused by every block)
-    float8: Float8Recipe = "none"  # torchao float8 linears (bf16 plans): tensorwise | rowwise
-    float8_all_gather: bool = False  # FSDP2 all-gathers float8 weights (tensorwise only)
-    loss: LossForm = "auto"  # auto | standard | vocab_parallel (tp) | chunked (tp 1)
-    async_tp: bool = False  # CUDA only: tp collectives fused into the compiled matmuls
+    # Here, in plan files: the levers' fields (paratune.levers: each lever's module owns its own).
     precision: Precision = "fp32"
     grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping (for every strategy alike)
     # AdamW's implementation: `deepspeed` lets ZeRO build it from its config (DeepSpeedCPUAdam under
@@ -293,7 +287,7 @@ class Plan(_Strict):
         return data
 
     @model_validator(mode="after")
-    def _check_rules(self) -> "Plan":
+    def _check_rules(self) -> "PlanCore":
         missing = missing_extra(self)  # first: a space sweeping it drops all such plans under this one rule
         if missing is not None:
             raise ValueError(missing)
@@ -342,8 +336,10 @@ class Plan(_Strict):
 
     # ---- YAML in/out -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """A plain dict (JSON/YAML-safe), with the derived grad_accum filled in."""
-        return self.model_dump(mode="json")
+        """A plain dict (JSON/YAML-safe), with the derived grad_accum filled in; the levers' fields
+        where plan files have them (after `peft`)."""
+        data = self.model_dump(mode="json")
+        return {name: data[name] for name in field_order(type(self)) if name in data}
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -357,11 +353,30 @@ class Plan(_Strict):
             for name in ("ddp", "fsdp", "zero"):
                 data.pop(name, None)
         data.update(changes)
-        return load_plan_dict(data)
+        return load_plan_dict(data, plan_type=type(self))
 
     def flat(self) -> dict[str, Any]:
         """The plan flattened to dotted keys (for parameters in tracking and tables)."""
         return flatten_dict(self.to_dict())
+
+
+def plan_class() -> type[PlanCore]:
+    """The Plan model: the core's fields and every registered lever's (paratune.levers), built from
+    the registry as it is now. The module's `Plan` is built once, at import; a lever registered later
+    (a test's toy) gets its own class from here."""
+    fields = {f.name: (f.annotation, Field(f.default, description=f.doc, **f.constraints)) for f in lever_fields()}
+    return create_model("Plan", __base__=PlanCore, __module__=__name__, __doc__=PlanCore.__doc__, **fields)
+
+
+def field_order(plan_type: type[BaseModel]) -> list[str]:
+    """The plan's fields as plan files list them: the core's, the levers' block after `peft`."""
+    core = list(PlanCore.model_fields)
+    at = core.index("peft") + 1
+    levers = [name for name in ordered_fields([]) if name in plan_type.model_fields]
+    return core[:at] + levers + core[at:]
+
+
+Plan = plan_class()
 
 
 def _allowed_split(plan: "Plan", dp: int) -> str:
@@ -496,11 +511,13 @@ def format_validation_error(err: ValidationError | list[dict[str, Any]], source:
     return "\n".join(lines)
 
 
-def load_plan_dict(data: dict[str, Any], source: str = "plan") -> Plan:
+def load_plan_dict(data: dict[str, Any], source: str = "plan", plan_type: type[PlanCore] | None = None) -> Plan:
+    """A validated plan from a dict; errors name the source, the field, the value and what is allowed.
+    `plan_type`: a Plan class built with more levers (`plan_class`); default the module's Plan."""
     try:
-        return Plan.model_validate(data)
+        return (plan_type or Plan).model_validate(data)
     except ValidationError as err:
-        raise PlanError(format_validation_error(err, source)) from None
+        raise PlanError(format_validation_error(err, source, plan_type)) from None
 
 
 def read_yaml_mapping(path: Path, what: str, error: type[ValueError]) -> dict[str, Any]:

@@ -41,8 +41,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from paratune.levers import Float8Recipe, loss_form
-from paratune.plan import Checkpointing, Plan, Precision
+from paratune.levers import Checkpointing, Float8Recipe, loss_form
+from paratune.plan import Plan, Precision
 
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "send_recv"]
 COLLECTIVE_OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")

@@ -9,8 +9,8 @@ as the trials step) and the host link; warm-up excluded, the device synchronised
 clock read, the minimum (or the median) of a few repetitions, the slowest rank's figure.
 
 The lever values a block shape carries (checkpointing, compile, float8, LoRA's frozen base) and the
-head's loss form are applied through the trials' own call sites (paratune.parallel.runner: convert_linears,
-apply_activation_checkpointing, compile_blocks) on a model built as a trial builds it.
+head's loss form are applied through the trials' own path (paratune.parallel.runner.apply_levers, every
+stage) on a model built as a trial builds it.
 
 `run_profile` runs it as one Ray Train job (paratune.launch, like a trial), or through a
 `runner` that already holds a worker group (the sweep's pool), and fits the curves and the
@@ -103,16 +103,16 @@ def _build_levered(request: ProfileRequest, tp: int, layers: int, plan: Plan, de
 
     from paratune.adapters import add_adapters, prepare_init
     from paratune.materialize import ModelInit, build_meta, materialize
-    from paratune.parallel.runner import apply_activation_checkpointing, compile_blocks, convert_linears
+    from paratune.levers import APPLY_STAGES
+    from paratune.parallel.runner import apply_levers
 
     config, full_vocab = _local_config(request, tp, layers)
     torch.manual_seed(0)
     model = add_adapters(build_meta(config), plan)  # LoRA: the frozen base, as build_runner adds it
     init = ModelInit(model, config, seed=0)
     prepare_init(init, plan)
-    convert_linears(model, plan)
-    apply_activation_checkpointing(model, plan)
-    compile_blocks(model, plan)
+    for stage in APPLY_STAGES:
+        apply_levers(model, plan, stage)
     materialize(model, init, device)
     model.train()
     return config, full_vocab, model

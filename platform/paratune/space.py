@@ -15,10 +15,11 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
+from paratune.levers import lever_fields, ordered_fields
 from paratune.plan import (
     absolute_local_paths,
     DDPOptions,
@@ -34,9 +35,10 @@ from paratune.plan import (
 )
 
 STRATEGY_OPTIONS: dict[str, type[BaseModel]] = {"ddp": DDPOptions, "fsdp": FSDPOptions, "zero": ZeroOptions}
-# Plan fields that may be swept at the top level (besides strategy and env).
-SWEEPABLE = ("micro_batch", "activation_checkpointing", "precision", "tp", "pp", "cp", "ep", "pp_schedule",
-             "sequence_parallel", "checkpoint_every", "compile", "float8", "float8_all_gather", "loss", "async_tp")
+# Plan fields that may be swept at the top level (besides strategy and env): the core's, and every
+# lever's (paratune.levers), in the order candidates are enumerated.
+CORE_SWEEPABLE = ("micro_batch", "precision", "tp", "pp", "cp", "ep", "pp_schedule", "sequence_parallel")
+SWEEPABLE = tuple(ordered_fields(list(CORE_SWEEPABLE)))
 # Fields the sweep owns: they may not be fixed, since the sweep sets them per trial. The
 # SWEEPABLE ones and env may be fixed when the space does not sweep them (env: other keys).
 SWEEP_OWNED = ("strategy", "ddp", "fsdp", "zero", "grad_accum")
@@ -113,10 +115,11 @@ def _knob_values(strategy: str, knob: str, choices: list[Any]) -> list[Any]:
     return out
 
 
-class SpacePart(_Strict):
+class SpacePartCore(_Strict):
+    """A space's swept part; the levers' lists are added from their registry (SpacePart)."""
+
     strategy: dict[str, dict[str, list[Any]]] = Field(default_factory=lambda: {"ddp": {}})
     micro_batch: list[int] | None = None
-    activation_checkpointing: list[str] | None = None
     precision: list[str] | None = None
     # Parallel degrees: a list, or "auto" for every factorization of the world size (the plan's
     # rules then remove what the model or the node size does not allow).
@@ -127,13 +130,7 @@ class SpacePart(_Strict):
     ep: list[int] | Literal["auto"] | None = None
     pp_schedule: list[str] | None = None
     sequence_parallel: list[bool] | None = None
-    # The levers (paratune.levers): checkpointing's every-N, per-block compile, float8, the loss's form.
-    checkpoint_every: list[int] | None = None
-    compile: list[bool] | None = None
-    float8: list[str] | None = None
-    float8_all_gather: list[bool] | None = None
-    loss: list[str] | None = None
-    async_tp: list[bool] | None = None
+    # Here: a list of choices for every lever field (paratune.levers), added by `space_part_class`.
     env: dict[str, list[str]] = Field(default_factory=dict)
     # The data loader (paratune.data.step_loader): worker processes and steps kept ready per worker.
     data: dict[Literal["loader_workers", "prefetch"], list[int]] = Field(default_factory=dict)
@@ -164,7 +161,7 @@ class SpacePart(_Strict):
                 for name, knobs in value.items()}
 
     @model_validator(mode="after")
-    def _non_empty_lists(self) -> "SpacePart":
+    def _non_empty_lists(self) -> "SpacePartCore":
         for name in (*SWEEPABLE, "env", "data"):
             value = getattr(self, name)
             items = value.items() if isinstance(value, dict) else [(None, value)]
@@ -173,6 +170,20 @@ class SpacePart(_Strict):
                     path = f"{name}.{key}" if key else name
                     raise ValueError(f"{path}: empty list; allowed: one or more choices")
         return self
+
+
+def space_part_class() -> type[SpacePartCore]:
+    """SpacePart: the core's lists and one list of choices for every registered lever field. A
+    Literal field's choices are strings here: each candidate plan checks them, naming the value."""
+    def choice_type(annotation: Any) -> Any:
+        return str if get_origin(annotation) is Literal else annotation
+
+    types = {f.name: f.annotation for f in lever_fields()}
+    fields = {name: (list[choice_type(types[name])] | None, None) for name in ordered_fields([])}
+    return create_model("SpacePart", __base__=SpacePartCore, __module__=__name__, **fields)
+
+
+SpacePart = space_part_class()
 
 
 class SpaceFile(_Strict):

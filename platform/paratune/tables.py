@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from paratune.levers import lever_labels
 from paratune.results import TrialResult
 
 
@@ -32,6 +33,11 @@ def shared_env(envs) -> dict[str, str]:
     return {k: v for k, v in (envs[0] if envs else {}).items() if all(e.get(k) == v for e in envs)}
 
 
+# Where the core's parts of a plan's label sit; each lever's part sits at its own label_rank between them
+# (paratune.levers: checkpointing 70, float8 90, compile 100, loss 110, async_tp 120).
+LABEL_RANKS = {"batch": 10, "tp": 20, "pp": 30, "cp": 40, "dp": 50, "ep": 60, "precision": 80, "loader": 130}
+
+
 def strategy_label(plan: dict) -> str:
     """A short name for what the plan does: 'ddp', 'fsdp:full', 'zero-3+offload', ..."""
     strategy = plan.get("strategy", "?")
@@ -47,35 +53,25 @@ def strategy_label(plan: dict) -> str:
     if strategy == "zero" and plan["zero"].get("reduce_bucket_size", 500_000_000) != 500_000_000:
         size = plan["zero"]["reduce_bucket_size"]
         label += f" bucket{size / 1e6:g}M" if size >= 1e6 else f" bucket{size / 1e3:g}K"
-    extras = [f"mb{plan['micro_batch']}x{plan['grad_accum']}"]
+    # (rank, part): the core's parts at their LABEL_RANKS, every lever's at its own (paratune.levers)
+    parts = [(LABEL_RANKS["batch"], f"mb{plan['micro_batch']}x{plan['grad_accum']}")]
     if plan.get("tp", 1) > 1:
-        extras.append(f"tp{plan['tp']}" + ("+sp" if plan.get("sequence_parallel") else ""))
+        parts.append((LABEL_RANKS["tp"], f"tp{plan['tp']}" + ("+sp" if plan.get("sequence_parallel") else "")))
     if plan.get("pp", 1) > 1:
-        extras.append(f"pp{plan['pp']}:{plan.get('pp_schedule', '1f1b')}")
+        parts.append((LABEL_RANKS["pp"], f"pp{plan['pp']}:{plan.get('pp_schedule', '1f1b')}"))
     if plan.get("cp", 1) > 1:
-        extras.append(f"cp{plan['cp']}")
+        parts.append((LABEL_RANKS["cp"], f"cp{plan['cp']}"))
     model_parallel = plan.get("tp", 1) * plan.get("pp", 1) * plan.get("cp", 1)
     if model_parallel > 1:  # the rest of the world is data parallel
-        extras.append(f"dp{plan['num_workers'] // model_parallel}")
+        parts.append((LABEL_RANKS["dp"], f"dp{plan['num_workers'] // model_parallel}"))
     if plan.get("ep", 1) > 1:  # experts split over ep of the dp ranks
-        extras.append(f"ep{plan['ep']}")
-    checkpointing = plan.get("activation_checkpointing", "none")
-    if checkpointing != "none":
-        extras.append({"full": "ckpt", "selective": "sac", "layers": f"ckpt/{plan.get('checkpoint_every', 2)}"}
-                      .get(checkpointing, f"ckpt:{checkpointing}"))
+        parts.append((LABEL_RANKS["ep"], f"ep{plan['ep']}"))
     if plan.get("precision") == "bf16":
-        extras.append("bf16")
-    if plan.get("float8", "none") != "none":
-        extras.append(f"fp8:{plan['float8']}" + ("+ag" if plan.get("float8_all_gather") else ""))
-    if plan.get("compile"):
-        extras.append("compiled")
-    if plan.get("loss", "auto") not in ("auto", "standard"):
-        extras.append({"vocab_parallel": "vp-loss", "chunked": "chunked-loss"}.get(plan["loss"], plan["loss"]))
-    if plan.get("async_tp"):
-        extras.append("async-tp")
+        parts.append((LABEL_RANKS["precision"], "bf16"))
     data = plan.get("data") or {}
     if data.get("loader_workers"):  # DataLoader worker processes x steps each keeps ready
-        extras.append(f"loader{data['loader_workers']}x{data.get('prefetch', 2)}")
+        parts.append((LABEL_RANKS["loader"], f"loader{data['loader_workers']}x{data.get('prefetch', 2)}"))
+    extras = [part for _, part in sorted(parts + lever_labels(plan), key=lambda rank_part: rank_part[0])]
     return f"{label} {' '.join(extras)}"
 
 

@@ -48,6 +48,7 @@ import math
 import statistics
 from functools import lru_cache
 
+from paratune.levers import tp_comm_hidden
 from paratune.moe_costs import DEFAULT_IMBALANCE
 from paratune.plan import Plan
 from paratune.predict import StepPrediction
@@ -274,10 +275,7 @@ def compose(plan: Plan, profile: Profile, imbalance: float = DEFAULT_IMBALANCE) 
         else:  # vocab-parallel embedding (all-reduced), colwise head (logits gathered, input grad reduced)
             ends = 2 * ar(act_bytes) + profile.comm_seconds("all_gather", t, logits, 1)
         tp_comm = (layer_collectives * ar(act_bytes) + ends) * slots
-        if plan.async_tp:  # the forward's collectives micro-pipelined into its matmuls (the roofline's term)
-            from paratune.estimate import async_tp_hidden
-
-            tp_comm *= 1 - async_tp_hidden(plan)
+        tp_comm *= 1 - tp_comm_hidden(plan)  # the levers' (async TP: the forward's, micro-pipelined into its matmuls)
 
     # ---- pipeline: activations forward, gradients back, at each boundary, per micro-batch
     pp_comm = 0.0

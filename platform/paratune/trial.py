@@ -67,13 +67,13 @@ def check_before_launch(plan: Plan | dict[str, Any], ray_address: str | None = N
 
     if TRAIN_LOOP_ENV in plan.env and (why := refusal(plan)) is not None:  # what the user's loop cannot take
         return TrialResult.failed(plan, "invalid_config", why)
-    if plan.async_tp:  # device 'auto' on a cluster without GPUs (device 'cpu': the plan refuses)
+    from paratune.levers import device_refusal
+
+    # A lever CPU workers cannot run (async TP), on device 'auto': ask the cluster (device 'cpu': the plan refuses)
+    if (on_cpu := device_refusal(plan, None, False)) is not None:
         ensure_ray(ray_address)
         if not wants_gpu(plan):
-            from paratune.levers import ASYNC_TP_CPU_REASON
-
-            return TrialResult.failed(plan, "invalid_config", f"async_tp: true on CPU workers: {ASYNC_TP_CPU_REASON}; "
-                                      "allowed: false on CPU")
+            return TrialResult.failed(plan, "invalid_config", on_cpu)
     if plan.cp > 1:  # device 'auto' on a cluster without GPUs (device 'cpu': the plan refuses)
         ensure_ray(ray_address)
         if wants_gpu(plan):

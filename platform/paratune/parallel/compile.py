@@ -147,6 +147,12 @@ def make_room_for_graphs(blocks: list[nn.Module]) -> None:
         torch._dynamo.reset()
 
 
+def apply_lever(model: nn.Module, plan: Plan, place) -> None:  # noqa: ANN001 - a runner.WorkerPlace
+    """The compile lever's runtime (paratune.levers.compile: stage before_wrap; async TP needs the
+    rank's device and its tp group's name)."""
+    compile_blocks(model, plan, place.device, place.tp_group_name)
+
+
 def compile_blocks(model: nn.Module, plan: Plan, device: torch.device | None = None,
                    tp_group_name: str | None = None) -> None:
     """Compile every decoder block (after tp and checkpointing, before DDP / FSDP2 wrap them);

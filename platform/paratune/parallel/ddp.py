@@ -10,8 +10,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from paratune.parallel.runner import (StepRunner, apply_activation_checkpointing, compile_blocks, convert_linears,
-                                      make_optimizer)
+from paratune.parallel.runner import StepRunner, apply_levers, make_optimizer
 from paratune.adapters import store_frozen_base
 from paratune.materialize import ModelInit, materialize
 from paratune.plan import Plan
@@ -97,9 +96,9 @@ def _chain(*hooks: Callable[[], None] | None) -> Callable[[], None] | None:
 def parallelize_ddp(model: nn.Module, init: ModelInit, plan: Plan, device: torch.device) -> StepRunner:
     opts = plan.ddp
     assert opts is not None
-    convert_linears(model, plan)
-    apply_activation_checkpointing(model, plan)
-    compile_blocks(model, plan)
+    apply_levers(model, plan, "before_layout")
+    apply_levers(model, plan, "before_shard")
+    apply_levers(model, plan, "before_wrap")
     experts = meshes = None
     if plan.ep > 1:  # each rank holds E / ep of every layer's experts (paratune.parallel.ep)
         from paratune.parallel.ep import expert_meshes, expert_param_names, mark_expert_params, shard_experts

@@ -121,6 +121,11 @@ def _take_over(old: nn.Linear, new: nn.Module) -> None:
     old.__class__ = type(new)
 
 
+def apply_lever(model: nn.Module, plan: Plan, place) -> None:  # noqa: ANN001 - a runner.WorkerPlace
+    """The float8 lever's runtime (paratune.levers.float8: stage before_layout)."""
+    convert_to_float8(model, plan)
+
+
 def convert_to_float8(model: nn.Module, plan: Plan) -> None:
     """Swap the model's eligible linears for torchao's float8 ones (on the meta device, first).
 

@@ -15,8 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from paratune.models import decoder_blocks
-from paratune.parallel.runner import (StepRunner, apply_activation_checkpointing, compile_blocks, convert_linears,
-                                      make_optimizer)
+from paratune.parallel.runner import StepRunner, apply_levers, make_optimizer
 from paratune.materialize import ModelInit, materialize, move_buffers
 from paratune.plan import Plan
 
@@ -41,9 +40,9 @@ def parallelize_fsdp(model: nn.Module, init: ModelInit, plan: Plan, device: torc
     opts = plan.fsdp
     assert opts is not None
     world = plan.num_workers
-    convert_linears(model, plan)
-    apply_activation_checkpointing(model, plan)
-    compile_blocks(model, plan)
+    apply_levers(model, plan, "before_layout")
+    apply_levers(model, plan, "before_shard")
+    apply_levers(model, plan, "before_wrap")
     mp, offload = fsdp_policies(plan, device)
 
     if opts.sharding == "no_shard":

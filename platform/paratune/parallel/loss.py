@@ -123,6 +123,11 @@ def recorded_loss_form(module: nn.Module) -> tuple[str, str | None]:
     return "standard", None
 
 
+def apply_lever(model: nn.Module, plan: Plan, place) -> None:  # noqa: ANN001 - a runner.WorkerPlace
+    """The loss lever's runtime (paratune.levers.loss: stage before_layout)."""
+    apply_loss_form(model, plan)
+
+
 def apply_loss_form(model: nn.Module, plan: Plan) -> str:
     """Decide the plan's form for this model, record it on the model, and set the head for chunked
     (vocab_parallel's head layout is paratune.parallel.tp's, which reads the record). Runs on the

@@ -19,8 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paratune.materialize import ModelInit, materialize, move_buffers
 from paratune.models import decoder_blocks, decoder_parts
-from paratune.parallel.runner import (StepRunner, apply_activation_checkpointing, compile_blocks, convert_linears,
-                                      make_optimizer)
+from paratune.parallel.runner import StepRunner, WorkerPlace, apply_levers, make_optimizer
 from paratune.parallel.dims import ParallelDims
 from paratune.parallel.tp import apply_tp, clip_grad_norm
 from paratune.plan import Plan
@@ -119,8 +118,8 @@ def parallelize_model_parallel(model: nn.Module, init: ModelInit, plan: Plan, de
 
         check_cp_supported(model.config, plan, device)  # before anything is allocated
     layout = DataParallelLayout.for_plan(plan, dims)
-    convert_linears(model, plan)
-    apply_activation_checkpointing(model, plan)
+    apply_levers(model, plan, "before_layout")
+    apply_levers(model, plan, "before_shard")
     experts = meshes = None
     if plan.ep > 1:  # the experts split over ep of the dp ranks (paratune.parallel.ep), on meta, before tp
         from paratune.parallel.ep import expert_meshes, shard_experts
@@ -129,7 +128,8 @@ def parallelize_model_parallel(model: nn.Module, init: ModelInit, plan: Plan, de
         experts = shard_experts(model, meshes)
     if dims.tp > 1:  # on the meta device: shards, no memory (under ep: all but the routed experts)
         apply_tp(model, dims.mesh["tp"], plan.sequence_parallel, expert_parallel=experts is not None)
-    compile_blocks(model, plan, device, dims.mesh["tp"].get_group().group_name if dims.tp > 1 else None)
+    apply_levers(model, plan, "before_wrap",
+                 WorkerPlace(device, dims.mesh["tp"].get_group().group_name if dims.tp > 1 else None))
     if dims.pp > 1:
         return _parallelize_pipeline(model, init, plan, device, dims, layout, experts, meshes)
     if experts is not None:

@@ -136,6 +136,11 @@ def checkpoint_settings(plan: Plan) -> tuple[str, int] | None:
     raise ValueError(f"activation_checkpointing: '{mode}' is not a mode; allowed: none, selective, layers, full")
 
 
+def apply_lever(model: nn.Module, plan: Plan, place) -> None:  # noqa: ANN001 - a runner.WorkerPlace
+    """The checkpointing lever's runtime (paratune.levers.checkpointing: stage before_shard)."""
+    apply_checkpointing(model, plan)
+
+
 def apply_checkpointing(model: nn.Module, plan: Plan) -> None:
     """Set the plan's checkpointing on the model's decoder blocks (before any wrapper)."""
     settings = checkpoint_settings(plan)

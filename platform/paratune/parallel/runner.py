@@ -7,12 +7,15 @@ Strategy modules (ddp, fsdp, nd, cp, zero) subclass or build a StepRunner from h
 from __future__ import annotations
 
 import contextlib
+import importlib
+from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
 
-from paratune.parallel.loss import apply_loss_form, local_loss, loss_context, recorded_loss_form
+from paratune.levers import applied_at
+from paratune.parallel.loss import local_loss, loss_context, recorded_loss_form
 from paratune.plan import Plan
 
 
@@ -26,29 +29,20 @@ def make_optimizer(params, plan: Plan) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=plan.lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=plan.weight_decay)
 
 
-def apply_activation_checkpointing(model: nn.Module, plan: Plan) -> None:
-    """The plan's checkpointing mode on the decoder blocks (paratune.parallel.recompute)."""
-    from paratune.parallel.recompute import apply_checkpointing
+@dataclass(frozen=True)
+class WorkerPlace:
+    """Where a lever is applied: the rank's device and its tp group's name (async TP needs both)."""
 
-    apply_checkpointing(model, plan)
-
-
-def convert_linears(model: nn.Module, plan: Plan) -> None:
-    """Before any layout: float8 linears where the plan asks (paratune.parallel.float8), and the
-    loss's form on the head (paratune.parallel.loss). On the meta device: nothing is allocated."""
-    from paratune.parallel.float8 import convert_to_float8
-
-    convert_to_float8(model, plan)
-    apply_loss_form(model, plan)
+    device: torch.device | None = None
+    tp_group_name: str | None = None
 
 
-def compile_blocks(model: nn.Module, plan: Plan, device: torch.device | None = None,
-                   tp_group_name: str | None = None) -> None:
-    """After tp and checkpointing, before DDP / FSDP2 wrap: each block compiled (paratune.parallel.compile;
-    under tp with async_tp the device and the tp group's name are needed)."""
-    from paratune.parallel.compile import compile_blocks as compile_each_block
-
-    compile_each_block(model, plan, device, tp_group_name)
+def apply_levers(model: nn.Module, plan: Plan, stage: str, place: WorkerPlace = WorkerPlace()) -> None:
+    """Every registered lever's runtime for one stage (paratune.levers.APPLY_STAGES: before_layout,
+    before_shard, before_wrap), in registration order; each imported only here, on the workers."""
+    for target in applied_at(stage):
+        module, _, function = target.partition(":")
+        getattr(importlib.import_module(module), function)(model, plan, place)
 
 
 def _no_sync_context(step: int, last_micro: bool) -> ContextManager:

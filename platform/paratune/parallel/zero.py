@@ -22,9 +22,8 @@ from torch import nn
 
 from paratune.adapters import add_adapters
 from paratune.materialize import ModelInit, attn_implementation, materialize
-from paratune.parallel.loss import apply_loss_form
-from paratune.parallel.runner import (ADAM_BETAS, ADAM_EPS, StepRunner, apply_activation_checkpointing, compile_blocks,
-                                      make_optimizer)
+from paratune.levers import APPLY_STAGES
+from paratune.parallel.runner import ADAM_BETAS, ADAM_EPS, StepRunner, apply_levers, make_optimizer
 from paratune.plan import Plan
 
 
@@ -268,9 +267,10 @@ def parallelize_zero(model: nn.Module, init: ModelInit, plan: Plan, device: torc
         materialize(model, init, device)
     if init.meter is not None:
         init.meter.stop()
-    apply_loss_form(model, plan)  # on the built model: ZeRO-3's is built anew under zero.Init
-    apply_activation_checkpointing(model, plan)
-    compile_blocks(model, plan)  # ZeRO 0-2 (the plan refuses compile with ZeRO-3)
+    # On the built model (ZeRO-3's is built anew under zero.Init): the loss form (float8 is refused
+    # with ZeRO), checkpointing, compile (ZeRO 0-2: the plan refuses compile with ZeRO-3).
+    for stage in APPLY_STAGES:
+        apply_levers(model, plan, stage)
     # The optimizer is made by DeepSpeed from the module's parameters once AutoTP has replaced the
     # layers it shards (DeepSpeed's own AdamW from the config, or paratune's torch AdamW).
     optimizer = None if uses_deepspeed_optimizer(plan, on_gpu) else partial(make_optimizer, plan=plan)
