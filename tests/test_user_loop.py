@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 
 from paratune import cli, measure, user_loop
 from paratune.plan import load_plan_dict
-from paratune.space import space_from_dict
+from paratune.space import space_from_dict, with_train_loop
 from paratune.trial import check_before_launch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,7 +158,7 @@ def test_example_loop_swept_over_ddp_and_fsdp_ranked_and_logged(ray_local, tmp_p
                              "space": {"strategy": {"ddp": {}, "fsdp": {}},
                                        "env": {user_loop.TRAIN_LOOP_ENV: [EXAMPLE, FAILING]}},
                              "search": {"algorithm": "grid", "trials": 4, "top_k": 2, "remeasure_rounds": 0}})
-    space = user_loop.with_train_loop(space, EXAMPLE)  # the import check; the path every worker imports from
+    space = with_train_loop(space, EXAMPLE)  # the import check; the path every worker imports from
     # (space.env sweeps the loop itself: the example and one that raises, beside each other)
     assert all(c.plan.env[user_loop.TRAIN_LOOP_PATH_ENV] == str(REPO) for c in space.candidates)
     name = "paratune-test-user-loop-pool"

@@ -105,7 +105,8 @@ def _cmd_tune(args: argparse.Namespace, console: Console) -> int:
         return 2
     search = args.search
     if args.train_loop:  # every plan runs the user's loop (paratune.user_loop); checked before any launch
-        from paratune.user_loop import TrainLoopError, with_train_loop
+        from paratune.space import with_train_loop
+        from paratune.user_loop import TrainLoopError
 
         try:
             space = with_train_loop(space, args.train_loop)
@@ -481,15 +482,16 @@ def _load_plan_or_say_why(path: str, console: Console):
 
 
 def _cmd_validate(args: argparse.Namespace, console: Console) -> int:
-    """The plan's own rules, then what it reads from disk (model, data, tokenizer): seconds, no Ray."""
-    from paratune.inputs import check_inputs
+    """Every rule a trial checks before launch (paratune.refusals; its files included): seconds, no Ray."""
+    from paratune.models import ModelError
+    from paratune.refusals import check_plan
 
     plan = _load_plan_or_say_why(args.plan, console)
     if plan is None:
         return 2
     try:
-        check_inputs(plan, source=args.plan)
-    except PlanError as err:
+        check_plan(plan, inputs_source=args.plan)
+    except (PlanError, ModelError) as err:
         console.print(f"[red]invalid plan[/red]\n{escape(str(err))}")
         return 2
     console.print(plan.to_yaml())

@@ -226,15 +226,6 @@ def has_fp8(device: "Device") -> bool:
     return "fp8" in device.tflops
 
 
-def device_refusal_for(plan, device: "Device") -> str | None:  # noqa: ANN001 - a paratune.plan.Plan
-    """paratune.levers.device_refusal for a device-table entry: why the plan's levers cannot run
-    on it (float8 without FP8 tensor cores, async TP on CPU workers), or None."""
-    from paratune.levers import device_refusal
-
-    on_cpu = plan.device == "cpu" or (plan.device == "auto" and device.name == "cpu")
-    return device_refusal(plan, None if on_cpu else (device.gpu or device.name), has_fp8(device))
-
-
 def load_devices(extra: str | Path | None = None) -> dict[str, Device]:
     """The shipped device table (presets/devices.json), extended or overridden by a user file
     (JSON or YAML: device name -> fields, as README's `--devices my_gpus.yaml`). A user entry with

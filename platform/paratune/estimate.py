@@ -428,11 +428,11 @@ def estimate(plan: Plan, device: Device, constants: TimeConstants | None = None,
     imbalance = checked_imbalance(routing_balance)
     memory = estimate_memory(plan, activation_model, device, imbalance)
     capacity = min(device.memory_bytes, capacity_gib * GiB if capacity_gib else math.inf)
-    from paratune.devices import device_refusal_for
     from paratune.measure import flops_per_token
+    from paratune.refusals import device_entry_refusal
 
     result = Estimate(plan, memory, comm_volume(plan, imbalance), estimate_time(plan, device, constants, imbalance),
-                      capacity, construction=construction_bytes(plan), refusal=device_refusal_for(plan, device))
+                      capacity, construction=construction_bytes(plan), refusal=device_entry_refusal(plan, device))
     shape = model_shape(plan)
     if device.tflops.get("bf16"):
         flops = flops_per_token(shape.compute, shape.layers, shape.heads, shape.head_dim, plan.seq_len)

@@ -279,7 +279,7 @@ def enumerate_candidates(spec: SpaceFile, details: dict[str, str] | None = None
     cannot do is pruned here. `details`, if given, gets each rule's first full message (with
     what is allowed), for the error of a space with no valid plan."""
     from paratune.models import ModelError
-    from paratune.preflight import check_plan_against_model
+    from paratune.refusals import check_plan
 
     candidates: list[Candidate] = []
     removed: Counter = Counter()
@@ -305,7 +305,7 @@ def enumerate_candidates(spec: SpaceFile, details: dict[str, str] | None = None
                     plan_dict["data"] = {**(spec.fixed.get("data") or {}), **data}
                 try:
                     plan = load_plan_dict(plan_dict)
-                    check_plan_against_model(plan)  # the family's rules, on the meta model (cached)
+                    check_plan(plan)  # the family's rules on the meta model (cached), a user loop's
                     candidates.append(Candidate(choices, plan))
                 except (PlanError, ModelError) as err:
                     rule = _rule_of(str(err))
@@ -412,3 +412,18 @@ def _check_fixed_alone(fixed: dict[str, Any], label: str) -> None:
             check_env(key, str(value))
         except ValueError as err:
             raise SpaceError(f"{label}: fixed.{err}") from None
+
+
+def with_train_loop(space: Space, value: str) -> Space:
+    """The space with every plan carrying the loop (fixed.env), validated again. A space that
+    sweeps loops itself (space.env.PARATUNE_TRAIN_LOOP) keeps them, each checked as --train-loop is."""
+    from paratune.user_loop import TRAIN_LOOP_ENV, TRAIN_LOOP_PATH_ENV, resolve
+
+    loop, root = resolve(value)
+    data = space.spec.model_dump(mode="json", exclude_unset=True)
+    fixed = dict(data.get("fixed") or {})
+    swept = ((data.get("space") or {}).get("env") or {}).get(TRAIN_LOOP_ENV)
+    for other in swept or []:
+        resolve(str(other), f"space.env.{TRAIN_LOOP_ENV}")
+    fixed["env"] = {**(fixed.get("env") or {}), TRAIN_LOOP_PATH_ENV: root, **({} if swept else {TRAIN_LOOP_ENV: loop})}
+    return space_from_dict({**data, "fixed": fixed}, source=space.source)

@@ -191,11 +191,11 @@ def run_training(plan: Plan | dict[str, Any], *, steps: int, checkpoint_every: i
     if steps < 1 or checkpoint_every < 1:
         return TrainingResult(status="failed", reason="invalid_config", name=name, steps=steps,
                               message=f"steps: got {steps}, checkpoint_every: got {checkpoint_every}; allowed: >= 1")
-    from paratune.models import ModelError, build_config
-    from paratune.preflight import check_plan_against_model
+    from paratune.models import ModelError
+    from paratune.refusals import check_plan
 
     try:  # the model laid out as the plan asks, checked on the meta device before any worker starts
-        check_plan_against_model(plan, build_config(plan.model, plan.model_overrides))
+        check_plan(plan)
     except (ModelError, PlanError) as err:
         return TrainingResult(status="failed", reason="invalid_config", message=str(err), name=name, steps=steps)
 

@@ -38,22 +38,20 @@ _MODEL_CHECK_LOCK = threading.RLock()
 
 def check_before_launch(plan: Plan | dict[str, Any], ray_address: str | None = None) -> tuple[Plan, float] | TrialResult:
     """(the plan, its model FLOPs per token), or the failed result that means no worker should
-    start: the plan's rules, the model's layout rules on the meta device, cp on CPU workers (a
-    cp plan on device 'auto' asks the cluster, joining Ray first)."""
+    start: every rule paratune.refusals collects, and what CPU workers cannot run (a plan on
+    device 'auto' with such a lever or cp asks the cluster, joining Ray first)."""
     if not isinstance(plan, Plan):
         try:
             plan = load_plan_dict(plan)
         except PlanError as err:
             return TrialResult.failed(plan, "invalid_config", str(err))
-    from paratune.inputs import check_inputs
-    from paratune.models import ModelError, build_config
-    from paratune.preflight import check_plan_against_model
+    from paratune.models import ModelError
+    from paratune.refusals import check_plan, device_refusal
 
     try:
         with _MODEL_CHECK_LOCK:  # one thread at a time: see _MODEL_CHECK_LOCK
-            check_inputs(plan)  # model, data and tokenizer files, where the command runs
-            model_config = build_config(plan.model, plan.model_overrides)
-            check_plan_against_model(plan, model_config)  # the family's layout rules, on the meta device
+            # input files where the command runs, the family's layout rules on the meta device, a user loop's limits
+            model_config = check_plan(plan, inputs_source="plan", build=True)
             flops_tok = measure.model_flops_per_token(model_config, plan.seq_len)  # builds it on meta
     except (ModelError, PlanError) as err:
         return TrialResult.failed(plan, "invalid_config", str(err))
@@ -63,25 +61,12 @@ def check_before_launch(plan: Plan | dict[str, Any], ray_address: str | None = N
         where = traceback.extract_tb(err.__traceback__)[-1]  # e.g. a file a library looked for
         return TrialResult.failed(plan, "invalid_config", f"model: '{plan.model}' cannot be built: "
                                   f"{type(err).__name__}: {err} (at {where.filename}:{where.lineno})")
-    from paratune.user_loop import TRAIN_LOOP_ENV, refusal
-
-    if TRAIN_LOOP_ENV in plan.env and (why := refusal(plan)) is not None:  # what the user's loop cannot take
-        return TrialResult.failed(plan, "invalid_config", why)
-    from paratune.levers import device_refusal
-
-    # A lever CPU workers cannot run (async TP), on device 'auto': ask the cluster (device 'cpu': the plan refuses)
+    # What CPU workers cannot run (cp, async TP), on device 'auto': ask the cluster (device 'cpu': the plan
+    # refuses it). The GPU model is not known here: float8 without FP8 is the cost model's refusal.
     if (on_cpu := device_refusal(plan, None, False)) is not None:
         ensure_ray(ray_address)
         if not wants_gpu(plan):
             return TrialResult.failed(plan, "invalid_config", on_cpu)
-    if plan.cp > 1:  # device 'auto' on a cluster without GPUs (device 'cpu': the plan refuses)
-        ensure_ray(ray_address)
-        if wants_gpu(plan):
-            return plan, flops_tok
-        from paratune.degrees import CP_CPU_REASON
-
-        return TrialResult.failed(plan, "invalid_config", f"cp: {plan.cp} on CPU workers: {CP_CPU_REASON}; "
-                                  "allowed: cp 1 on CPU")
     return plan, flops_tok
 
 

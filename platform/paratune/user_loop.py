@@ -33,6 +33,7 @@ import torch
 
 from paratune import measure
 from paratune.devices import sync_device
+from paratune.levers import lever_fields
 from paratune.plan import Plan
 from paratune.step_memory import MeasuredPeak
 
@@ -79,7 +80,7 @@ def refusal(plan: Plan) -> str | None:
     """Why paratune cannot apply this plan to a user's loop (None: it can): the message names
     the field, the value and what is allowed."""
     allowed = ("allowed with --train-loop: strategy ddp or fsdp (full / grad_op), tp=pp=cp=ep=1, "
-               "no compile/float8/checkpointing")
+               f"no lever ({', '.join(f.name for f in lever_fields())} at their defaults)")
     for name in ("tp", "pp", "cp", "ep"):
         if getattr(plan, name) > 1:
             return f"{name}: {getattr(plan, name)} with a user train loop (the loop builds its model; paratune " \
@@ -88,26 +89,11 @@ def refusal(plan: Plan) -> str | None:
         return f"strategy: 'zero' with a user train loop (DeepSpeed owns the loop's step); {allowed}"
     if plan.strategy == "fsdp" and plan.fsdp is not None and plan.fsdp.sharding == "hybrid":
         return f"fsdp.sharding: 'hybrid' with a user train loop; {allowed}"
-    for name, off in (("compile", False), ("float8", "none"), ("activation_checkpointing", "none"),
-                      ("async_tp", False)):
-        if getattr(plan, name) != off:
-            return f"{name}: {getattr(plan, name)!r} with a user train loop (the loop's model is its own); {allowed}"
+    for lever_field in lever_fields():  # every lever (paratune.levers) acts on paratune's model, not the loop's
+        value = getattr(plan, lever_field.name)
+        if value != lever_field.default:
+            return f"{lever_field.name}: {value!r} with a user train loop (the loop's model is its own); {allowed}"
     return None
-
-
-def with_train_loop(space, value: str):
-    """The space with every plan carrying the loop (fixed.env), validated again. A space that
-    sweeps loops itself (space.env.PARATUNE_TRAIN_LOOP) keeps them, each checked as --train-loop is."""
-    from paratune.space import space_from_dict
-
-    loop, root = resolve(value)
-    data = space.spec.model_dump(mode="json", exclude_unset=True)
-    fixed = dict(data.get("fixed") or {})
-    swept = ((data.get("space") or {}).get("env") or {}).get(TRAIN_LOOP_ENV)
-    for other in swept or []:
-        resolve(str(other), f"space.env.{TRAIN_LOOP_ENV}")
-    fixed["env"] = {**(fixed.get("env") or {}), TRAIN_LOOP_PATH_ENV: root, **({} if swept else {TRAIN_LOOP_ENV: loop})}
-    return space_from_dict({**data, "fixed": fixed}, source=space.source)
 
 
 # --------------------------------------------------------------------------- worker side
