@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console(width=200)
     cache = Path(args.cache) if args.cache else Path(tempfile.mkdtemp(prefix="paratune-published-"))
-    os.environ["PARATUNE_HOME"] = str(cache)  # the trace store lives here (paratune.launch.paratune_home)
+    os.environ["PARATUNE_HOME"] = str(cache)  # the trace store lives here (paratune.home.paratune_home)
     modes = tuple(args.mode or MODES)
     rows = load_corpus(cache, args.alternate, set(args.source) if args.source else None)
     if args.only:

@@ -110,7 +110,7 @@ def test_vocab_parallel_and_chunked_losses_hold_a_share_of_the_logits():
     # 12 bytes per token and vocabulary entry at the loss's start (fp32): 1/tp of them under vocab_parallel.
     assert standard.phases["loss"].per_token - sharded.phases["loss"].per_token == pytest.approx(12.0 * v / 2)
     assert standard.per_layer == sharded.per_layer
-    from paratune.parallel.loss import chunk_tokens
+    from paratune.levers.loss import chunk_tokens
 
     shape = model_shape(_tiny())
     tokens = _tiny().micro_batch * _tiny().seq_len

@@ -422,7 +422,7 @@ def _trace_store_path(config_json: str, checkpointing: str, precision: str, micr
     import torch
     import transformers
 
-    from paratune.launch import paratune_home
+    from paratune.home import paratune_home
 
     saved_ops = ""
     if checkpointing == "selective":  # what the policy saves is part of what is traced
@@ -538,10 +538,10 @@ def vocab_held(plan: Plan, vocab: int, hidden: int) -> float:
     """Vocabulary entries of logits a rank holds per token of its micro-batch, by the loss's form
     (paratune.levers.loss_form): standard: all of them (under tp the head's output is gathered on
     every rank); vocab_parallel: its 1/tp shard; chunked: the whole vocabulary for one chunk of
-    tokens at a time (the runtime's chunk size, paratune.parallel.loss.chunk_tokens), spread over
+    tokens at a time (the runtime's chunk size, paratune.levers.loss.chunk_tokens), spread over
     the micro-batch's tokens."""
     from paratune.levers import loss_form
-    from paratune.parallel.loss import chunk_tokens
+    from paratune.levers.loss import chunk_tokens
 
     form = loss_form(plan)
     if form == "vocab_parallel":

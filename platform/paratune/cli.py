@@ -115,7 +115,7 @@ def _cmd_tune(args: argparse.Namespace, console: Console) -> int:
             return 2
         # The calibrated searcher profiles paratune's own model, not the loop's: grid unless asked.
         search = search or ("grid" if space.spec.search.algorithm == "calibrated" else None)
-    from paratune.launch import paratune_home
+    from paratune.home import paratune_home
 
     _say_ray_fallbacks(console)
     out = Path(args.out) if args.out else paratune_home() / space.spec.name

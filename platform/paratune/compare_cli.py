@@ -203,6 +203,6 @@ def cmd_compare(args, console: Console) -> int:
 
 
 def _default_out(raw: dict[str, Any], source: Path) -> Path:
-    from paratune.launch import paratune_home
+    from paratune.home import paratune_home
 
     return paratune_home() / f"compare-{raw.get('name') or source.stem}"

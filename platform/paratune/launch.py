@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from paratune import placement
 from paratune.failures import TrialTimeout
+from paratune.home import default_storage
 from paratune.plan import Plan
 
 # The Ray releases paratune runs on (pyproject.toml declares the same range): from 2.49, the first
@@ -113,18 +114,6 @@ def ensure_ray(address: str | None = None) -> None:
 
     ray.init(address=address, log_to_driver=verbose, include_dashboard=False if address == "local" else None,
              logging_level=logging.INFO if verbose else logging.WARNING)
-
-
-def paratune_home() -> Path:
-    """Where sweeps and training runs write (PARATUNE_HOME, else ./paratune_runs). Under `ray job
-    submit` the working directory is a temporary copy, so jobs/runtime_env.yaml sets it."""
-    return Path(os.environ.get("PARATUNE_HOME") or Path.cwd() / "paratune_runs").expanduser().resolve()
-
-
-def default_storage() -> str:
-    """Ray Train's storage_path: PARATUNE_STORAGE (shared storage: NFS path or s3://... on a
-    multi-node cluster, where checkpoints must outlive a node), else under paratune_home()."""
-    return os.environ.get("PARATUNE_STORAGE") or str(paratune_home() / "ray")
 
 
 # --------------------------------------------------------------------------- what workers need

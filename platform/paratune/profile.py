@@ -34,7 +34,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import time
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -524,7 +523,7 @@ class ProfileStore:
 
     def __init__(self, root: str | Path | None = None):
         if root is None:
-            from paratune.launch import paratune_home
+            from paratune.home import paratune_home
 
             root = paratune_home() / "profiles"
         self.root = Path(root)

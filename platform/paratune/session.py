@@ -37,7 +37,8 @@ from typing import Any, Callable
 
 from paratune import measure, placement
 from paratune.failures import Reason, TrialTimeout, classify
-from paratune.launch import (Deadline, WorkerDemand, build_trainer, default_storage, placement_groups,
+from paratune.home import default_storage
+from paratune.launch import (Deadline, WorkerDemand, build_trainer, placement_groups,
                              remove_leaked_placement_groups, remove_placement_group)
 from paratune.plan import Plan, load_plan_dict
 from paratune.trial_worker import release_cached_memory, train_and_measure

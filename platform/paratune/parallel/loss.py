@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import math
 from typing import Any, Iterator
 
 import torch
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from paratune.levers.loss import chunk_tokens
 from paratune.models import decoder_parts
 from paratune.plan import Plan
 
@@ -167,15 +167,6 @@ def local_loss(loss: torch.Tensor) -> torch.Tensor:
 
 
 # ---- chunked ----
-
-def chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
-    """Tokens per chunk: liger-kernel's rule (fused_linear_cross_entropy.py), a power of two near
-    tokens / ceil(vocab / hidden), so a chunk's logits take about as much memory as the hidden
-    states of the whole micro-batch (Llama-3-8B, 8192 tokens: 256-token chunks, 131 MB of fp32
-    logits instead of 4.2 GB). The same rule as the CUDA kernel's, so CPU and GPU trials chunk alike."""
-    chunks = max(1, math.ceil(vocab / hidden))
-    return max(1, 1 << max(0, math.ceil(math.log2(max(1, math.ceil(tokens / chunks))))))
-
 
 def liger_available(device: torch.device) -> bool:
     """Whether liger-kernel's fused linear cross-entropy can run here: CUDA and the package importable."""
