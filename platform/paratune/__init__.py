@@ -3,6 +3,7 @@
 The public API (what the README documents; everything else may change between releases):
 
     plan = paratune.load_plan("plan.yaml")              # or load_plan_dict({...}); Plan, PlanError
+    paratune.check_plan(plan)                            # every rule a trial checks before launch: PlanError
     space = paratune.load_space("space.yaml")            # Space
     result = paratune.run_trial(plan)                    # TrialResult: tokens/s/GPU, memory, losses
     outcome = paratune.run_sweep(space, Path("out"))     # SweepOutcome: the winner and its files
@@ -29,7 +30,7 @@ _os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 # public name -> the module that defines it
 _PUBLIC: dict[str, str] = {
     "Plan": "paratune.plan", "PlanError": "paratune.plan", "load_plan": "paratune.plan",
-    "load_plan_dict": "paratune.plan",
+    "load_plan_dict": "paratune.plan", "check_plan": "paratune.refusals",
     "Space": "paratune.space", "load_space": "paratune.space",
     "run_trial": "paratune.trial", "TrialResult": "paratune.results",
     "run_sweep": "paratune.sweep.driver", "SweepOutcome": "paratune.sweep.finish",
