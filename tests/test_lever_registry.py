@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from paratune import extras
 from paratune.devices import get_device
 from paratune.estimate import compute_seconds
 from paratune.export_tools import accelerate_config
@@ -101,6 +102,7 @@ TOY = Lever(
     extra_memory_bytes=lambda plan, shape: 2**30 * plan.toy_fusion,
     export_notes=lambda plan, tool: [f"{tool}: toy_fusion {plan.toy_fusion} not expressed here"] if plan.toy_fusion else [],
     apply=(("before_wrap", f"{__name__}:toy_apply"),),
+    extra="float8",  # torchao's extra stands in for the toy's package
 )
 
 
@@ -119,7 +121,7 @@ def _toy(plan_type, **fields):
     return load_plan_dict({**base, **fields}, plan_type=plan_type)
 
 
-def test_a_toy_lever_is_validated_labelled_refused_priced_exported_and_applied(toy_plan_type):
+def test_a_toy_lever_is_validated_labelled_refused_priced_exported_and_applied(toy_plan_type, monkeypatch):
     plan = _toy(toy_plan_type, toy_fusion=2)
     assert plan.toy_fusion == 2 and _toy(toy_plan_type).toy_fusion == 0
     # validated: its type and bounds (pydantic, naming the field), its rule (naming field, value, allowed)
@@ -130,6 +132,11 @@ def test_a_toy_lever_is_validated_labelled_refused_priced_exported_and_applied(t
     with pytest.raises(PlanError, match="unknown field"):  # the module's Plan, built before it, does not take it
         load_plan_dict({"toy_fusion": 1})
     assert plan.with_changes(micro_batch=4).toy_fusion == 2  # a changed plan keeps its class
+    monkeypatch.setitem(extras._found, extras.EXTRAS["float8"][0], False)  # its extra not installed: refused, named
+    with pytest.raises(PlanError, match=r"toy_fusion: 2 needs torchao, .* allowed without it: toy_fusion 0"):
+        _toy(toy_plan_type, toy_fusion=2)
+    _toy(toy_plan_type)  # off, it needs nothing
+    monkeypatch.undo()
     # labelled, at its rank; the plan file keeps it in the levers' block
     assert strategy_label(plan.to_dict()) == "ddp mb2x2 bf16 toy2"
     assert list(plan.to_dict()).index("toy_fusion") == list(plan.to_dict()).index("async_tp") + 1

@@ -8,6 +8,8 @@ import argparse
 from rich.console import Console
 from rich.markup import escape
 
+from paratune.levers import levers
+
 
 def cmd_models(args: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
@@ -30,13 +32,15 @@ def cmd_models(args: argparse.Namespace, console: Console) -> int:
 
 
 def _extras_of(raw: dict) -> list[str]:
-    """The extras a space's plans may need (read from its YAML, no plan built): zero, float8, peft."""
+    """The extras a space's plans may need (read from its YAML, no plan built): zero, the levers' (float8), peft."""
     fixed, space = raw.get("fixed") or {}, raw.get("space") or {}
     needs = []
     if "zero" in (space.get("strategy") or {}):
         needs.append("deepspeed")
-    if any(v not in (None, "none") for v in [fixed.get("float8"), *(space.get("float8") or [])]):
-        needs.append("float8")
+    for lever in levers():  # a lever's fields off their defaults, fixed or swept
+        if lever.extra and any(v not in (None, f.default) for f in lever.fields
+                               for v in [fixed.get(f.name), *(space.get(f.name) or [])]):
+            needs.append(lever.extra)
     if fixed.get("peft"):
         needs.append("lora")
     return needs

@@ -21,6 +21,8 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
+from paratune.levers import levers
+
 # extra -> (the module that must be importable, the package's name in messages)
 EXTRAS: dict[str, tuple[str, str]] = {
     "deepspeed": ("deepspeed", "DeepSpeed"),
@@ -47,15 +49,23 @@ def install_hint(extra: str) -> str:
     return f"pip install 'paratune[{extra}]'"
 
 
+def _shown(value: Any) -> str:
+    """A plan value as a plan file writes it: 'text', true, 2."""
+    return f"'{value}'" if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def missing_extra(plan: Any) -> str | None:
     """Why this install cannot run the plan (the field, its value, the extra to install and what is
     allowed without it), or None. `plan`: a Plan (its fields read only)."""
     if plan.strategy == "zero" and not installed("deepspeed"):
         return (f"strategy: 'zero' needs DeepSpeed, which is not installed; install it with "
                 f"{install_hint('deepspeed')}; allowed without it: strategy 'ddp' or 'fsdp'")
-    if plan.float8 != "none" and not installed("float8"):
-        return (f"float8: '{plan.float8}' needs torchao, which is not installed; install it with "
-                f"{install_hint('float8')}; allowed without it: float8 'none'")
+    for lever in levers():  # a lever's extra (paratune.levers: float8's torchao)
+        field = lever.off_default(plan) if lever.extra else None
+        if field is not None and not installed(lever.extra):
+            return (f"{field.name}: {_shown(getattr(plan, field.name))} needs {EXTRAS[lever.extra][1]}, which is not "
+                    f"installed; install it with {install_hint(lever.extra)}; allowed without it: "
+                    f"{field.name} {_shown(field.default)}")
     if plan.peft is not None and not installed("lora"):
         return (f"peft: LoRA adapters need peft, which is not installed; install it with "
                 f"{install_hint('lora')}; allowed without it: no peft section (a full fine-tune)")

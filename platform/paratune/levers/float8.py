@@ -97,4 +97,5 @@ FLOAT8 = register(Lever(
     label_rank=90,
     export_notes=_export_notes,
     apply=(("before_layout", "paratune.parallel.float8:apply_lever"),),
+    extra="float8",
 ))

@@ -89,6 +89,7 @@ class Lever:
       "hf", "torchtitan").
     - apply: (stage, "module:function") pairs; the function is called as f(model, plan, place) on
       the workers (place: paratune.parallel.runner.WorkerPlace).
+    - extra: the `paratune[...]` extra (paratune.extras.EXTRAS) its fields need off their defaults.
     """
 
     name: str
@@ -103,6 +104,11 @@ class Lever:
     extra_memory_bytes: Callable[[Plan, Any], float] = _no_bytes
     export_notes: Callable[[Plan, str], list[str]] = _no_notes
     apply: tuple[tuple[str, str], ...] = ()
+    extra: str | None = None
+
+    def off_default(self, plan: Any) -> LeverField | None:
+        """Its first field the plan sets off the field's default (None: the lever is off)."""
+        return next((f for f in self.fields if getattr(plan, f.name) != f.default), None)
 
     def __post_init__(self) -> None:
         for stage, target in self.apply:
