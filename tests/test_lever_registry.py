@@ -71,7 +71,7 @@ def test_what_users_see_of_the_existing_levers_did_not_move():
 # ---- a toy lever, defined here only ------------------------------------------------------------
 
 TOY_REASON = "toy fusion needs micro_batch >= 2 (it fuses pairs of sequences)"
-APPLIED: list[tuple[str, int]] = []
+APPLIED: list[tuple[str, int, WorkerPlace]] = []
 
 
 def _toy_rules(plan) -> None:
@@ -87,7 +87,7 @@ def _toy_refusal(plan, gpu, has_fp8) -> str | None:
 
 
 def toy_apply(model: nn.Module, plan, place: WorkerPlace) -> None:
-    APPLIED.append((type(model).__name__, plan.toy_fusion))
+    APPLIED.append((type(model).__name__, plan.toy_fusion, place))
 
 
 TOY = Lever(
@@ -153,5 +153,8 @@ def test_a_toy_lever_is_validated_labelled_refused_priced_exported_and_applied(t
     # applied on the workers at its stage, after the levers registered before it
     assert applied_at("before_wrap")[-1] == f"{__name__}:toy_apply"
     APPLIED.clear()
-    apply_levers(nn.Linear(2, 2, device="meta"), plan, "before_wrap", WorkerPlace(torch.device("cpu")))
-    assert APPLIED == [("Linear", 2)]
+    # with the rank's place: async TP's compile needs the device and the tp group's name (a GPU-only
+    # path; on CPU the property it relies on, that the place reaches the lever's runtime, is checked)
+    place = WorkerPlace(torch.device("cpu"), "tp-group-0")
+    apply_levers(nn.Linear(2, 2, device="meta"), plan, "before_wrap", place)
+    assert APPLIED == [("Linear", 2, place)]
