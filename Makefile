@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: demo test test-fast install bench clean
+.PHONY: demo test test-matrix test-all test-fast install bench clean
 
 # torch through pip (the machine's pip configuration finds the local CPU wheel); everything else
 # through uv (same pins, ~10x faster than pip here). Bytecode is compiled once, at install, for
@@ -34,8 +34,18 @@ demo: $(STAMP)
 # beside them. Not the default yet: measured 14-17 min from fresh clones (one process: 14.6-16.7), and
 # one run lost a node of the job tests' cluster to its 1 s health checks under the load
 # (bench/results/test_suite_time.md).
+# `make test` leaves out the tests marked `matrix` (pyproject.toml): further parameter values of code
+# paths that kept tests already run (every family x strategy, every layout x option); each says which
+# kept test covers it. `make test-matrix` runs only those, `make test-all` everything; CI (.ci/run)
+# runs `make test`, then `make test-matrix`.
 TEST_WORKERS ?= 0
 test: $(STAMP)
+	$(BIN)/python -m pytest -q -x -m "not matrix" --durations=15 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
+
+test-matrix: $(STAMP)
+	$(BIN)/python -m pytest -q -x -m matrix --durations=15 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
+
+test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -x --durations=15 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 # The edit-run loop: unit tests only (pure planning, estimates, parsing, configs; no Ray workers).

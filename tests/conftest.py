@@ -23,9 +23,13 @@ _builder: subprocess.Popen | None = None
 
 
 def pytest_collection_finish(session) -> None:
-    """Start the build once: in the only pytest process, or in the first of pytest-xdist's workers
-    (each collects every test)."""
+    """Record the tiers this session runs (tests/tiers.py: batches leave out the cases no selected
+    test reads). Start the build once: in the only pytest process, or in the first of pytest-xdist's
+    workers (each collects every test)."""
     global _builder
+    import tiers
+
+    tiers.SELECTED = {"matrix" if item.get_closest_marker("matrix") else "core" for item in session.items}
     first_process = os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"
     wanted = not session.config.option.collectonly and any(item.get_closest_marker("integration") for item in session.items)
     if first_process and wanted and _builder is None:
