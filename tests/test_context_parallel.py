@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import BASE_PLAN, expected_parameter_share
 from gloo_harness import one_torch_thread  # noqa: F401 (fixture: in-process references on one thread)
+from tiers import cases, wanted
 from gloo_harness import assert_groups_use_plan_timeout, batch_result, run_named_batch, single_torch_thread, training_key
 
 from paratune.degrees import CP_CPU_REASON
@@ -39,6 +40,12 @@ CASES = {
                                        "strategy": "fsdp", "fsdp": {"sharding": "full"}},
     # Per-head q/k norms (their gradients summed over tp) and tied embeddings.
     "cp2xtp2-fsdp-qwen3": {"num_workers": 4, "cp": 2, "tp": 2, "model": "tiny-qwen3", "strategy": "fsdp"},
+}
+# `matrix` (make test-matrix; tests/tiers.py): another degree or wrapper option on a path kept cases run.
+MATRIX = {
+    "cp2-fsdp-no-shard": "cp2-fsdp-full (the ring under FSDP2) and test_parity_gloo dp2xtp2-no-shard",
+    "cp4-ddp": "cp2-ddp (the same ring, head and tail chunks of 4 ranks instead of 2)",
+    "dp2xcp2-ddp": "dp2xcp2-fsdp-full (dp x cp mesh, gradients over dp x cp) and cp2-ddp",
 }
 BF16 = {
     "cp2-ddp-bf16": {"num_workers": 2, "cp": 2, "precision": "bf16"},  # autocast around the ring
@@ -248,13 +255,14 @@ def _reference(plan) -> tuple[list[float], dict]:
 @functools.lru_cache(maxsize=None)
 def _runs(world: int) -> dict:
     """Every case of one world size, run by one set of gloo processes with the shim installed."""
-    cases = {**CASES, **BF16}
-    return run_named_batch({n: _plan(case) for n, case in cases.items() if case["num_workers"] == world},
+    every = {**CASES, **BF16}
+    return run_named_batch({n: _plan(case) for n, case in every.items()
+                            if case["num_workers"] == world and wanted(n, MATRIX)},
                            setup=SHIM, measure=MEASURE)
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", cases(CASES, MATRIX))
 def test_cp_matches_reference(name):
     plan, out = batch_result(_runs(CASES[name]["num_workers"])[name])
     reference_loss, reference = _reference(plan)

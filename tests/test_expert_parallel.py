@@ -12,6 +12,7 @@ import pytest
 import torch
 from gloo_harness import assert_groups_use_plan_timeout, batch_result, reference_for
 from conftest import BASE_PLAN
+from tiers import cases
 
 from paratune.models import build_config, parameter_counts, routed_experts
 from paratune.parity import max_loss_difference
@@ -45,6 +46,13 @@ EP_CASES: dict[str, dict] = {
                              "model_overrides": NO_AUX, "grad_clip": 0.05},
 }
 
+# `matrix` (make test-matrix; tests/tiers.py): another combination of paths kept cases run, with them.
+EP_MATRIX = {
+    "ddp-ep4-full-checkpointing": "fsdp-grad-op-ep4 (ep over all 4 ranks) and fsdp-ep2-edp2-selective (checkpointing with ep)",
+    "dp2xtp2-ep2-ddp": "dp2xtp2-ep2-fsdp (tp x ep) and ddp-ep2-edp2 (ddp's expert gradients)",
+    "pp2-dp2-ep2-ddp": "pp2-dp2-ep2-fsdp (stages x ep) and test_parity_gloo dp2xpp2-ddp (ddp under pp)",
+    "dp2xpp2xtp2-ep2-fsdp": "dp2xtp2-ep2-fsdp, pp2-dp2-ep2-fsdp and test_parity_gloo dp2xpp2xtp2-fsdp (the 3-D mesh)",
+}
 
 # bf16, the GPU's precision: FSDP2's mixed precision on the experts too (bf16 compute, fp32 reduction).
 EP_BF16_CASES = {"fsdp-ep2-bf16": {"num_workers": 2, "strategy": "fsdp", "ep": 2, "precision": "bf16"}}
@@ -83,7 +91,7 @@ def _expected_local_parameters(plan) -> float:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("name", list(EP_CASES))
+@pytest.mark.parametrize("name", cases(EP_CASES, EP_MATRIX))
 def test_expert_parallel_trains_like_the_reference(name):
     plan, out = batch_result(_runs(EP_CASES[name]["num_workers"])[("ep", name)])
     reference = reference_for(plan)

@@ -25,6 +25,7 @@ from paratune.plan import PlanError, load_plan_dict
 from paratune.preflight import attention_windows, check_plan_against_model
 from paratune.parity import max_loss_difference
 from paratune.trial import run_trial
+from tiers import cases, wanted
 
 FAMILIES = ["tiny-llama3", "tiny-qwen2.5", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-phi3", "tiny-gptneox",
             "tiny-opt"]
@@ -53,6 +54,23 @@ EXTRA = {  # what preflight allows beyond the four: sequence parallelism and pip
     ("tiny-gptneox", "pp2"): {"pp": 2},
 }
 CASES = {(f, s): c for f in FAMILIES for s, c in STRATEGIES.items()} | EXTRA
+# `matrix` (make test-matrix; tests/tiers.py). What is the family's own: its module tree, its tp plan
+# (shipped or derived), its losses against the reference: every family keeps tp2 (and its sp / pp cases
+# where they differ). DDP, FSDP2 and ZeRO-3 wrap any family the same way: each keeps the families whose
+# module tree differs (GPT-NeoX's gpt_neox.layers, OPT's model.decoder.layers; ddp also Llama-3 and
+# Gemma-2's eager soft-capped attention, with the exact first loss); the Llama-shaped rest are these,
+# with the kept cases that cover each.
+FAMILY_MATRIX = {
+    **{(f, "ddp"): f"{f}-tp2 (its loss against the reference) and tiny-llama3-ddp (ddp's exact first loss)"
+       for f in ("tiny-qwen2.5", "tiny-qwen3", "tiny-mistral", "tiny-phi3")},
+    **{(f, "fsdp"): f"tiny-gptneox-fsdp, tiny-opt-fsdp (FSDP2 per block) and {f}-tp2"
+       for f in ("tiny-llama3", "tiny-qwen2.5", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-phi3")},
+    **{(f, "zero3"): f"tiny-gptneox-zero3, tiny-opt-zero3 (ZeRO-3's partitions) and {f}-tp2"
+       for f in ("tiny-llama3", "tiny-qwen2.5", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-phi3")},
+    ("tiny-mistral", "pp2"): "tiny-qwen2.5-pp2-untied and tiny-gptneox-pp2 (stages of a model.layers stack)",
+    ("tiny-phi3", "pp2"): "tiny-qwen2.5-pp2-untied (stages of a model.layers stack) and tiny-phi3-tp2 (its fused projections)",
+    ("tiny-qwen3", "pp2-untied"): "tiny-qwen2.5-pp2-untied (the untied stages) and tiny-qwen3-tp2-sp (its q/k norms)",
+}
 
 
 def _plan(family: str, case: dict):
@@ -62,9 +80,9 @@ def _plan(family: str, case: dict):
 
 @pytest.fixture(scope="module")
 def matrix() -> dict:
-    """Every case's rank-0 measurements (or its own failure), from one 2-process gloo run (a case
+    """Every selected case's rank-0 measurements (or its own failure), from one 2-process gloo run (a case
     that fails is that case's failure only: the harness runs the cases after it in fresh processes)."""
-    keys = list(CASES)
+    keys = [key for key in CASES if wanted(key, FAMILY_MATRIX)]  # the tiers this session runs
     plans = [_plan(f, CASES[(f, s)]) for f, s in keys]
     for plan in plans:  # the preflight passes every case the matrix runs
         check_plan_against_model(plan)
@@ -72,7 +90,7 @@ def matrix() -> dict:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("family,strategy", list(CASES), ids=[f"{f}-{s}" for f, s in CASES])
+@pytest.mark.parametrize("family,strategy", cases(CASES, FAMILY_MATRIX, ids=[f"{f}-{s}" for f, s in CASES]))
 def test_family_loss_parity(matrix, family, strategy):
     out = matrix[(family, strategy)]
     if isinstance(out, Exception):

@@ -17,6 +17,7 @@ import pytest
 import torch
 from gloo_harness import batch_result, one_torch_thread, reference_for, run_named_batch  # noqa: F401 (fixture)
 from conftest import BASE_PLAN
+from tiers import cases
 
 from paratune.models import build_config, build_model, routed_experts, routed_top_k
 from paratune.parity import max_loss_difference
@@ -56,6 +57,18 @@ PP_CASES: dict[str, dict] = {
     f"{family.removeprefix('tiny-')}-pp2": {"model": family, "strategy": "ddp", "pp": 2, "micro_batch": 1,
                                             "model_overrides": NO_AUX}
     for family in ("tiny-mixtral", "tiny-qwen3-moe", "tiny-olmoe", "tiny-deepseek-v3")}
+
+# `matrix` (make test-matrix; tests/tiers.py): the router and its aux loss are the family's, the wrapper is
+# the strategy's. Every family keeps ddp (its own loss, aux included, against the reference); fsdp and
+# ZeRO-3 keep one family each beside their EP / pipeline cases, the rest are these.
+MOE_FAMILY_MATRIX = {
+    **{f"{f}-fsdp": "deepseek-v3-fsdp, deepseek-v3-fsdp-ep2, granitemoe-fsdp-ep2 (FSDP2 on a MoE) and this family's ddp"
+       for f in ("mixtral", "qwen3-moe", "olmoe", "granitemoe")},
+    **{f"{f}-zero3": "qwen3-moe-zero3 (ZeRO-3 on a MoE) and this family's ddp"
+       for f in ("mixtral", "olmoe", "deepseek-v3", "granitemoe")},
+    "qwen3-moe-pp2": "mixtral-pp2 (stages of routed layers, aux loss off) and qwen3-moe-ddp",
+    "olmoe-pp2": "mixtral-pp2 (stages of routed layers, aux loss off) and olmoe-ddp",
+}
 
 # 2 processes x micro_batch 2 = global_batch 4 (no accumulation): one warm-up step, two measured.
 CASE = {**BASE_PLAN, "global_batch": 4, "micro_batch": 2, "warmup_steps": 1, "measure_steps": 2}
@@ -157,7 +170,7 @@ def test_later_steps_depend_on_the_update(family):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("name", list(moe_family_plans()))
+@pytest.mark.parametrize("name", cases(moe_family_plans(), MOE_FAMILY_MATRIX))
 def test_family_trains_like_the_reference(name):
     plan, out = batch_result(_moe_runs()[name])
     reference = reference_for(plan)

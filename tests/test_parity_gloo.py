@@ -14,6 +14,7 @@ from test_loss_forms import loss_form_plans
 from test_expert_parallel import ep_plans
 from test_moe_families import moe_family_plans
 from test_moe_measure import CASES as MOE_MEASURE_CASES
+from tiers import cases, wanted
 
 from paratune.plan import load_plan_dict
 from paratune.parity import max_loss_difference
@@ -46,6 +47,17 @@ CASES = {
 }
 
 
+# `matrix` (make test-matrix; tests/tiers.py): another value of a code path a kept case runs, with the
+# kept case that covers it. paratune hands these options to torch / DeepSpeed the way the kept case does.
+FP32_MATRIX = {
+    "ddp-small-buckets-no-view": "ddp-static-graph-accum: ddp's options handed to torch's DDP",
+    "fsdp-no-shard": "model-parallel dp2xtp2-no-shard: FSDP2's no_shard layout (and fsdp-full: FSDP2 on dp)",
+    "fsdp-checkpointing": "test_recompute_compile fsdp-selective: the checkpoint hook under FSDP2; ddp-checkpointing: full",
+    "zero-0": "zero-1: the same DeepSpeed engine and config, another stage number",
+    "zero-2-offload-optimizer": "zero-3-offload-all (offload_optimizer) and zero-2-offload-deepspeed-cpu-adam (stage 2 offload)",
+}
+
+
 def _fp32_plan(name: str):
     return load_plan_dict({**BASE_PLAN, "seed": 7, **CASES[name]})
 
@@ -57,7 +69,7 @@ def _bf16_plan(name: str):
     return load_plan_dict({**BASE_PLAN, "precision": "bf16", **CASES[name]})
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", cases(CASES, FP32_MATRIX))
 def test_fp32_loss_parity(name):
     plan, out = batch_result(_runs(_fp32_plan(name).num_workers)[("fp32", name)])
     reference = reference_for(plan)
@@ -104,6 +116,22 @@ MODEL_PARALLEL = {
 }
 
 
+MODEL_PARALLEL_MATRIX = {
+    "pp2-gpipe": "pp2-1f1b: the same stages, torch's other schedule class",
+    "dp2xpp2xtp2-ddp-sequence-parallel": "dp2xpp2xtp2-fsdp (the 3-D mesh), dp2xpp2-ddp (ddp under pp), tp2-sequence-parallel",
+    "hsdp2x2xtp2": "fsdp-hybrid-2x2 (HSDP's groups) and dp2xtp2-fsdp (FSDP2 beside tp)",
+}
+
+
+def _matrix(kind: str) -> dict:
+    """The matrix cases of one kind of this module's batch (the other modules' own)."""
+    from test_expert_parallel import EP_MATRIX
+    from test_moe_families import MOE_FAMILY_MATRIX
+
+    return {"fp32": FP32_MATRIX, "model-parallel": MODEL_PARALLEL_MATRIX, "ep": EP_MATRIX,
+            "moe-family": MOE_FAMILY_MATRIX}.get(kind, {})
+
+
 def _all_plans() -> dict:
     """Every case of this module by (kind, name)."""
     return ({("fp32", n): _fp32_plan(n) for n in CASES} | {("bf16", n): _bf16_plan(n) for n in BF16_CASES}
@@ -119,11 +147,12 @@ def _runs(world: int) -> dict:
     """Every case of one world size (fp32, bf16 and model-parallel alike), run by one set of gloo
     processes: process start, imports (DeepSpeed's included) and the process group paid once per
     world size, not once per case. A case that fails is that case's failure only (the harness
-    runs the cases after it in fresh processes)."""
-    return run_named_batch({key: plan for key, plan in _all_plans().items() if plan.num_workers == world})
+    runs the cases after it in fresh processes). Only the cases of the tiers this session runs."""
+    return run_named_batch({key: plan for key, plan in _all_plans().items()
+                            if plan.num_workers == world and wanted(key[1], _matrix(key[0]))})
 
 
-@pytest.mark.parametrize("name", list(MODEL_PARALLEL))
+@pytest.mark.parametrize("name", cases(MODEL_PARALLEL, MODEL_PARALLEL_MATRIX))
 def test_model_parallel_loss_parity(name):
     plan, out = batch_result(_runs(MODEL_PARALLEL[name]["num_workers"])[("model-parallel", name)])
     assert max_loss_difference(out["losses"], reference_for(plan)) < 1e-5
