@@ -35,7 +35,12 @@ def _in_process(capsys, *args: str) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+# The full fine-tune is `matrix` (make test-matrix; tests/tiers.py): the LoRA case runs the same commands
+# (init, plan, tune, train --hf-out, from_pretrained and pipeline) with the adapters on top; init
+# without --lora is test_starter's, `paratune train --hf-out` of a full fine-tune through Ray is
+# test_cluster_jobs' training job (resumed after a killed worker, every tensor compared).
+@pytest.mark.parametrize("lora", [pytest.param(False, id="full", marks=pytest.mark.matrix),
+                                  pytest.param(True, id="lora")])
 def test_a_first_fine_tune_from_the_readme(ray_local, tmp_path, capsys, monkeypatch, lora):
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 

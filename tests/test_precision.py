@@ -32,7 +32,9 @@ COMBINATIONS = {
 }
 
 
-@pytest.mark.parametrize("world", [2, 4])
+# world 4 is `matrix` (make test-matrix): FSDP2's bf16 policy beside tp and pp at dp 2; world 2 runs
+# FSDP2's policy (fsdp-full) and bf16 under tp and pp (tp2-fsdp-dp1, pp2-fsdp-dp1, tp2-ddp, pp2-ddp).
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.matrix)])
 def test_bf16_plans_compute_in_bf16(world):
     """All combinations of one world size in one set of processes (they run one after another)."""
     names = [n for n, c in COMBINATIONS.items() if c.get("num_workers", 2) == world]

@@ -61,6 +61,11 @@ def _rank_0_says(config):
     return {"rank": rank, "env": {n: os.environ.get(n) for n in names}, "payload": config["payload"]}
 
 
+# `matrix` (make test-matrix; and .ci/oldest_ray.sh runs this module whole on the oldest Ray): on this Ray,
+# every ok run_trial reads rank 0's return (test_session's fresh and reused figures), the plan's env
+# comes back as seen (test_trial_ray's stop-early trial) and the controller settings are checked by name
+# in test_session's assert_fresh_trial_figures.
+@pytest.mark.matrix
 def test_rank_0s_return_and_the_controller_settings_reach_the_driver(ray_local, tmp_path):
     workers = dataclasses.replace(_workers(), env={"PARATUNE_PROBE": "42"})
     result, error, _ = _measure(_rank_0_says, {"payload": [1, 2.5, "x"]}, tmp_path, Deadline(120), workers)
@@ -98,6 +103,10 @@ def _rank_1_fails(config):
     return {}
 
 
+# `matrix` (make test-matrix; .ci/oldest_ray.sh runs it on the oldest Ray): on this Ray, a failing run
+# that is ended, classified and cleaned up: test_trial_ray's diverged trial (every rank raises) and
+# test_session's killed worker (worker_died, its group ended, the next plan in a fresh one).
+@pytest.mark.matrix
 def test_a_failing_rank_ends_the_run_after_one_attempt(ray_local, tmp_path):
     before = set(placement_groups())
     attempts = tmp_path / "attempts.txt"
@@ -113,6 +122,10 @@ def _hangs(config):
     time.sleep(3600)
 
 
+# `matrix` (make test-matrix; .ci/oldest_ray.sh runs it on the oldest Ray): on this Ray, the same Deadline
+# through paratune's trial: test_trial_ray's hanging worker, ended by its 20 s trial_timeout_s, its CPUs
+# and placement group free again.
+@pytest.mark.matrix
 def test_a_run_past_its_deadline_ends_with_its_workers(ray_local, tmp_path):
     before = set(placement_groups())
     pids = tmp_path / "pids"
@@ -136,6 +149,10 @@ def test_a_run_past_its_deadline_ends_with_its_workers(ray_local, tmp_path):
     _released(before)
 
 
+# `matrix` (make test-matrix; .ci/oldest_ray.sh runs it on the oldest Ray): on this Ray, run_training's
+# outcome through Ray's TorchTrainer, checkpointed: test_cluster_jobs' training job (resumed from its
+# checkpoint) and test_newcomer's `paratune train`.
+@pytest.mark.matrix
 def test_a_training_run_reports_its_outcome(ray_local, tmp_path):
     """Ray's own TorchTrainer (no runner, no deadline), checkpointed; before Ray 2.56 the outcome is
     read from its last checkpoint."""

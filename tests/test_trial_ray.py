@@ -42,6 +42,10 @@ def test_env_reaches_workers_before_process_group_start(ray_local):
     _resources_released()
 
 
+# `matrix` (make test-matrix): a worker's exception in a fresh trial, classified, is test_a_loss_that_overflows
+# (diverged, the cluster free after it); the allocator's own message through Ray's error wrapper is
+# test_failures' (oom); a measured trial over its budget ends oom in test_sweep's grid sweep.
+@pytest.mark.matrix
 def test_out_of_memory_comes_back_classified(ray_local):
     # A model whose embedding alone needs 256 TiB: the allocator refuses it on every machine.
     plan = load_plan_dict({**BASE_PLAN, "model_overrides": {"vocab_size": 2**40}})
@@ -91,6 +95,11 @@ def test_hanging_worker_is_ended_by_the_trial_timeout(ray_local):
     _resources_released()
 
 
+# `matrix` (make test-matrix): the same worker code stops in a reused group, with its partial figures and
+# no memory-tracked step (test_session's test_the_stop_rule_works_in_a_reused_group), a plan's env comes
+# back as seen there too (test_another_env_gets_another_group_and_a_failure_ends_it), and a sweep stops
+# a trial early and records it (test_sweep's test_a_sweep_stops_early_the_trial_that_cannot_reach_its_incumbent).
+@pytest.mark.matrix
 def test_a_trial_that_cannot_reach_the_incumbent_stops_early_with_its_partial_figures(ray_local):
     from paratune.measure import TrialStopRule
 
