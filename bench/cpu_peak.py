@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from machine import describe  # noqa: E402
 
-from paratune.devices import get_device  # noqa: E402
-from paratune.measure import model_flops_per_token  # noqa: E402
-from paratune.models import build_config, build_model  # noqa: E402
+from paratune.config.devices import get_device  # noqa: E402
+from paratune.costs.measure import model_flops_per_token  # noqa: E402
+from paratune.model.build import build_config, build_model  # noqa: E402
 
 
 def matmul_peak(dtype: torch.dtype, sizes=(1024, 2048, 4096), repeats: int = 20) -> dict[int, float]:

@@ -11,9 +11,9 @@
 
 Part 1, every data-parallel strategy with and without activation checkpointing at two model
 sizes (real Ray Train trials on 2 CPU workers, gloo): peak memory is PyTorch's MemTracker over one
-step (tensor storage), the definition paratune.estimate predicts (unchanged: bench/estimate_report.py);
-step time is predicted by paratune.timemodel from a profile measured on the same workers
-(paratune.profile), (a) from the profile alone and (b) refitted on the trials of the *other*
+step (tensor storage), the definition paratune.costs.estimate predicts (unchanged: bench/estimate_report.py);
+step time is predicted by paratune.costs.timemodel from a profile measured on the same workers
+(paratune.costs.profile), (a) from the profile alone and (b) refitted on the trials of the *other*
 model size only (out of sample).
 
 Part 2 (--ledger): the grid of bench/search_efficiency_space.yaml, measured exhaustively by a
@@ -44,8 +44,8 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).parent))
 from machine import describe  # noqa: E402
 
-from paratune.plan import load_plan_dict  # noqa: E402
-from paratune.tables import env_label, strategy_label  # noqa: E402
+from paratune.config.plan import load_plan_dict  # noqa: E402
+from paratune.out.tables import env_label, strategy_label  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 BUCKETS = {"reduce_bucket_size": 2_000_000, "allgather_bucket_size": 2_000_000}
@@ -77,7 +77,7 @@ def plans() -> list[tuple[str, dict]]:
 
 
 def measure(console: Console) -> list[dict]:
-    from paratune.trial import run_trial
+    from paratune.cluster.trial import run_trial
 
     rows = []
     todo = plans()
@@ -98,9 +98,9 @@ def measure(console: Console) -> list[dict]:
 # --------------------------------------------------------------------------- profiles
 def measure_profiles(plan_list, console: Console) -> list[dict]:
     """One profile per (model, env) of the plans, on 2 real Ray Train workers (gloo)."""
-    from paratune.launch import ensure_ray
-    from paratune.profile import profile_requests_for
-    from paratune.profiling import run_profile
+    from paratune.cluster.launch import ensure_ray
+    from paratune.costs.profile import profile_requests_for
+    from paratune.cluster.profiling import run_profile
 
     ensure_ray()
     out = []
@@ -135,7 +135,7 @@ def judge(rows: list[dict], key: str) -> dict[str, float]:
 def sequential(profiles, measured: list[tuple[object, float]]) -> dict[int, dict]:
     """Each plan predicted before it is observed, in the order of the profile's own prediction
     (fastest first: the order a sweep guided by the model would try them), then refitted."""
-    from paratune.timemodel import StepTimeModel
+    from paratune.costs.timemodel import StepTimeModel
 
     alone = StepTimeModel(profiles)
     order = sorted(range(len(measured)), key=lambda i: alone.predict(measured[i][0]).step_s)
@@ -161,7 +161,7 @@ def load_grid(ledger: Path) -> list[dict]:
 
 def grid_rows(grid: list[dict], profiles) -> tuple[list[dict], dict]:
     """Part 2: the measured grid against the model (alone, sequential, leave-one-out at the end)."""
-    from paratune.timemodel import StepTimeModel
+    from paratune.costs.timemodel import StepTimeModel
 
     measured = [(load_plan_dict(g["plan"]), g["measured_step_s"]) for g in grid]
     alone = StepTimeModel(profiles)
@@ -217,12 +217,12 @@ def memory_section(memory: dict) -> list[str]:
              f"Machine: {memory['machine']['machine']}; torch {memory['machine'].get('torch')}, DeepSpeed "
              f"{memory['machine'].get('deepspeed')}, transformers {memory['machine'].get('transformers')}; measured "
              f"{memory['machine'].get('date')}. Command: `{memory.get('command', '')}`.", "",
-             "Measured: the trial's worker code (`paratune.trial_worker.train_and_measure`) on 2 gloo processes "
+             "Measured: the trial's worker code (`paratune.trial.worker.train_and_measure`) on 2 gloo processes "
              "(tests/gloo_harness.py, no Ray), fp32, one warm-up and one timed step, then PyTorch's MemTracker over "
              "one more step (tensor storage, the larger rank), with the buffers DDP (its gradient buckets) and "
              "DeepSpeed ZeRO-3 (its reduce bucket) allocate before the step handed to the tracker "
              "(bench/memory_tracking.py; the trial's own tracker met them only when the backward first touched "
-             "them). Predicted: `paratune.estimate.estimate_memory(plan, device=cpu)`; *before*: the same call on "
+             "them). Predicted: `paratune.costs.estimate.estimate_memory(plan, device=cpu)`; *before*: the same call on "
              f"estimate.py at {commit}. Error = predicted / measured - 1. Families: tiny configs in bench/families/ "
              "(hidden 128, 4 layers, vocab 4096; 4-8 experts for the MoE ones), each in three settings on 2 ranks: "
              + "; ".join(f"`{name}`" for name in ma.SETTINGS) + " (ZeRO buckets 2M elements, 0.5M in the last: "
@@ -280,7 +280,7 @@ def measure_memory_part(saved: dict, which: str, before: str | None, command: st
 
 def time_predictions(rows: list[dict], profiles) -> list[dict]:
     """Part 1 step times: from the profile alone, and refitted on the other size's trials only."""
-    from paratune.timemodel import StepTimeModel
+    from paratune.costs.timemodel import StepTimeModel
 
     ok = [r for r in rows if r["status"] == "ok" and r["step_time_median_s"]]
     alone = StepTimeModel(profiles)
@@ -299,9 +299,9 @@ def write(machine: dict, rows: list[dict], profiles_json: list[dict], grid_saved
           console: Console, conditions: str | None = None, memory: dict | None = None) -> None:
     from estimate_report import TARGET, _plot  # noqa: E402  (the memory side, unchanged)
 
-    from paratune.devices import get_device
-    from paratune.estimate import estimate_memory
-    from paratune.profile import Profile
+    from paratune.config.devices import get_device
+    from paratune.costs.estimate import estimate_memory
+    from paratune.costs.profile import Profile
 
     profiles = [Profile.model_validate(p) for p in profiles_json]
     grid, grid_source = None, None
@@ -339,7 +339,7 @@ def write(machine: dict, rows: list[dict], profiles_json: list[dict], grid_saved
              f"Machine: {machine['machine']}; torch {machine.get('torch')}; trials {machine.get('date')}; "
              f"profiles {p0.created_at}.", "",
              *([f"Conditions: {conditions}", ""] if conditions else []),
-             "Step time is predicted by `paratune.timemodel` from a profile measured on the same 2 Ray Train "
+             "Step time is predicted by `paratune.costs.timemodel` from a profile measured on the same 2 Ray Train "
              "workers (`paratune profile`: one decoder layer, the embedding and the LM head + loss at each "
              "(micro-batch, seq, tp, checkpointing), collective curves on the real gloo group, the AdamW step "
              "vs parameters), composed per strategy; *refit* = refitted (regularised NNLS) on the trials of "
@@ -381,7 +381,7 @@ def write(machine: dict, rows: list[dict], profiles_json: list[dict], grid_saved
               "per rank (the largest rank) by PyTorch's MemTracker over one extra step: *measured MiB* as part 3 "
               "measured it, with the buffers DDP and DeepSpeed ZeRO-3 allocate before the step visible to the "
               "tracker, *trial MiB* as these trials reported it (the tracker met DDP's buckets only when the "
-              "backward first touched them). Predicted: `paratune.estimate` for a CPU device (activations traced "
+              "backward first touched them). Predicted: `paratune.costs.estimate` for a CPU device (activations traced "
               "on fake tensors; `formula` = DESIGN.md's activation formula instead).", "",
               f"**Worst peak-memory error (traced): {worst:.1%}** (bar: {TARGET:.0%}); step time: median error "
               f"{median_alone:.0%} from the profile alone, {median_refit:.0%} refitted on the other size "
@@ -450,7 +450,7 @@ def main() -> None:
         profiles_json = measure_profiles([load_plan_dict(r["plan"]) for r in rows], console)
     grid_saved = None
     if args.ledger:
-        from paratune.profile import load_profiles
+        from paratune.costs.profile import load_profiles
 
         measured = load_grid(Path(args.ledger))
         if args.grid_profiles:

@@ -9,10 +9,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from paratune.devices import get_device
-from paratune.estimate import estimate_memory, estimate_time, fit_time_constants
-from paratune.plan import load_plan_dict
-from paratune.tables import strategy_label
+from paratune.config.devices import get_device
+from paratune.costs.estimate import estimate_memory, estimate_time, fit_time_constants
+from paratune.config.plan import load_plan_dict
+from paratune.out.tables import strategy_label
 
 TARGET = 0.15  # the bar for peak memory
 

@@ -4,7 +4,7 @@ to the single-process reference, or refused before launch with the reason.
 Each family is its own default config shrunk (tests/family_zoo.py: hidden 64, 2 layers, 4 heads,
 vocab 512, 4 experts top-2), written as a config.json and given to paratune as a user gives one.
 Its random draws (dropout, router jitter) are switched off on both sides, as the parity check does
-(paratune.parity.deterministic_plan). A family is
+(paratune.sweep.parity.deterministic_plan). A family is
 
 - `trains`: both layouts' losses within 1e-4 of the reference (fp32; observed ~1e-7) and the
   reference's first loss equal to the ddp trial's (same model, same data, before any update);
@@ -12,7 +12,7 @@ Its random draws (dropout, router jitter) are switched off on both sides, as the
 - `not a decoder-only LM` / `does not build`: transformers' own config cannot make one;
 - `trains (amplifies rounding)`: off the reference by more than 1e-4 but by no more than the
   reference itself moves when its initial weights move by fp32 rounding (x (1 + 1e-7 noise);
-  paratune.parity.rounding_sensitivity): the model amplifies rounding at this learning rate, and
+  paratune.sweep.parity.rounding_sensitivity): the model amplifies rounding at this learning rate, and
   a layout's reduction order is such a rounding (the first loss still equal);
 - `fails`: trained, but off the reference, or crashed (a bug to fix: the suite's family tests
   hold one family per code path, this benchmark all of them).
@@ -72,11 +72,12 @@ def prepare(model_type: str, folder: Path, layouts: dict) -> tuple[str, dict]:
     from transformers import AutoConfig
 
     from family_zoo import write_config
-    from paratune.inputs import check_inputs
-    from paratune.models import ModelError, build_config
-    from paratune.parity import deterministic_plan
-    from paratune.plan import PlanError, load_plan_dict
-    from paratune.preflight import check_plan_against_model
+    from paratune.config.inputs import check_inputs
+    from paratune.config.model_config import ModelError
+    from paratune.model.build import build_config
+    from paratune.sweep.parity import deterministic_plan
+    from paratune.config.plan import PlanError, load_plan_dict
+    from paratune.checks.preflight import check_plan_against_model
 
     try:
         if AutoConfig.for_model(model_type).is_encoder_decoder:
@@ -104,8 +105,8 @@ def prepare(model_type: str, folder: Path, layouts: dict) -> tuple[str, dict]:
 
 def tp_source(plan) -> str:
     """Where a tp plan comes from: transformers' own, or the one paratune derives from the blocks."""
-    from paratune.materialize import build_meta
-    from paratune.models import build_config
+    from paratune.model.materialize import build_meta
+    from paratune.model.build import build_config
     from paratune.parallel.tp_derive import family_tp_plan
 
     try:
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from gloo_harness import run_named_batch
     from machine import describe
-    from paratune.parity import first_losses_agree, max_loss_difference, reference_losses, rounding_sensitivity
+    from paratune.sweep.parity import first_losses_agree, max_loss_difference, reference_losses, rounding_sensitivity
 
     chosen = args.only.split(",") if args.only else families()
     t0 = time.perf_counter()

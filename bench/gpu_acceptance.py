@@ -3,10 +3,10 @@
 For each strategy family (DDP, FSDP2 full, ZeRO-2, ZeRO-3, ZeRO-3 with optimizer offload and
 DeepSpeed's CPU Adam) and two lever families on FSDP2 full (every block compiled; torchao's
 float8 tensorwise linears), a bf16 trial on the Llama-3.2-1B shape through the very worker code a Ray
-trial runs (`paratune.trial_worker.train_and_measure` on a one-rank process group: the device image has
+trial runs (`paratune.trial.worker.train_and_measure` on a one-rank process group: the device image has
 no Ray), with: tokens/s/GPU and MFU, peak memory against the cost model's prediction,
 construction memory, the compute dtype of every linear layer's matmul (must be bf16; a float8
-plan's converted linears float8_e4m3fn and the rest bf16: paratune.precision), the
+plan's converted linears float8_e4m3fn and the rest bf16: paratune.trial.precision), the
 collective event names a real CUDA profile shows (a one-rank all-reduce runs no NCCL kernel: no
 communication share is measurable on one GPU, and the report says so), then a deliberately
 oversized plan that must come back `oom`, and the single-GPU bench.
@@ -91,7 +91,7 @@ def _start_process_group() -> None:
 
 
 def _plan(family: dict[str, Any]):
-    from paratune.plan import load_plan_dict
+    from paratune.config.plan import load_plan_dict
 
     return load_plan_dict({"model": MODEL, "seq_len": SEQ, "global_batch": GLOBAL_BATCH, "micro_batch": MICRO,
                            "num_workers": 1, "precision": "bf16", "warmup_steps": WARMUP, "measure_steps": MEASURED,
@@ -122,9 +122,9 @@ def beyond_this_run() -> list[str]:
 
 
 def _release() -> None:
-    """What a reused worker group does between plans (paratune.session): collect, then give back
+    """What a reused worker group does between plans (paratune.cluster.session): collect, then give back
     the device's and the pinned host caches (the offload families fill the latter)."""
-    from paratune.trial_worker import release_cached_memory
+    from paratune.trial.worker import release_cached_memory
 
     gc.collect()
     release_cached_memory(_device())
@@ -132,14 +132,14 @@ def _release() -> None:
 
 def run_family(name: str, family: dict[str, Any]) -> dict[str, Any]:
     """One strategy family as a trial: the worker's own measurement, then prediction and checks."""
-    from paratune import measure
-    from paratune.devices import get_device
-    from paratune.estimate import estimate
-    from paratune.failures import classify
-    from paratune.models import build_config
-    from paratune.precision import precision_problem
-    from paratune.trial import summarize
-    from paratune.trial_worker import train_and_measure
+    from paratune.costs import measure
+    from paratune.config.devices import get_device
+    from paratune.costs.estimate import estimate
+    from paratune.trial.failures import classify
+    from paratune.model.build import build_config
+    from paratune.trial.precision import precision_problem
+    from paratune.cluster.trial import summarize
+    from paratune.trial.worker import train_and_measure
 
     why_not = family_unavailable(family)  # before the plan: its validation refuses float8 without torchao
     if why_not is not None:
@@ -183,7 +183,7 @@ def comm_share_probe() -> dict[str, Any]:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from paratune import measure
+    from paratune.costs import measure
 
     world = dist.get_world_size()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ON_GPU else [])
@@ -209,8 +209,8 @@ def comm_share_probe() -> dict[str, Any]:
 
 def oversized() -> dict[str, Any]:
     """A plan that cannot fit must come back as `oom`, classified from what the worker raised."""
-    from paratune.failures import classify
-    from paratune.trial_worker import train_and_measure
+    from paratune.trial.failures import classify
+    from paratune.trial.worker import train_and_measure
 
     plan = _plan({**OVERSIZED})
     try:
@@ -307,7 +307,7 @@ def write_report(out_dir: Path, rows: list[dict], probe: dict, too_big: dict, si
 
 def guarded(part: str, fn, *args) -> Any:
     """Run one part of the acceptance run; a crash becomes that part's failed result, not the run's end."""
-    from paratune.failures import classify
+    from paratune.trial.failures import classify
 
     try:
         return fn(*args)

@@ -27,12 +27,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 
 from machine import describe  # noqa: E402
-from paratune import devices, measure  # noqa: E402
-from paratune.data import TokenBatches  # noqa: E402
-from paratune.models import build_config, build_model  # noqa: E402
+from paratune.config import devices
+from paratune.costs import measure  # noqa: E402
+from paratune.config.data import TokenBatches  # noqa: E402
+from paratune.model.build import build_config, build_model  # noqa: E402
 from paratune.parallel.recompute import apply_checkpointing  # noqa: E402
 from paratune.parallel.runner import StepRunner, make_optimizer  # noqa: E402
-from paratune.plan import load_plan_dict  # noqa: E402
+from paratune.config.plan import load_plan_dict  # noqa: E402
 
 MODEL, SEQ, GLOBAL_BATCH = "llama3.2-1b", 2048, 8
 SMOKE = not torch.cuda.is_available()  # on a machine without a GPU: the same code path, tiny model
@@ -61,7 +62,7 @@ def run_variant(micro_batch: int, ckpt: str, track: Callable[[object], None] | N
 def release(device: torch.device) -> None:
     """Free a finished variant: reference cycles wait for the collector, and the CUDA caching
     allocator keeps freed blocks reserved (and the peak counters) unless told otherwise."""
-    from paratune.trial_worker import release_cached_memory
+    from paratune.trial.worker import release_cached_memory
 
     gc.collect()
     release_cached_memory(device)

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/levers_cpu.py            # writes bench/results/levers_cpu.{md,json}
 
-Every row is one trial of paratune's own path (`paratune.trial.run_trial`): warm-up excluded (the
+Every row is one trial of paratune's own path (`paratune.cluster.trial.run_trial`): warm-up excluded (the
 compile happens there and is reported as compile_s), whole optimizer steps, slowest rank per step,
 median and p10-p90 of the measured steps. Each group changes one lever against the group's first
 row; `max |loss diff|` is against that row's losses (the same training, step by step). CPU shows
@@ -21,9 +21,9 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).parent))
 from machine import describe, package_version  # noqa: E402
 
-from paratune.plan import PlanError, load_plan_dict  # noqa: E402
-from paratune.tables import strategy_label  # noqa: E402
-from paratune.trial import run_trial  # noqa: E402
+from paratune.config.plan import PlanError, load_plan_dict  # noqa: E402
+from paratune.out.tables import strategy_label  # noqa: E402
+from paratune.cluster.trial import run_trial  # noqa: E402
 
 BASE = {"model": "small-llama", "seq_len": 256, "global_batch": 8, "micro_batch": 4, "num_workers": 2,
         "warmup_steps": 2, "measure_steps": 6}
@@ -114,7 +114,7 @@ def main() -> None:
         f"torchao {package_version('torchao')}",
         f"- model: {BASE['model']} (bf16 groups: tiny-llama, see BF16 in the script), seq_len {BASE['seq_len']}, global batch {BASE['global_batch']}, micro-batch "
         f"{BASE['micro_batch']}, 2 gloo workers, {BASE['warmup_steps']} warm-up + {BASE['measure_steps']} measured "
-        "steps per trial, each a real Ray Train trial of `paratune.trial.run_trial`, all in this one run",
+        "steps per trial, each a real Ray Train trial of `paratune.cluster.trial.run_trial`, all in this one run",
         "- step: median and p10-p90 of the measured steps (slowest rank); `vs` = median / the group's first row",
         "- peak: per rank, tensor storage tracked by torch's MemTracker over one extra step",
         "- compile s: the first warm-up step's time beyond a measured step (never inside the measured steps)",

@@ -1,7 +1,7 @@
 """Peak memory per rank, predicted vs measured, in sample and out of sample: the memory part of
 bench/estimate_accuracy.py (which calls it and writes the report).
 
-Measured by the trial's own worker code (`paratune.trial_worker.train_and_measure`) on 2 gloo processes
+Measured by the trial's own worker code (`paratune.trial.worker.train_and_measure`) on 2 gloo processes
 (tests/gloo_harness.py, no Ray: the same function Ray Train runs), peak tensor memory of one
 extra step by PyTorch's MemTracker, with DDP's buckets visible to it (bench/memory_tracking.py).
 
@@ -58,7 +58,7 @@ def measure_memory(cases: list[dict], console: Console) -> list[dict]:
     sys.path.insert(0, str(Path(__file__).parent))
     from gloo_harness import run_plans_isolated
 
-    from paratune.plan import load_plan_dict
+    from paratune.config.plan import load_plan_dict
 
     plans = [load_plan_dict(c["plan"]) for c in cases]
     started = time.time()
@@ -78,10 +78,10 @@ def measure_memory(cases: list[dict], console: Console) -> list[dict]:
 
 def predict(rows: list[dict]) -> list[dict]:
     """Predicted beside measured (the largest rank), the relative error and the predicted peak's moment."""
-    from paratune.devices import get_device
-    from paratune.estimate import estimate_memory
-    from paratune.plan import load_plan_dict
-    from paratune.tables import strategy_label
+    from paratune.config.devices import get_device
+    from paratune.costs.estimate import estimate_memory
+    from paratune.config.plan import load_plan_dict
+    from paratune.out.tables import strategy_label
 
     cpu = get_device("cpu")
     out = []
@@ -147,15 +147,15 @@ def in_sample_cases(plan_list: list[tuple[str, dict]]) -> list[dict]:
 
 
 def predict_before(rows: list[dict], commit: str) -> dict[int, float]:
-    """Row index -> predicted peak bytes by paratune/estimate.py as it was at `commit` (loaded from
+    """Row index -> predicted peak bytes by paratune/costs/estimate.py as it was at `commit` (loaded from
     git beside the current one): the figures before the memory terms of issue 26 item 8."""
     import importlib.util
     import subprocess
 
-    from paratune.plan import load_plan_dict
+    from paratune.config.plan import load_plan_dict
 
     root = Path(__file__).parent.parent
-    source = subprocess.run(["git", "show", f"{commit}:platform/paratune/estimate.py"], cwd=root, check=True,
+    source = subprocess.run(["git", "show", f"{commit}:platform/paratune/costs/estimate.py"], cwd=root, check=True,
                             capture_output=True, text=True).stdout
     spec = importlib.util.spec_from_loader("paratune._estimate_before", loader=None)
     module = importlib.util.module_from_spec(spec)

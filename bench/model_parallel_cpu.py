@@ -18,9 +18,9 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).parent))
 from machine import describe  # noqa: E402
 
-from paratune.plan import load_plan_dict  # noqa: E402
-from paratune.tables import strategy_label  # noqa: E402
-from paratune.trial import run_trial  # noqa: E402
+from paratune.config.plan import load_plan_dict  # noqa: E402
+from paratune.out.tables import strategy_label  # noqa: E402
+from paratune.cluster.trial import run_trial  # noqa: E402
 
 BASE = {"model": "small-llama", "seq_len": 128, "global_batch": 16, "micro_batch": 2,
         "warmup_steps": 2, "measure_steps": 6, "trial_timeout_s": 1200}

@@ -7,7 +7,7 @@
     /work/main/.venv/bin/python bench/published.py --write-bands    # + the bands paratune ships
 
 Run from the worktree root; it imports paratune from ./platform (no PYTHONPATH needed). No GPU:
-the predictions are `paratune plan`'s (paratune.estimate.estimate, the function `paratune plan`
+the predictions are `paratune plan`'s (paratune.costs.estimate.estimate, the function `paratune plan`
 calls through estimate_space, with the device's whole memory as capacity and no margin), once
 with the traced activations (the default) and once with DESIGN.md's formula (`--formula`).
 
@@ -17,7 +17,7 @@ key of the file's `models` (a transformers config dict, written to a config.json
 folder). A row marked `replay: false`, or whose plan paratune refuses (a layout it lacks), is
 listed with the reason, never dropped. Per source: median and worst |error| of tokens/s/GPU and of
 memory where published, Kendall's tau of tokens/s/GPU within each model's rows, the error bands
-(paratune.bands: the 80th percentile of |error| per plan kind; --write-bands writes them to
+(paratune.costs.bands: the 80th percentile of |error| per plan kind; --write-bands writes them to
 platform/paratune/presets/prediction_bands.json, what `paratune plan` prints), tight rows (within
 their memory band of the capacity: a sweep measures them) and false rejections (a run that ran
 on its GPUs, predicted over its capacity by more than its band); and each source judged with the
@@ -125,10 +125,10 @@ def load_corpus(cache: Path, alternate: bool = False, sources: set[str] | None =
 # --------------------------------------------------------------------------- the replay
 def predict(row: Row, mode: str) -> dict[str, Any]:
     """`paratune plan`'s numbers for the row's plan on its device (the estimate of a one-plan space)."""
-    from paratune.devices import get_device
-    from paratune.estimate import estimate
-    from paratune.plan import load_plan_dict
-    from paratune.shapes import GiB, model_shape
+    from paratune.config.devices import get_device
+    from paratune.costs.estimate import estimate
+    from paratune.config.plan import load_plan_dict
+    from paratune.model.shapes import GiB, model_shape
 
     plan = load_plan_dict(dict(row.plan), source=row.id)
     devices = str(ROOT / row.devices_file) if row.devices_file else None
@@ -137,7 +137,7 @@ def predict(row: Row, mode: str) -> dict[str, Any]:
     est = estimate(plan, device, activation_model=mode)
     seconds = time.perf_counter() - t0
     shape = model_shape(plan)
-    from paratune.bands import band_categories
+    from paratune.costs.bands import band_categories
 
     return {
         "tokens_per_s_per_gpu": est.time.tokens_per_s_per_gpu,
@@ -167,7 +167,7 @@ def predict(row: Row, mode: str) -> dict[str, Any]:
 
 def replay(rows: list[Row], modes: tuple[str, ...], console) -> None:  # noqa: ANN001 - rich Console
     """Predict every replayable row in every mode; a plan paratune refuses becomes the row's reason."""
-    from paratune.plan import load_plan_dict
+    from paratune.config.plan import load_plan_dict
 
     for row in rows:
         if not row.replay:
@@ -210,9 +210,9 @@ def group_key(row: Row, rows: list[Row]) -> str:
 
 def corpus_bands(rows: list[Row], mode: str, sources: set[str] | None = None) -> dict[str, dict]:
     """The error bands of `sources`' replayed rows (all sources: None): per band category
-    (paratune.bands.band_categories), the 80th percentile of |error| and the rows behind it, for
+    (paratune.costs.bands.band_categories), the 80th percentile of |error| and the rows behind it, for
     tokens/s/GPU and for memory where published."""
-    from paratune.bands import bands_from_errors
+    from paratune.costs.bands import bands_from_errors
 
     tokens, memory = [], []
     for r in rows:
@@ -229,7 +229,7 @@ def corpus_bands(rows: list[Row], mode: str, sources: set[str] | None = None) ->
 def judge(res: dict[str, Any], bands: dict[str, dict]) -> tuple[str, float, float]:
     """(memory verdict, tokens band, memory band) of a replayed row under `bands`: fits, tight
     (within the memory band of the capacity: a sweep measures it) or over (rejected)."""
-    from paratune.bands import CPU_BANDS, memory_verdict, pick_band
+    from paratune.costs.bands import CPU_BANDS, memory_verdict, pick_band
 
     tokens_band, _ = pick_band(bands.get("tokens", {}), res["categories"], CPU_BANDS["tokens"])
     memory_band, _ = pick_band(bands.get("memory", {}), res["categories"], CPU_BANDS["memory"])
@@ -335,11 +335,11 @@ def markdown(rows: list[Row], summaries: dict[str, dict[str, dict[str, Any]]], i
              "Made by `python bench/published.py`" + (" --alternate" if alternate else "") +
              f" ({wall_s:.0f} s in all, {'a cold' if cold else 'a reused'} trace store). "
              "Corpus: bench/published/ (each row cited; mapping notes "
-             "beside each source). Predicted = `paratune plan` (paratune.estimate.estimate on the row's device, "
+             "beside each source). Predicted = `paratune plan` (paratune.costs.estimate.estimate on the row's device, "
              "capacity = the device's memory, margin 0); `trace` = traced activations (default), `formula` = "
              "`--formula`. Error = predicted / published - 1. Memory: torchtitan publishes max *reserved* "
              "GiB, paratune predicts allocated tensor bytes (no allocator reserve). Bands: the 80th percentile "
-             "of |error| over the corpus's rows of a plan's kind (paratune.bands; `paratune plan` prints them). "
+             "of |error| over the corpus's rows of a plan's kind (paratune.costs.bands; `paratune plan` prints them). "
              "Tight: the predicted peak within its memory band of the capacity (a sweep measures it). False "
              "rejection: a run that ran on its GPUs, predicted over its capacity by more than its band.", ""]
     lines += ["## Per source", "",
@@ -387,7 +387,7 @@ def markdown(rows: list[Row], summaries: dict[str, dict[str, dict[str, Any]]], i
             t, m = bands.get("tokens", {}).get(c, {}), bands.get("memory", {}).get(c, {})
             lines.append(f"| {c} | {_abs_pct(t.get('band'))} | {t.get('rows', 0)} | {_abs_pct(m.get('band'))} | "
                          f"{m.get('rows', 0)} |")
-        lines += ["", "A plan's band: the widest of its categories with at least 4 rows (paratune.bands.MIN_ROWS).", ""]
+        lines += ["", "A plan's band: the widest of its categories with at least 4 rows (paratune.costs.bands.MIN_ROWS).", ""]
     if loso:
         lines += ["## Leave one source out", "",
                   "No time-model constant is fitted to any corpus row (each names its public source: paratune/"
@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console(width=200)
     cache = Path(args.cache) if args.cache else Path(tempfile.mkdtemp(prefix="paratune-published-"))
-    os.environ["PARATUNE_HOME"] = str(cache)  # the trace store lives here (paratune.home.paratune_home)
+    os.environ["PARATUNE_HOME"] = str(cache)  # the trace store lives here (paratune.config.home.paratune_home)
     modes = tuple(args.mode or MODES)
     rows = load_corpus(cache, args.alternate, set(args.source) if args.source else None)
     if args.only:
@@ -515,8 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     if whole and args.write_bands:  # the bands paratune ships come from the whole corpus only
         BANDS.write_text(json.dumps({
             "_comment": "Written by bench/published.py from the published corpus (bench/published/): per band category "
-                        "(paratune.bands.band_categories), the 80th percentile of |predicted / published - 1| of the "
-                        f"{band_mode} model's rows and their count. Read by paratune.bands.prediction_band.",
+                        "(paratune.costs.bands.band_categories), the 80th percentile of |predicted / published - 1| of the "
+                        f"{band_mode} model's rows and their count. Read by paratune.costs.bands.prediction_band.",
             "date": info["date"], "mode": band_mode, "gpu": bands}, indent=1) + "\n")
         console.print(f"wrote {BANDS}")
     out.with_suffix(".json").write_text(json.dumps({

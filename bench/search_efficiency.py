@@ -2,7 +2,7 @@
 
 1. Measure every plan of bench/search_efficiency_space.yaml on CPU (a real grid sweep through
    `run_sweep`, worker groups reused): the exhaustive table, with each plan's step times.
-2. Profile the cluster for those plans (paratune.profile) and build the step-time model.
+2. Profile the cluster for those plans (paratune.costs.profile) and build the step-time model.
 3. Replay each searcher against the table for 10 seeds. A replayed measurement of a plan is a
    bootstrap resample (seeded) of its measured steps, so every seed sees different noise; the
    quality of a search after n trials is the *table* value of the plan it would pick (the best
@@ -33,11 +33,11 @@ import optuna
 sys.path.insert(0, str(Path(__file__).parent))
 from machine import describe  # noqa: E402
 
-from paratune.measure import TrialStopRule, step_stats, tokens_per_second_per_gpu  # noqa: E402
-from paratune.plan import load_plan_dict  # noqa: E402
-from paratune.tables import env_label, strategy_label  # noqa: E402
+from paratune.costs.measure import TrialStopRule, step_stats, tokens_per_second_per_gpu  # noqa: E402
+from paratune.config.plan import load_plan_dict  # noqa: E402
+from paratune.out.tables import env_label, strategy_label  # noqa: E402
 from paratune.sweep.stopping import Incumbent, SweepStopRule  # noqa: E402
-from paratune.space import load_space  # noqa: E402
+from paratune.sweep.space import load_space  # noqa: E402
 from paratune.sweep.searchers import CandidateTree  # noqa: E402
 from paratune.sweep.ledger import Ledger  # noqa: E402
 from paratune.sweep.driver import run_sweep  # noqa: E402
@@ -83,8 +83,8 @@ def launch_costs(table: dict[str, dict[str, Any]]) -> tuple[dict[str, float], fl
 
 def build_profiles(plans: list, out_dir: Path) -> tuple[list, float]:
     """The step-time model's profiles for these plans, measured now (cached in out_dir)."""
-    from paratune.profile import ProfileStore, profile_requests_for
-    from paratune.profiling import run_profile
+    from paratune.costs.profile import ProfileStore, profile_requests_for
+    from paratune.cluster.profiling import run_profile
 
     store = ProfileStore(out_dir / "profiles")
     t0 = time.perf_counter()
@@ -180,7 +180,7 @@ def replay_optuna(space, table, algorithm: str, seed: int) -> Replay:
 def replay_calibrated(table, profiles, seed: int) -> tuple[Replay, str, list[dict[str, float]]]:
     """The calibrated sweep: fastest predicted first, refit after each trial, the stated stopping
     rule. Returns the replay, why it stopped, and each trial's out-of-sample prediction."""
-    from paratune.timemodel import StepTimeModel
+    from paratune.costs.timemodel import StepTimeModel
 
     model = StepTimeModel(profiles)
     plans = {k: load_plan_dict(v["plan"]) for k, v in table.items()}
@@ -224,7 +224,7 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 def refit_accuracy(table, valid: list[str], profiles) -> tuple[list[float], float, list[float]]:
     """Out-of-sample step-time errors of the refitted model on the grid: leave-one-out (and the
     Kendall tau of those predictions), and sequential in predicted-fastest order."""
-    from paratune.timemodel import StepTimeModel
+    from paratune.costs.timemodel import StepTimeModel
 
     plans = {k: load_plan_dict(table[k]["plan"]) for k in valid}
     measured = {k: statistics.median(table[k]["step_times_s"]) for k in valid}
@@ -260,7 +260,7 @@ def main() -> None:
     plans = [load_plan_dict(v["plan"]) for v in table.values()]
     profiles, _ = build_profiles(plans, work)
     profile_s = sum(p.profile_s for p in profiles)
-    from paratune.timemodel import StepTimeModel
+    from paratune.costs.timemodel import StepTimeModel
 
     best = max(v["tokens_per_s_per_gpu"] for v in table.values())
     valid = [k for k, v in table.items() if v["ok"]]

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from paratune.models import build_config, build_model, decoder_blocks  # noqa: E402
+from paratune.model.build import build_config, build_model, decoder_blocks  # noqa: E402
 from paratune.parallel.recompute import checkpoint_blocks  # noqa: E402
 
 

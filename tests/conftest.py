@@ -108,7 +108,7 @@ def mlflow_uri(tmp_path, empty_mlflow_store) -> str:
 def expected_parameter_share(plan) -> float:
     """Parameters one rank should hold under a plan: the model over tp and pp, and over the ranks
     FSDP2 shards across (the dp axis with cp folded in, or a hybrid shard group)."""
-    from paratune.models import build_config, parameter_counts
+    from paratune.model.build import build_config, parameter_counts
 
     total = parameter_counts(build_config(plan.model, plan.model_overrides))["total"]
     sharded = plan.strategy == "fsdp" and plan.fsdp.sharding != "no_shard"

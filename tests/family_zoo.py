@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from paratune.materialize import build_meta
+from paratune.model.materialize import build_meta
 
 TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "rotary_dim": 8,
         "vocab_size": 512, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4, "num_local_experts": 4,

@@ -76,8 +76,8 @@ def _worker(rank: int, world: int, port: int, plan_dicts: list[dict], queue, set
     import torch
     import torch.distributed as dist
 
-    from paratune.plan import load_plan_dict
-    from paratune.trial_worker import train_and_measure
+    from paratune.config.plan import load_plan_dict
+    from paratune.trial.worker import train_and_measure
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -107,7 +107,7 @@ def _worker(rank: int, world: int, port: int, plan_dicts: list[dict], queue, set
 # What every worker imports, imported once by the fork server: its children start with them loaded
 # (8 processes importing torch and transformers on 2 cores took ~85 s; forked, ~13 s). DeepSpeed
 # too (~1.5 s of CPU per rank of every set of processes that runs a ZeRO plan; it starts no thread).
-PRELOAD = ["torch", "torch.distributed", "paratune.trial", "paratune.trial_worker", "paratune.parallel", "transformers",
+PRELOAD = ["torch", "torch.distributed", "paratune.cluster.trial", "paratune.trial.worker", "paratune.parallel", "transformers",
            "transformers.models.llama.modeling_llama", "transformers.models.gpt_neox.modeling_gpt_neox",
            "transformers.models.opt.modeling_opt", "deepspeed"]
 
@@ -246,9 +246,9 @@ _references: dict[str, list[float]] = {}
 
 
 def reference_for(plan) -> list[float]:
-    """`paratune.parity.reference_losses(plan)`, computed once per distinct training in this
+    """`paratune.sweep.parity.reference_losses(plan)`, computed once per distinct training in this
     test session (the reference is deterministic: same training, same losses)."""
-    from paratune.parity import reference_losses
+    from paratune.sweep.parity import reference_losses
 
     key = training_key(plan)
     if key not in _references:

@@ -30,7 +30,7 @@ def make_tokenizer(folder: Path, vocab_size: int = 300) -> Path:
 
 def make_pretrained(folder: Path, tokenizer: bool = True, vocab_size: int = 512) -> Path:
     """A tiny Llama saved with `save_pretrained` (config.json + model.safetensors), its tokenizer beside."""
-    from paratune.models import build_config, build_model
+    from paratune.model.build import build_config, build_model
 
     build_model(build_config("tiny-llama", {"vocab_size": vocab_size}), seed=3).save_pretrained(folder)
     if tokenizer:

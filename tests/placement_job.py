@@ -10,7 +10,7 @@ import sys
 
 import ray
 
-from paratune.trial import run_trial
+from paratune.cluster.trial import run_trial
 
 if __name__ == "__main__":
     plan, out = json.loads(sys.argv[1]), sys.argv[2]

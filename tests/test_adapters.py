@@ -1,4 +1,4 @@
-"""LoRA adapters (paratune.adapters): deterministic init, frozen base, preflight refusals, and ddp /
+"""LoRA adapters (paratune.model.adapters): deterministic init, frozen base, preflight refusals, and ddp /
 fsdp / ZeRO-1-3 losses equal to the single-process reference with the base unchanged and the
 adapters trained."""
 
@@ -9,12 +9,12 @@ import torch
 from conftest import BASE_PLAN
 from gloo_harness import one_torch_thread, reference_for, run_plans_on_gloo  # noqa: F401 (fixture)
 
-from paratune.adapters import adapter_refusal, build_adapted_model
-from paratune.materialize import module_seed
-from paratune.models import build_config
+from paratune.model.adapters import adapter_refusal, build_adapted_model
+from paratune.model.materialize import module_seed
+from paratune.model.build import build_config
 from paratune.parallel.runner import make_optimizer
-from paratune.parity import max_loss_difference
-from paratune.plan import PlanError, load_plan_dict
+from paratune.sweep.parity import max_loss_difference
+from paratune.config.plan import PlanError, load_plan_dict
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 
@@ -47,7 +47,7 @@ def test_adapter_init_is_peft_default_seeded_and_only_adapters_train():
     ({"peft": {"target_modules": ["embed_tokens"]}}, "allowed: nn.Linear layers only"),
 ])
 def test_preflight_refuses_what_lora_cannot_run(changes, field):
-    from paratune.preflight import check_plan_against_model
+    from paratune.checks.preflight import check_plan_against_model
 
     plan = load_plan_dict({**BASE_PLAN, "peft": LORA, **changes})
     assert field in (adapter_refusal(plan) or "")
@@ -66,7 +66,7 @@ def lora_measure(plan, rank, world, local_world, device):
     import torch.distributed as dist
 
     import paratune.parallel as par
-    from paratune.trial_worker import train_and_measure
+    from paratune.trial.worker import train_and_measure
 
     built, original = [], par.build_runner
 
@@ -118,9 +118,9 @@ def test_memtracker_measures_a_lora_step_without_the_frozen_weights_gradients_an
     and it must be lower than the full fine-tune's by at least the frozen weights' fp32 gradients
     and one of Adam's two states (the three copies LoRA does not keep, less what the peak's
     phase hides)."""
-    from paratune.data import TokenBatches
+    from paratune.config.data import TokenBatches
     from paratune.parallel.runner import StepRunner, make_optimizer
-    from paratune.step_memory import tracked_peak_bytes
+    from paratune.trial.step_memory import tracked_peak_bytes
 
     peaks, frozen = {}, 0
     for name, peft in (("lora", {"method": "lora", "r": 8, "alpha": 16}), ("full", None)):
@@ -142,8 +142,8 @@ def test_memtracker_measures_a_lora_step_without_the_frozen_weights_gradients_an
 def test_adapter_counts_are_the_adapted_models_trainable_parameters(targets):
     """The memory and time models' adapter counts (one block's, counted on a one-block meta model)
     are the trainable parameters of the whole adapted model, block by block."""
-    from paratune.adapters import adapter_counts
-    from paratune.models import decoder_blocks
+    from paratune.model.adapters import adapter_counts
+    from paratune.model.build import decoder_blocks
 
     plan = load_plan_dict({**BASE_PLAN, "peft": {"r": 4, "alpha": 8, "target_modules": targets}})
     model = build_adapted_model(build_config(plan.model), plan)
@@ -160,8 +160,8 @@ def test_adapter_counts_are_the_adapted_models_trainable_parameters(targets):
 def test_lora_memory_counts_only_the_adapters_gradients_and_optimizer_states():
     """Under LoRA the 8B one-node DDP plan keeps the base (its linears in bf16) but only the adapters'
     gradients and Adam states (the memory model's parts; the tracked-peak test checks the total)."""
-    from paratune.adapters import adapter_counts
-    from paratune.memory import estimate_memory, model_states
+    from paratune.model.adapters import adapter_counts
+    from paratune.costs.memory import estimate_memory, model_states
 
     fixed = {"model": "llama3-8b", "seq_len": 2048, "global_batch": 16, "micro_batch": 1, "num_workers": 8,
              "strategy": "ddp", "precision": "bf16", "device": "cuda", "activation_checkpointing": "full"}
@@ -182,8 +182,8 @@ def test_frozen_linears_in_bf16_give_autocasts_numbers_exactly():
     """A bf16 DDP LoRA plan keeps its frozen linears in bf16 (adapters.store_frozen_base): autocast
     would round their fp32 copies to the same bf16 at every matmul, so the loss and the adapters'
     gradients are bit for bit those of the fp32-stored base, at half the base's bytes."""
-    from paratune.adapters import add_adapters, frozen_base_dtype, prepare_init, store_frozen_base
-    from paratune.materialize import ModelInit, build_meta, materialize
+    from paratune.model.adapters import add_adapters, frozen_base_dtype, prepare_init, store_frozen_base
+    from paratune.model.materialize import ModelInit, build_meta, materialize
 
     plan = load_plan_dict({**BASE_PLAN, "num_workers": 1, "precision": "bf16", "peft": LORA})
     assert frozen_base_dtype(plan) == torch.bfloat16
@@ -221,8 +221,8 @@ def test_the_24gb_space_fits_a_7b_lora_and_rejects_its_full_fine_tune(tmp_path, 
     import json
 
     from paratune.cli import main
-    from paratune.devices import get_device
-    from paratune.estimate import estimate
+    from paratune.config.devices import get_device
+    from paratune.costs.estimate import estimate
 
     out = tmp_path / "plans.json"
     assert main(["plan", "search_spaces/qwen2.5_7b_lora_1x24gb.yaml", "--device", "l4-24gb", "--nodes", "1",
@@ -242,7 +242,7 @@ def test_the_24gb_space_fits_a_7b_lora_and_rejects_its_full_fine_tune(tmp_path, 
 def test_a_space_fixes_lora_and_does_not_sweep_it():
     import yaml
 
-    from paratune.space import SpaceError, space_from_dict
+    from paratune.sweep.space import SpaceError, space_from_dict
 
     data = yaml.safe_load(open("search_spaces/qwen2.5_7b_lora_1x8.yaml"))
     assert space_from_dict(data).spec.fixed["peft"]["r"] == 16
@@ -256,8 +256,8 @@ def test_zero_lora_states_partition_the_base_and_keep_only_the_adapters_master_a
     """ZeRO under LoRA (8B, one node, bf16): the base's weights are held as under full fine-tuning
     (whole at stages 1/2, partitioned at 3), while gradients, the fp32 master and Adam's moments
     are the adapters' partitions only."""
-    from paratune.adapters import adapter_counts
-    from paratune.memory import model_states
+    from paratune.model.adapters import adapter_counts
+    from paratune.costs.memory import model_states
 
     fixed = {"model": "llama3-8b", "seq_len": 2048, "global_batch": 16, "micro_batch": 1, "num_workers": 8,
              "strategy": "zero", "zero": {"stage": stage}, "precision": "bf16", "device": "cuda"}
@@ -277,9 +277,9 @@ def test_zero_lora_states_partition_the_base_and_keep_only_the_adapters_master_a
 def test_lora_steps_and_reduces_only_the_adapters_while_zero3_still_gathers_the_base(layout):
     """The time model's optimizer step and the gradient traffic under LoRA are the adapters'; the
     parameter gathers of FSDP2 and ZeRO-3 still carry the frozen base (every micro-batch)."""
-    from paratune.adapters import adapter_counts
-    from paratune.estimate import comm_volume
-    from paratune.profile import optimizer_params
+    from paratune.model.adapters import adapter_counts
+    from paratune.costs.estimate import comm_volume
+    from paratune.costs.profile import optimizer_params
 
     fixed = {"model": "llama3-8b", "seq_len": 2048, "global_batch": 16, "micro_batch": 1, "num_workers": 8,
              "precision": "bf16", "device": "cuda", **layout}
@@ -300,8 +300,8 @@ def test_lora_steps_and_reduces_only_the_adapters_while_zero3_still_gathers_the_
 def test_the_profiles_lora_block_is_built_with_the_frozen_base_a_trial_runs():
     """The calibrated profile times a LoRA plan's block as a trial runs it: peft's adapters on the
     block, the base frozen (its backward computes no weight gradients), only the adapters trained."""
-    from paratune.profile import plan_blocks, profile_requests_for
-    from paratune.profiling import _build_levered, lever_plan
+    from paratune.costs.profile import plan_blocks, profile_requests_for
+    from paratune.cluster.profiling import _build_levered, lever_plan
 
     plan = load_plan_dict({**BASE_PLAN, "num_workers": 1, "peft": LORA})
     (request,) = profile_requests_for([plan])
@@ -317,8 +317,8 @@ def test_adapters_added_to_a_built_model_follow_its_base_layers_dtype_on_the_giv
     made on the trial's device (cuda on a GPU: the `torch.device` context) in the base layers'
     dtype (bf16 under ZeRO's bf16, peft's own placement), so DeepSpeed partitions them as it does
     the base. On CPU the dtype rule is what can be seen; the device is the context's."""
-    from paratune.adapters import add_adapters
-    from paratune.materialize import build_meta
+    from paratune.model.adapters import add_adapters
+    from paratune.model.materialize import build_meta
 
     config = build_config("tiny-llama")
     model = build_meta(config).to_empty(device="cpu").to(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""A prediction with its band (issue 43): paratune.bands.prediction_band reads the published
+"""A prediction with its band (issue 43): paratune.costs.bands.prediction_band reads the published
 corpus's error bands by plan kind; a plan within the memory band of the capacity is `tight` and
 measured, not rejected."""
 
@@ -7,7 +7,7 @@ import io
 import pytest
 from rich.console import Console
 
-from paratune.bands import (
+from paratune.costs.bands import (
     CPU_BANDS,
     MIN_ROWS,
     band_categories,
@@ -17,10 +17,10 @@ from paratune.bands import (
     pick_band,
     prediction_band,
 )
-from paratune.devices import get_device
-from paratune.estimate import estimate
-from paratune.plan import load_plan_dict
-from paratune.shapes import GiB
+from paratune.config.devices import get_device
+from paratune.costs.estimate import estimate
+from paratune.config.plan import load_plan_dict
+from paratune.model.shapes import GiB
 
 H100 = get_device("h100-80gb")
 
@@ -78,7 +78,7 @@ def test_a_plan_within_its_band_of_the_capacity_is_tight_and_measured():
 
 
 def test_paratune_plan_prints_the_band_and_tight(tmp_path):
-    from paratune.tables import print_estimates
+    from paratune.out.tables import print_estimates
 
     plan = _plan(activation_checkpointing="full")
     e = estimate(plan, H100)
@@ -92,6 +92,6 @@ def test_paratune_plan_prints_the_band_and_tight(tmp_path):
 
 @pytest.mark.parametrize("field", ["tokens", "memory"])
 def test_bands_are_read_through_estimate_too(field):
-    from paratune.estimate import prediction_band as via_estimate
+    from paratune.costs.estimate import prediction_band as via_estimate
 
     assert getattr(via_estimate(_plan(), H100), field) == getattr(prediction_band(_plan(), H100), field)

@@ -31,7 +31,7 @@ def test_validate_reports_field_value_and_allowed(tmp_path):
 def test_models_lists_every_preset_whatever_its_family(capsys):
     """GPT-NeoX and OPT configs have no num_key_value_heads (no GQA): their heads are their KV heads."""
     from paratune.cli import main
-    from paratune.models import preset_names
+    from paratune.config.model_config import preset_names
 
     assert main(["models"]) == 0
     listed = capsys.readouterr().out
@@ -72,7 +72,7 @@ def _session_cmdlines(sid: int) -> list[list[str]]:
 def test_ui_serves_the_store_on_localhost_with_one_worker(tmp_path, mlflow_uri):
     """`paratune ui` itself asks MLflow for one server worker (uvicorn, not MLflow's default pool of
     four): the environment carries no MLFLOW_WORKERS. It prints the link to the sweeps' runs."""
-    from paratune.tracking import SweepTracker
+    from paratune.out.tracking import SweepTracker
 
     uri = mlflow_uri
     experiment = SweepTracker(uri).experiment_id
@@ -128,10 +128,10 @@ def test_report_rewrites_a_sweeps_report_and_logs_it_to_its_parent_run(tmp_path,
     printed, and a copy under the parent run's "report" artifacts when the store is there."""
     import json
 
-    from paratune.plan import load_plan_dict
+    from paratune.config.plan import load_plan_dict
     from paratune.sweep.ledger import Ledger, LedgerEntry
-    from paratune.tracking import SweepTracker
-    from paratune.trial import TrialResult
+    from paratune.out.tracking import SweepTracker
+    from paratune.cluster.trial import TrialResult
 
     from conftest import BASE_PLAN
 
@@ -155,10 +155,10 @@ def test_report_rewrites_a_sweeps_report_and_logs_it_to_its_parent_run(tmp_path,
 def test_a_command_says_its_own_first_line(tmp_path):
     """Day one is quiet: no third-party line before paratune's own. `models` builds every preset
     (transformers imports torchao, whose wheel warns about C++ extensions it cannot load, and torch
-    about torchao's pytree Enums); the filters are paratune.quiet's, by cause."""
+    about torchao's pytree Enums); the filters are paratune.config.quiet's, by cause."""
     import logging
 
-    from paratune.quiet import DeepSpeedCpuNotice, RayTokenAuthNotice, TorchaoImportNoise
+    from paratune.config.quiet import DeepSpeedCpuNotice, RayTokenAuthNotice, TorchaoImportNoise
 
     proc = subprocess.run([str(Path(sys.executable).parent / "paratune"), "models"], capture_output=True, text=True,
                           timeout=300, cwd=tmp_path)

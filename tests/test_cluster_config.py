@@ -27,7 +27,7 @@ import ray
 import yaml
 
 import kuberay_rayjob_fields as kuberay_fields
-from paratune.space import load_space
+from paratune.sweep.space import load_space
 from procs import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -587,10 +587,10 @@ def test_kuberay_rayjob_follows_what_kuberay_relies_on():
     assert head["rayStartParams"].get("dashboard-host", "0.0.0.0") not in ("127.0.0.1", "localhost", "::1")
     assert head.get("serviceType", "ClusterIP") == "ClusterIP" and not head.get("enableIngress")
     # Worker groups that may grow need the autoscaler, and the sweep must know it is there
-    # (paratune.placement.autoscaler_configured: it then waits for nodes instead of dropping plans).
+    # (paratune.trial.placement.autoscaler_configured: it then waits for nodes instead of dropping plans).
     if any(g["maxReplicas"] > g["minReplicas"] for g in cluster["workerGroupSpecs"]):
         assert cluster["enableInTreeAutoscaling"] is True
-        from paratune.placement import autoscaler_configured
+        from paratune.trial.placement import autoscaler_configured
 
         env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]
         with pytest.MonkeyPatch.context() as patch:
@@ -638,6 +638,6 @@ def test_job_runtime_env_ships_the_code_and_no_secret():
     assert env["env_vars"]["PYTHONPATH"] == "platform"
     assert env["env_vars"]["MLFLOW_TRACKING_URI"].startswith("http://127.0.0.1:")
     assert "REQUIRED" in text  # shared PARATUNE_STORAGE on ray_cluster.yaml's shape
-    from paratune.plan import SECRET_NAME
+    from paratune.config.plan import SECRET_NAME
 
     assert not [k for k in env["env_vars"] if SECRET_NAME.search(k)]

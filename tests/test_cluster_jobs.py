@@ -236,8 +236,8 @@ def test_training_job_checkpoints_and_resumes_after_a_worker_is_killed(cluster):
     is SIGKILLed 3 s into step 3; Ray Train restarts the worker group from the step-2 checkpoint,
     and the loss curve is the uninterrupted one step for step (the same training run on one
     process without interruption, which every fp32 strategy matches to < 1e-5)."""
-    from paratune.plan import load_plan_dict
-    from paratune.parity import reference_losses
+    from paratune.config.plan import load_plan_dict
+    from paratune.sweep.parity import reference_losses
 
     plan = {**FIXED, "strategy": "fsdp", "fsdp": {"sharding": "full"},
             "env": {"PARATUNE_FAULT": "kill:rank=1:step=3:delay_s=3"}}
@@ -274,7 +274,7 @@ def _assert_hf_model_is_the_checkpointed_state(result: dict, hf_out: Path, plan:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import AutoModelForCausalLM
 
-    from paratune.models import build_config, build_model
+    from paratune.model.build import build_config, build_model
 
     assert result["hf_model"] == str(hf_out.resolve()) and (hf_out / "config.json").is_file()
     loaded = AutoModelForCausalLM.from_pretrained(hf_out).state_dict()

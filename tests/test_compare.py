@@ -1,4 +1,4 @@
-"""Which cluster to train on (issue 45): the arithmetic of paratune.compare (tokens, GPU-hours, cost,
+"""Which cluster to train on (issue 45): the arithmetic of paratune.costs.compare (tokens, GPU-hours, cost,
 the Pareto front, ties, the measured winner in the sweep report) and `paratune plan --compare` end to
 end on a shipped space. No Ray, no GPU."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 import yaml
 
-from paratune.compare import (
+from paratune.costs.compare import (
     Cluster,
     Outcome,
     Prices,
@@ -29,7 +29,7 @@ from paratune.compare import (
     whole_node_counts,
     with_measured,
 )
-from paratune.devices import load_devices
+from paratune.config.devices import load_devices
 
 NODES = {name: d.gpus_per_node for name, d in load_devices().items()}
 
@@ -114,17 +114,17 @@ def test_ties_are_what_the_band_cannot_separate():
     assert not tie(100, 50, 0.25, 0.25)  # 75 > 62.5
     assert tie(70, 100, 0.25, 0.25)  # order does not matter
     assert tie(100, 100, 0.0, 0.0) and not tie(100, 99, 0.0, 0.0)  # measured against measured: no band
-    assert prediction_band() == 0.25  # the roofline's stated prior (paratune.predict.RooflinePredictor)
+    assert prediction_band() == 0.25  # the roofline's stated prior (paratune.costs.predict.RooflinePredictor)
 
 
 def test_a_plans_band_is_its_estimates_from_the_published_corpus():
-    """compare reads the band paratune.estimate put on the estimate (paratune.bands: the corpus's
+    """compare reads the band paratune.costs.estimate put on the estimate (paratune.costs.bands: the corpus's
     band for the plan's kind), the prior only where there is none."""
     from types import SimpleNamespace
 
-    from paratune.bands import PredictionBand, prediction_band as corpus_band
-    from paratune.devices import get_device
-    from paratune.plan import Plan
+    from paratune.costs.bands import PredictionBand, prediction_band as corpus_band
+    from paratune.config.devices import get_device
+    from paratune.config.plan import Plan
 
     assert prediction_band(SimpleNamespace(band=PredictionBand(0.13, 0.2, "tp", "tp"))) == 0.13
     assert prediction_band(SimpleNamespace(band=None)) == 0.25

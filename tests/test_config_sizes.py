@@ -8,8 +8,8 @@ import pytest
 from conftest import BASE_PLAN
 from family_zoo import tiny_config
 
-from paratune.config_sizes import config_sizes
-from paratune.plan import PlanError, load_plan_dict
+from paratune.config.sizes import config_sizes
+from paratune.config.plan import PlanError, load_plan_dict
 
 
 @pytest.mark.parametrize("config,expected", [

@@ -18,9 +18,9 @@ import pytest
 from conftest import BASE_PLAN
 from gloo_harness import one_torch_thread, reference_for, run_plans_on_gloo  # noqa: F401 (fixture)
 
-from paratune.models import build_config, parameter_layout
-from paratune.plan import load_plan_dict
-from paratune.parity import max_loss_difference
+from paratune.model.build import build_config, parameter_layout
+from paratune.config.plan import load_plan_dict
+from paratune.sweep.parity import max_loss_difference
 
 pytestmark = pytest.mark.integration
 
@@ -56,7 +56,7 @@ TRACKED = {  # the step's peak measured (MemTracker, one extra step) and predict
     "zero-3": {"strategy": "zero", "seq_len": 64, "global_batch": 4, "zero": {"stage": 3, "reduce_bucket_size": 100_000}},  # no accumulation
     "fsdp-full": {"strategy": "fsdp", "seq_len": 64},
     # LoRA: the frozen base has no gradient, bucket or Adam state, and its linears keep no input
-    # (bf16 DDP: the frozen linears kept in bf16, paratune.adapters.store_frozen_base)
+    # (bf16 DDP: the frozen linears kept in bf16, paratune.model.adapters.store_frozen_base)
     "ddp-lora-bf16-accumulating": {"strategy": "ddp", "micro_batch": 1, "seq_len": 64, "precision": "bf16",
                                    "peft": {"r": 8, "alpha": 16}},
     "fsdp-lora-all-linear": {"strategy": "fsdp", "micro_batch": 1, "seq_len": 64,
@@ -85,8 +85,8 @@ def measured():
 
 @pytest.mark.parametrize("name", list(TRACKED))
 def test_a_steps_tracked_peak_meets_the_cost_model(name, measured):
-    from paratune.devices import get_device
-    from paratune.estimate import estimate
+    from paratune.config.devices import get_device
+    from paratune.costs.estimate import estimate
 
     plan, out = measured[f"tracked-{name}"]
     predicted = estimate(plan, get_device("cpu")).memory.total

@@ -17,9 +17,9 @@ from gloo_harness import one_torch_thread  # noqa: F401 (fixture: in-process ref
 from tiers import cases, wanted
 from gloo_harness import assert_groups_use_plan_timeout, batch_result, run_named_batch, single_torch_thread, training_key
 
-from paratune.degrees import CP_CPU_REASON
-from paratune.plan import load_plan_dict
-from paratune.parity import max_loss_difference, reference_losses
+from paratune.config.degrees import CP_CPU_REASON
+from paratune.config.plan import load_plan_dict
+from paratune.sweep.parity import max_loss_difference, reference_losses
 
 SHIM = "cp_cpu_shim:install"
 MEASURE = "test_context_parallel:measure_with_gradients"
@@ -90,8 +90,8 @@ def test_cp_rules_allow(case):
     ({"model": "tiny-mistral", "model_overrides": {"sliding_window": 24}}, "sliding_window 24 < seq_len 32"),
 ])
 def test_preflight_refuses_attention_the_ring_cannot_compute(case, fragment):
-    from paratune.preflight import check_plan_against_model
-    from paratune.plan import PlanError
+    from paratune.checks.preflight import check_plan_against_model
+    from paratune.config.plan import PlanError
 
     with pytest.raises(PlanError, match="cp: 2") as err:
         check_plan_against_model(_plan({"cp": 2, **case}))
@@ -105,7 +105,7 @@ def test_guard_refuses_cpu_unless_the_cpu_kernel_has_a_ring_handler():
     import torch
 
     import cp_cpu_shim
-    from paratune.models import build_config
+    from paratune.model.build import build_config
     from paratune.parallel.cp import check_cp_supported, cpu_ring_attention_available
 
     plan = _plan({"cp": 2})
@@ -130,7 +130,7 @@ def test_guard_refuses_fp32_gqa_on_cuda_for_device_auto():
     """A plan with device 'auto' passes the rules; the worker that lands on a GPU refuses."""
     import torch
 
-    from paratune.models import build_config
+    from paratune.model.build import build_config
     from paratune.parallel.cp import check_cp_supported
 
     plan = _plan({"cp": 2})
@@ -199,7 +199,7 @@ def measure_with_gradients(plan, rank: int, world: int, local_world: int, device
     seeded with seed + 1 + dp rank (the cp ranks of a dp rank train on the same sequences), on
     step 0's micro-batches of this dp rank, as the reference's first step on the whole batch."""
     import paratune.parallel
-    from paratune.trial_worker import train_and_measure
+    from paratune.trial.worker import train_and_measure
 
     build = paratune.parallel.build_runner
     armed: list[dict] = []
@@ -220,11 +220,11 @@ def measure_with_gradients(plan, rank: int, world: int, local_world: int, device
 
 
 def reference_gradients(plan) -> dict:
-    """The single-process reference's first-step gradients (as paratune.parity trains its reference)."""
+    """The single-process reference's first-step gradients (as paratune.sweep.parity trains its reference)."""
     import torch
 
-    from paratune.data import TokenBatches
-    from paratune.models import build_config, build_model
+    from paratune.config.data import TokenBatches
+    from paratune.model.build import build_config, build_model
     from paratune.parallel.recompute import apply_checkpointing
     from paratune.parallel.runner import StepRunner, make_optimizer
 

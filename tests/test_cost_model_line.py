@@ -8,12 +8,12 @@ the device table's peak, which a real step cannot push past 100% when the peak i
 
 import pytest
 
-from paratune.devices import get_device
-from paratune.measure import model_flops_per_token
-from paratune.models import build_config
-from paratune.plan import load_plan_dict
-from paratune.tables import cost_model_line, measured_compute
-from paratune.trial import TrialResult
+from paratune.config.devices import get_device
+from paratune.costs.measure import model_flops_per_token
+from paratune.model.build import build_config
+from paratune.config.plan import load_plan_dict
+from paratune.out.tables import cost_model_line, measured_compute
+from paratune.cluster.trial import TrialResult
 
 # The calibration summary the demo's sweep ended with (estimate.Calibration.summary()), its
 # compute_efficiency as issue 26 saw it.

@@ -12,9 +12,9 @@ import pytest
 import torch
 from gloo_harness import one_torch_thread  # noqa: F401 (fixture: in-process training on one thread)
 
-from paratune.export import export_winner
+from paratune.out.export import export_winner
 from paratune.parallel.runner import ADAM_BETAS, ADAM_EPS
-from paratune.plan import load_plan_dict
+from paratune.config.plan import load_plan_dict
 
 VARIANTS = [
     {"stage": s, "offload_optimizer": oo, "offload_param": op}
@@ -86,7 +86,7 @@ def test_exported_config_parses_with_deepspeed(zero, precision, tmp_path, one_pr
 def test_plain_deepspeed_initialize_trains_what_was_tuned(tmp_path, one_process_group):
     import deepspeed
 
-    from paratune.models import build_config, build_model
+    from paratune.model.build import build_config, build_model
 
     plan = load_plan_dict({"model": "tiny-llama", "strategy": "zero", "zero": {"stage": 2}, "num_workers": 1,
                            "global_batch": 4, "micro_batch": 2, "lr": 5e-4, "weight_decay": 0.05})
@@ -112,8 +112,8 @@ def test_zero3_bf16_keeps_the_references_fp32_rotary_tables(one_process_group):
     """zero.Init creates floating tensors in the training dtype (torch.arange included), which
     would leave a bf16 `inv_freq`; the built model must hold the reference's fp32 buffers, and
     its parameters the reference's values (rounded to bf16)."""
-    from paratune.materialize import ModelInit, build_meta
-    from paratune.models import build_config, build_model
+    from paratune.model.materialize import ModelInit, build_meta
+    from paratune.model.build import build_config, build_model
     from paratune.parallel.zero import build_zero3, deepspeed_config
 
     plan = load_plan_dict({"model": "tiny-llama", "strategy": "zero", "zero": {"stage": 3}, "num_workers": 1,

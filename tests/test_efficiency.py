@@ -1,10 +1,10 @@
-"""The roofline's achieved rates (paratune.efficiency) and its communication terms (issue 43):
+"""The roofline's achieved rates (paratune.costs.efficiency) and its communication terms (issue 43):
 each term's direction and its public source's figures, no GPU needed."""
 
 import pytest
 
-from paratune.devices import get_device
-from paratune.efficiency import (
+from paratune.config.devices import get_device
+from paratune.costs.efficiency import (
     ATTENTION_TFLOPS,
     DEFAULT_COMPUTE_EFFICIENCY,
     F8_ROWWISE_LARGE,
@@ -16,7 +16,7 @@ from paratune.efficiency import (
     layer_activation_bytes,
     reference_training_share,
 )
-from paratune.estimate import (
+from paratune.costs.estimate import (
     _time_terms,
     achieved_compute_seconds,
     collective_gbps,
@@ -25,8 +25,8 @@ from paratune.estimate import (
     estimate,
 )
 from paratune.levers import async_tp_hidden
-from paratune.plan import load_plan_dict
-from paratune.shapes import model_shape
+from paratune.config.plan import load_plan_dict
+from paratune.model.shapes import model_shape
 
 H100 = get_device("h100-80gb")
 
@@ -97,7 +97,7 @@ def test_a_blocks_saved_bytes_by_its_mlp():
     assert layer_activation_bytes(shape, gated=True) == pytest.approx(2 * (6 * 4096 + 2 * 1024 + 4 * 14336), rel=1e-3)
     opt = load_plan_dict({"model": "tiny-opt", "num_workers": 1, "global_batch": 1, "micro_batch": 1, "seq_len": 128,
                           "strategy": "ddp"}, source="test")
-    from paratune.efficiency import gated_mlp
+    from paratune.costs.efficiency import gated_mlp
 
     o = model_shape(opt)  # OPT: fc1, ReLU, fc2 (plain), width ffn_dim
     h, width = o.hidden, 4 * o.hidden
@@ -164,8 +164,8 @@ def test_fsdp2_copies_around_its_collectives_every_micro_batch():
     """FSDP2 copies each gather's output into the parameters (4 B a parameter, twice a micro-batch
     when blocks reshard after forward) and the gradients into the reduce-scatter input (6 B):
     per micro-batch, on the compute stream; DDP's gradients are views of its buckets."""
-    from paratune.efficiency import FSDP_COPY_IN_BYTES, FSDP_COPY_OUT_BYTES, fsdp_copy_bytes, fsdp_copy_seconds
-    from paratune.shapes import local_params
+    from paratune.costs.efficiency import FSDP_COPY_IN_BYTES, FSDP_COPY_OUT_BYTES, fsdp_copy_bytes, fsdp_copy_seconds
+    from paratune.model.shapes import local_params
 
     one, two = _plan(micro_batch=2, global_batch=16), _plan(micro_batch=1, global_batch=16)
     held, _ = local_params(one, model_shape(one))

@@ -4,10 +4,10 @@ hand from docs/DESIGN.md, the traced activations, the time model's fit, and `par
 import pytest
 from gloo_harness import one_torch_thread  # noqa: F401 (fixture: in-process tracing on one thread)
 
-from paratune.activations import activation_coefficients
-from paratune.devices import get_device
-from paratune.efficiency import fsdp_copy_seconds
-from paratune.estimate import (
+from paratune.costs.activations import activation_coefficients
+from paratune.config.devices import get_device
+from paratune.costs.efficiency import fsdp_copy_seconds
+from paratune.costs.estimate import (
     TimeConstants,
     _time_terms,
     compute_seconds,
@@ -15,9 +15,9 @@ from paratune.estimate import (
     estimate,
     fit_time_constants,
 )
-from paratune.memory import estimate_memory, memory_moments, model_states
-from paratune.plan import load_plan_dict
-from paratune.shapes import GiB, model_shape
+from paratune.costs.memory import estimate_memory, memory_moments, model_states
+from paratune.config.plan import load_plan_dict
+from paratune.model.shapes import GiB, model_shape
 
 P_8B = 8_030_261_248  # Llama-3-8B, counted from the architecture (test_measure checks it)
 
@@ -160,7 +160,7 @@ def test_paratune_plan_ranks_the_70b_space_and_rejects_ddp(tmp_path, capsys):
     # The 3-D layout everybody names for this cluster: TP=8 inside a node, PP=2 across, DP=2.
     three_d = [r for r in fitting if (r["plan"]["tp"], r["plan"]["pp"], r["plan"]["strategy"]) == (8, 2, "fsdp")]
     assert three_d and all(r["predicted_tokens_per_s_per_gpu"] > 0 for r in three_d)
-    from paratune.tables import strategy_label
+    from paratune.out.tables import strategy_label
 
     # The space sweeps the levers too (issue 28): the top rows are their variants of the fastest layouts.
     assert any("tp8 pp2:1f1b dp2" in strategy_label(r["plan"]) for r in three_d)
@@ -265,13 +265,8 @@ import json  # noqa: E402
 import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from paratune.devices import (  # noqa: E402
-    device_for_cluster,
-    device_from_probe,
-    devices_for_accelerator_type,
-    load_devices,
-)
-from paratune.construction import construction_bytes  # noqa: E402
+from paratune.config.devices import device_for_cluster, device_from_probe, devices_for_accelerator_type, load_devices
+from paratune.costs.construction import construction_bytes  # noqa: E402
 
 DEVICE_NAMES = json.loads((Path(__file__).parent / "data" / "gpu" / "device_names.json").read_text())["devices"]
 MiB = 2**20
@@ -354,7 +349,7 @@ def test_a_probe_that_matches_nothing_is_no_device():
 def test_context_parallelism_in_the_cost_model():
     """cp 2 over the same 8 GPUs: each rank holds half of every sequence's activations, FSDP2 still
     shards over all 8 (dp 4 x cp 2), and the K/V ring adds its bytes (Llama-3-8B: 8 KV heads of 128)."""
-    from paratune.memory import activation_bytes
+    from paratune.costs.memory import activation_bytes
 
     base = {"strategy": "fsdp", "seq_len": 8192, "global_batch": 16}
     plain, ring = _plan(**base), _plan(**base, cp=2)
@@ -372,8 +367,8 @@ def test_zero_with_autotp_as_deepspeed_lays_it_out():
     untied embedding and the norms whole (95,552 parameters per rank at tp 2), ZeRO-3 partitions
     everything over dp x tp (79,008); construction builds the whole fp32 model first at ZeRO 0-2
     (779,584 bytes measured) and gathers one module whole under ZeRO-3 (578,240 measured)."""
-    from paratune.construction import construction_bytes
-    from paratune.shapes import local_params as _local_params
+    from paratune.costs.construction import construction_bytes
+    from paratune.model.shapes import local_params as _local_params
 
     base = {"model": "tiny-llama", "seq_len": 32, "global_batch": 8, "micro_batch": 2, "num_workers": 2, "tp": 2,
             "strategy": "zero"}
@@ -400,8 +395,8 @@ def test_the_trace_is_what_a_real_micro_batch_holds(precision):
     bf16 parameters. Before, transformers built a 2 x s x s causal mask and repeated GQA's keys
     and values under fake tensors (it takes them for tracing), memory a real run never
     allocates."""
-    from paratune.activations import PHASES, _trace_micro_batch, _traced_coefficients
-    from paratune.models import build_config, config_from_key, config_key
+    from paratune.costs.activations import PHASES, _trace_micro_batch, _traced_coefficients
+    from paratune.model.build import build_config, config_from_key, config_key
 
     key = config_key(build_config("tiny-llama"))
     traced = _traced_coefficients(key, "none", precision, 2, 64)
@@ -418,7 +413,7 @@ def test_moe_experts_are_traced_not_guessed(tmp_path):
     duration (before, the trace failed and the formula stood in)."""
     import torch
 
-    from paratune.activations import activation_coefficients
+    from paratune.costs.activations import activation_coefficients
 
     config = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "num_local_experts": 4,
@@ -444,7 +439,7 @@ def test_ddp_buckets_and_the_no_sync_gradients_as_the_reducer_holds_them():
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel
 
-    from paratune.models import build_config, build_model
+    from paratune.model.build import build_config, build_model
 
     plan = _tiny(strategy="ddp", ddp={"bucket_cap_mb": 0.05})
     started = not dist.is_initialized()
@@ -544,7 +539,7 @@ def test_a_peak_names_its_moment():
 
 
 # --------------------------------------------------------------------------- issue 26 follow-ups
-# Peaks measured by the trial's own MemTracker step (paratune.step_memory.tracked_peak_bytes, DDP's buckets
+# Peaks measured by the trial's own MemTracker step (paratune.trial.step_memory.tracked_peak_bytes, DDP's buckets
 # and ZeRO-3's reduce bucket visible) on gloo workers of this 2-core host, 2026-12-01 (torch 2.13,
 # DeepSpeed 0.19.8, transformers 5.23): tests/gloo_harness.run_plans_on_gloo over conftest.BASE_PLAN
 # (tiny-llama, seq 32, global batch 8, micro-batch 2, 2 ranks, fp32) with these changes. WIDE: a
@@ -587,8 +582,8 @@ def test_fsdp2_holds_a_blocks_gradients_as_its_backward_forms_them():
     """FSDP2 keeps a block's unsharded gradients where autograd put them until its post-backward
     (the trace holds them that long): at the peak of the block's backward only the first ones
     exist, all of them at its end, none after its reduce-scatter copied them; the root's stay."""
-    from paratune.activations import _trace_micro_batch
-    from paratune.models import build_config, config_from_key, config_key
+    from paratune.costs.activations import _trace_micro_batch
+    from paratune.model.build import build_config, config_from_key, config_key
 
     config = config_from_key(config_key(build_config("tiny-llama")), num_hidden_layers=1)
     shape = model_shape(_tiny())
@@ -602,7 +597,7 @@ def test_bf16_compute_as_each_strategy_makes_it():
     """FSDP2's MixedPrecisionPolicy and DeepSpeed's bf16 engine compute with bf16 parameters (a
     bf16 residual stream, bf16 gradients, no cached weight copies); DDP, and model-parallel plans
     with a single replica (no FSDP2 there), autocast over fp32 parameters."""
-    from paratune.shapes import compute_precision
+    from paratune.model.shapes import compute_precision
 
     bf16 = {"precision": "bf16"}
     assert compute_precision(_tiny(strategy="ddp", **bf16)) == "bf16"
@@ -673,7 +668,7 @@ def test_a_block_held_whole_is_the_largest_where_blocks_differ(tmp_path):
     right for what they hold together, wrong for the one block FSDP2 gathers (and prefetches),
     whose gradients and reduce-scatter input it holds: the largest block. zero.Init builds the
     largest module whole: the packed experts, which a one-block copy (a dense block) misses."""
-    from paratune.models import build_config, parameter_layout
+    from paratune.model.build import build_config, parameter_layout
 
     model = _dense_first_moe(tmp_path)
     layout = parameter_layout(build_config(model))
@@ -782,7 +777,7 @@ def test_a_trace_is_stored_once_and_read_back_by_the_next_process(tmp_path, monk
     """`paratune plan`, the sweep's driver and a resumed driver trace a space's shapes once: the
     coefficients go to PARATUNE_HOME and come back equal without tracing; a damaged file is
     traced again, and a change of the key (here the micro-batch) is another file."""
-    import paratune.activations as est
+    import paratune.costs.activations as est
 
     monkeypatch.setenv("PARATUNE_HOME", str(tmp_path))
     est._traced_or_reason.cache_clear()

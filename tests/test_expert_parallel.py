@@ -14,10 +14,10 @@ from gloo_harness import assert_groups_use_plan_timeout, batch_result, reference
 from conftest import BASE_PLAN
 from tiers import cases
 
-from paratune.models import build_config, parameter_counts, routed_experts
-from paratune.parity import max_loss_difference
-from paratune.plan import PlanError, load_plan_dict
-from paratune.preflight import check_plan_against_model
+from paratune.model.build import build_config, parameter_counts, routed_experts
+from paratune.sweep.parity import max_loss_difference
+from paratune.config.plan import PlanError, load_plan_dict
+from paratune.checks.preflight import check_plan_against_model
 
 MOE = {**BASE_PLAN, "model": "tiny-mixtral", "micro_batch": 1}
 NO_AUX = {"output_router_logits": False}  # pipeline stages do not carry router logits to the loss
@@ -215,9 +215,9 @@ def test_a_moe_proxy_keeps_its_experts_and_a_moe_layer(shape, tmp_path):
     small enough for the driver's CPU."""
     import json
 
-    from paratune.materialize import build_meta
+    from paratune.model.materialize import build_meta
     from paratune.parallel.ep import ep_refusal
-    from paratune.parity import parity_proxy
+    from paratune.sweep.parity import parity_proxy
 
     (tmp_path / "config.json").write_text(json.dumps(shape))
     plan = load_plan_dict({"model": str(tmp_path / "config.json"), "num_workers": 16, "ep": 8, "strategy": "fsdp",
@@ -241,7 +241,7 @@ def checkpoint_round_trip(plan, rank: int, world: int, local_world: int, device)
 
     import torch.distributed as dist
 
-    from paratune.data import TokenBatches
+    from paratune.config.data import TokenBatches
     from paratune.parallel import build_runner
     from paratune.parallel.dims import ParallelDims
 
@@ -295,7 +295,7 @@ def test_a_checkpoint_restores_every_ranks_own_experts():
 def test_the_winners_settings_say_how_experts_are_laid_out(strategy, tmp_path):
     import json
 
-    from paratune.export import export_winner
+    from paratune.out.export import export_winner
 
     plan = load_plan_dict({**MOE, "num_workers": 4, "strategy": strategy, "ep": 2})
     export_winner(plan, tmp_path, {"label": "x"})

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import BASE_PLAN
 
-from paratune.export import export_winner
-from paratune.export_tools import NOTES_KEY
-from paratune.plan import Plan, load_plan_dict
+from paratune.out.export import export_winner
+from paratune.out.export_tools import NOTES_KEY
+from paratune.config.plan import Plan, load_plan_dict
 
 from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig  # noqa: E402
 
@@ -128,7 +128,7 @@ def test_torchtitan_zero_is_a_note(tmp_path: Path) -> None:
 def test_hybrid_without_a_group_size_shards_inside_a_node_as_the_runtime_does():
     """shard_group_size unset: the runtime shards over one node's dp ranks (hybrid_shard_degree), and
     both exports say the same split."""
-    from paratune.export_tools import accelerate_config, data_parallel_split, torchtitan_overrides
+    from paratune.out.export_tools import accelerate_config, data_parallel_split, torchtitan_overrides
 
     plan = load_plan_dict({**BASE_PLAN, "strategy": "fsdp", "num_workers": 8, "global_batch": 16,
                            "gpus_per_node": 4, "fsdp": {"sharding": "hybrid"}})

@@ -1,7 +1,7 @@
 """Installs like a library: what core paratune needs, what each extra adds, and a plan that needs a
 missing extra refused before launch naming it (a space drops those plans under one rule).
 
-The development environment has every extra; here their absence is simulated (paratune.extras
+The development environment has every extra; here their absence is simulated (paratune.config.extras
 looks a package up once per process). The real absence: tests/test_wheel.py installs the built
 wheel core-only, and .ci/oldest_ray.sh does the same with the oldest supported Ray."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from paratune import extras
-from paratune.plan import PlanError, load_plan_dict
+from paratune.config import extras
+from paratune.config.plan import PlanError, load_plan_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = {"model": "tiny-llama", "seq_len": 32, "global_batch": 8, "micro_batch": 2, "num_workers": 2}
@@ -65,7 +65,7 @@ def test_float8_and_lora_plans_without_their_extras_are_refused_naming_them(with
 
 
 def test_a_space_sweeping_zero_without_deepspeed_drops_those_plans_by_one_rule(without):
-    from paratune.space import load_space
+    from paratune.sweep.space import load_space
 
     full = load_space(ROOT / "search_spaces" / "local_cpu.yaml")
     without("deepspeed")
@@ -80,7 +80,7 @@ def test_a_space_sweeping_zero_without_deepspeed_drops_those_plans_by_one_rule(w
 
 
 def test_a_space_fixing_float8_without_torchao_says_which_extra_to_install(without):
-    from paratune.space import SpaceError, space_from_dict
+    from paratune.sweep.space import SpaceError, space_from_dict
 
     without("float8")
     with pytest.raises(SpaceError) as refused:

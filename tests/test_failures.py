@@ -3,8 +3,8 @@
 import pytest
 from ray.train import ControllerError, WorkerGroupError
 
-from paratune.failures import classify, classify_text
-from paratune.plan import PlanError
+from paratune.trial.failures import classify, classify_text
+from paratune.config.plan import PlanError
 
 
 @pytest.mark.parametrize("text, reason", [
@@ -50,12 +50,7 @@ import torch  # noqa: E402
 from ray.exceptions import ActorDiedError  # noqa: E402
 from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError  # noqa: E402
 
-from paratune.failures import (  # noqa: E402
-    _dead_actor_ids,
-    _exception_chain,
-    classify_dead_worker_log,
-    dead_worker_logs,
-)
+from paratune.trial.failures import _dead_actor_ids, _exception_chain, classify_dead_worker_log, dead_worker_logs
 
 GPU_CORPUS = Path(__file__).parent / "data" / "gpu" / "failures"
 DRIVER_TEXTS = sorted(GPU_CORPUS.glob("*.txt"))
@@ -155,7 +150,7 @@ def test_an_nccl_system_error_is_the_environments_not_the_plans():
     """ncclSystemError (a /dev/shm too small for NCCL's shared-memory transport, a failed socket
     call) says nothing about the plan: its own reason, one of the cluster's (never scored, measured
     again on --resume), with what to do about it; a dead peer's survivors do not hide it."""
-    from paratune.failures import CLUSTER_REASONS, ENVIRONMENT_HINT
+    from paratune.trial.failures import CLUSTER_REASONS, ENVIRONMENT_HINT
 
     text = (GPU_CORPUS / "environment--nccl-system-error-dev-shm.txt").read_text()
     reason, message = classify(WorkerGroupError("Training failed", {1: torch.distributed.DistBackendError(text)}))
@@ -178,8 +173,8 @@ def test_a_failure_explained_for_the_console_is_whole_and_plain():
     generic wrapper text."""
     from ray.exceptions import RayTaskError
 
-    from paratune.failures import explain
-    from paratune.session import RequestFailed
+    from paratune.trial.failures import explain
+    from paratune.cluster.session import RequestFailed
 
     cause = ("RuntimeError: element 0 of tensors does not require grad and does not have a grad_fn\n"
              "  (the embedding of a LoRA plan is frozen)")

@@ -19,12 +19,13 @@ import torch
 from conftest import BASE_PLAN
 from gloo_harness import one_torch_thread, reference_for, run_plans_isolated  # noqa: F401 (fixture)
 
-from paratune.materialize import build_meta
-from paratune.models import PRESET_DIR, ModelError, build_config, build_model, parameter_counts
-from paratune.plan import PlanError, load_plan_dict
-from paratune.preflight import attention_windows, check_plan_against_model
-from paratune.parity import max_loss_difference
-from paratune.trial import run_trial
+from paratune.model.materialize import build_meta
+from paratune.config.model_config import PRESET_DIR, ModelError
+from paratune.model.build import build_config, build_model, parameter_counts
+from paratune.config.plan import PlanError, load_plan_dict
+from paratune.checks.preflight import attention_windows, check_plan_against_model
+from paratune.sweep.parity import max_loss_difference
+from paratune.cluster.trial import run_trial
 from tiers import cases, wanted
 
 FAMILIES = ["tiny-llama3", "tiny-qwen2.5", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-phi3", "tiny-gptneox",
@@ -171,7 +172,7 @@ def test_tp_accepts_the_tied_embedding_entry_transformers_5_17_adds():
     """transformers 5.17 adds "embed_tokens": "embedding_rowwise" to the TP plan of every model with
     tied embeddings; paratune shards that embedding itself (vocab-wise), so the entry is no reason
     to refuse tp (it was: "outside the decoder blocks"). Other entries outside the blocks still are."""
-    from paratune.preflight import _check_tp
+    from paratune.checks.preflight import _check_tp
 
     plan = load_plan_dict({**BASE_PLAN, "model": "tiny-llama3", "tp": 2, "strategy": "fsdp"})
     config = build_config(plan.model)
@@ -196,7 +197,7 @@ def test_attention_override_is_kept_or_refused_with_the_reason():
 def test_per_layer_types_follow_a_changed_layer_count(tmp_path):
     # a config.json listing layer_types (as recent Gemma/Qwen ones do) still builds with fewer or more
     # layers (proxies, the cost model's 1- and 2-layer traces): the family's pattern, cut or repeated
-    from paratune.models import config_from_key, config_key
+    from paratune.model.build import config_from_key, config_key
 
     data = {k: v for k, v in json.loads((PRESET_DIR / "tiny-gemma2.json").read_text()).items() if not k.startswith("_")}
     (tmp_path / "config.json").write_text(json.dumps({**data, "layer_types": ["sliding_attention", "full_attention"]}))
@@ -372,7 +373,7 @@ def _is_encoder_decoder(model_type: str) -> bool:
 
 @pytest.mark.parametrize("model_type", sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
 def test_every_causal_lm_family_has_its_blocks_found(model_type):
-    from paratune.models import block_stacks, count_parameters, decoder_blocks, decoder_parts, routed_experts
+    from paratune.model.build import block_stacks, count_parameters, decoder_blocks, decoder_parts, routed_experts
 
     if _is_encoder_decoder(model_type):  # its *ForCausalLM is the decoder half; build_config refuses it
         pytest.skip(f"{model_type}: encoder-decoder, not a decoder-only LM (paratune refuses it)")
@@ -414,8 +415,8 @@ def test_every_causal_lm_family_has_its_blocks_found(model_type):
 def test_parity_switches_off_the_random_draws_a_family_ships(tmp_path, model_type, fields):
     from family_zoo import write_config
 
-    from paratune.models import load_config_dict
-    from paratune.parity import deterministic_plan, stochastic_settings
+    from paratune.config.model_config import load_config_dict
+    from paratune.sweep.parity import deterministic_plan, stochastic_settings
 
     path = write_config(model_type, tmp_path / model_type)
     plan = load_plan_dict({**BASE_PLAN, "model": str(path)})
@@ -429,8 +430,8 @@ def test_parity_switches_off_the_random_draws_a_family_ships(tmp_path, model_typ
 
 
 def test_parity_switches_off_dropout_inside_a_sub_config(tmp_path):
-    from paratune.models import load_config_dict
-    from paratune.parity import deterministic_plan
+    from paratune.config.model_config import load_config_dict
+    from paratune.sweep.parity import deterministic_plan
 
     config = json.loads((PRESET_DIR / "tiny-llama.json").read_text())
     config["text_config"] = {"hidden_dropout_prob": 0.1, "hidden_size": 64, "inner": {"attn_pdrop": 0.2}}
@@ -443,7 +444,7 @@ def test_parity_switches_off_dropout_inside_a_sub_config(tmp_path):
 
 
 def test_a_model_without_random_draws_is_checked_as_configured():
-    from paratune.parity import deterministic_plan
+    from paratune.sweep.parity import deterministic_plan
 
     plan = load_plan_dict(BASE_PLAN)
     assert deterministic_plan(plan) == (plan, {})
@@ -469,7 +470,7 @@ def test_slots_no_init_writes_take_their_class_defaults_never_stale_memory(tmp_p
 
 
 def test_a_slot_neither_init_nor_its_class_can_set_is_refused():
-    from paratune.materialize import constructor_values
+    from paratune.model.materialize import constructor_values
 
     class NeedsArguments(torch.nn.Module):
         def __init__(self, width: int):
@@ -523,7 +524,7 @@ def test_ddp_names_the_parameters_a_step_leaves_out_and_trains_with_torchs_flag(
     from gloo_harness import run_named_batch
 
     path = write_config("big_bird", tmp_path / "big_bird")
-    from paratune.parity import deterministic_plan
+    from paratune.sweep.parity import deterministic_plan
 
     plan, _ = deterministic_plan(load_plan_dict({**BASE_PLAN, "seed": 7, "track_memory": False, "model": str(path),
                                                  "strategy": "ddp"}))  # BigBird ships dropout 0.1
@@ -555,7 +556,7 @@ def test_rounding_sensitivity_tells_a_model_that_amplifies_rounding_from_one_tha
     to the larger of 1e-4 and that figure."""
     from family_zoo import write_config
 
-    from paratune.parity import rounding_sensitivity
+    from paratune.sweep.parity import rounding_sensitivity
 
     def plan(model_type: str):
         return load_plan_dict({**BASE_PLAN, "seed": 7, "model": str(write_config(model_type, tmp_path / model_type))})

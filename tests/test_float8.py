@@ -18,14 +18,14 @@ from conftest import BASE_PLAN
 from gloo_harness import batch_result, one_torch_thread, reference_for, run_named_batch, training_key  # noqa: F401
 from torch import nn
 
-from paratune.data import TokenBatches
-from paratune.materialize import ModelInit, build_meta, materialize
-from paratune.models import build_config, build_model
+from paratune.config.data import TokenBatches
+from paratune.model.materialize import ModelInit, build_meta, materialize
+from paratune.model.build import build_config, build_model
 from paratune.parallel.float8 import SKIPPED_ATTR, convert_to_float8, converted_linears
 from paratune.parallel.runner import StepRunner, make_optimizer
-from paratune.parity import max_loss_difference
-from paratune.plan import load_plan_dict
-from paratune.precision import FLOAT8_FORWARD, IN_FLOAT8_LINEAR, LinearMatmulDtypes, precision_problem
+from paratune.sweep.parity import max_loss_difference
+from paratune.config.plan import load_plan_dict
+from paratune.trial.precision import FLOAT8_FORWARD, IN_FLOAT8_LINEAR, LinearMatmulDtypes, precision_problem
 
 pytest.importorskip("torchao.float8")
 
@@ -98,8 +98,8 @@ def test_tp_splits_decide_what_converts_by_the_shape_each_rank_multiplies():
 
 def test_a_float8_plan_that_would_convert_nothing_is_refused_before_launch():
     """hidden 48 at tp 2: every projection is 24 or 12 wide a rank, the MLP 88 whole: all bf16."""
-    from paratune.plan import PlanError
-    from paratune.preflight import check_plan_against_model
+    from paratune.config.plan import PlanError
+    from paratune.checks.preflight import check_plan_against_model
 
     overrides = {"hidden_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 12,
                  "intermediate_size": 88}
@@ -195,7 +195,7 @@ _float8_references: dict[str, list[float]] = {}
 
 
 def float8_reference(plan) -> list[float]:
-    """paratune.parity.reference_losses with the plan's float8 linears: one CPU process, fp32
+    """paratune.sweep.parity.reference_losses with the plan's float8 linears: one CPU process, fp32
     parameters, bf16 autocast, the same data and optimizer (cached per training)."""
     key = training_key(plan.with_changes(float8_all_gather=False))
     if key not in _float8_references:

@@ -89,10 +89,10 @@ def test_the_float8_family_says_torchao_is_not_importable_and_is_not_run(monkeyp
 
 # What a worker imports (the acceptance run and the GPU bench import these without Ray): every
 # module of the worker path, the model-parallel layouts the five families do not reach included.
-WORKER_PATH = ["paratune.trial", "paratune.trial_worker", "paratune.placement", "paratune.measure", "paratune.failures", "paratune.plan",
-               "paratune.data", "paratune.models", "paratune.materialize", "paratune.precision",
-               "paratune.parity", "paratune.preflight", "paratune.estimate", "paratune.devices", "paratune.shapes",
-               "paratune.activations", "paratune.memory", "paratune.results", "paratune.launch",
+WORKER_PATH = ["paratune.cluster.trial", "paratune.trial.worker", "paratune.trial.placement", "paratune.costs.measure", "paratune.trial.failures", "paratune.config.plan",
+               "paratune.config.data", "paratune.model.build", "paratune.model.materialize", "paratune.trial.precision",
+               "paratune.sweep.parity", "paratune.checks.preflight", "paratune.costs.estimate", "paratune.config.devices", "paratune.model.shapes",
+               "paratune.costs.activations", "paratune.costs.memory", "paratune.trial.results", "paratune.cluster.launch",
                "paratune.parallel", "paratune.parallel.runner",
                "paratune.parallel.ddp", "paratune.parallel.fsdp", "paratune.parallel.zero", "paratune.parallel.tp",
                "paratune.parallel.pp", "paratune.parallel.cp", "paratune.parallel.nd", "paratune.parallel.dims",

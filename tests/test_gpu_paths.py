@@ -4,8 +4,13 @@ worker reserves (Ray turns them into OMP_NUM_THREADS, which offload's CPU Adam r
 import pytest
 import torch
 
-from paratune.plan import load_plan_dict
-from paratune.launch import gpu_node_cpus_per_gpu, needs_cpu_collectives, process_group_backend, worker_resources
+from paratune.config.plan import load_plan_dict
+from paratune.cluster.launch import (
+    gpu_node_cpus_per_gpu,
+    needs_cpu_collectives,
+    process_group_backend,
+    worker_resources,
+)
 
 BASE = {"model": "tiny-llama", "num_workers": 2, "global_batch": 8, "micro_batch": 2}
 
@@ -62,7 +67,7 @@ def test_one_worker_demand_carries_the_gpu_share_and_the_nccl_env_to_every_launc
     """launch.WorkerDemand is what trials, reused groups, profiles and training all launch with:
     on GPUs each worker's share of the node, the NCCL error handling that keeps a timed-out
     collective a comm_timeout (not a dead worker), the plan's own env winning; none of it on CPU."""
-    from paratune.launch import GPU_WORKER_ENV, WorkerDemand
+    from paratune.cluster.launch import GPU_WORKER_ENV, WorkerDemand
 
     plan = load_plan_dict({**BASE, "gpus_per_node": 8, "env": {"NCCL_ALGO": "Ring"}})
     gpu = WorkerDemand.for_plan(plan, True, NODES)
@@ -76,7 +81,7 @@ def test_one_worker_demand_carries_the_gpu_share_and_the_nccl_env_to_every_launc
 
 
 def test_deepspeed_optimizer_only_with_zero():
-    from paratune.plan import PlanError
+    from paratune.config.plan import PlanError
 
     with pytest.raises(PlanError, match="optimizer: 'deepspeed' needs strategy 'zero'"):
         load_plan_dict({**BASE, "strategy": "fsdp", "optimizer": "deepspeed"})
@@ -103,7 +108,7 @@ def test_offload_host_only_where_fsdp_was_applied():
 def test_gpu_workers_raise_on_nccl_timeouts_unless_the_plan_says_otherwise():
     """Ray Train would set TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (the watchdog kills the process: a
     timeout then reads as worker_died); GPU workers get 2, and a plan's own setting wins."""
-    from paratune.launch import worker_env
+    from paratune.cluster.launch import worker_env
 
     plan = load_plan_dict(BASE)
     assert worker_env(plan, True) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
@@ -127,8 +132,8 @@ def test_release_gives_back_the_pinned_host_cache(monkeypatch):
     """FSDP2 / ZeRO offload copy through pinned host buffers, which torch's CachingHostAllocator
     keeps when freed: between two plans of a reused worker group the release empties it too, after
     the device cache, and the session's release goes through it."""
-    from paratune import session
-    from paratune.trial_worker import release_cached_memory
+    from paratune.cluster import session
+    from paratune.trial.worker import release_cached_memory
 
     calls = _record_cuda_release(monkeypatch)
     release_cached_memory(torch.device("cuda", 0))
@@ -144,7 +149,7 @@ def test_release_gives_back_the_pinned_host_cache(monkeypatch):
 
 def test_release_falls_back_to_the_device_generic_host_cache(monkeypatch):
     """A torch without the CUDA binding's name uses torch.accelerator's public form."""
-    from paratune.trial_worker import release_cached_memory
+    from paratune.trial.worker import release_cached_memory
 
     calls = _record_cuda_release(monkeypatch)
     monkeypatch.delattr(torch._C, "_host_emptyCache")
@@ -192,10 +197,10 @@ def test_deepspeed_takes_the_gpu_ray_assigned_on_a_16_gpu_node(monkeypatch):
 def test_a_user_loops_steps_are_timed_between_two_device_syncs(monkeypatch):
     """CUDA runs asynchronously: a user loop's step is timed only if the clock is read after the
     device has finished the step's work. On a CUDA device each `user_loop.steps()` body sits between
-    two `torch.cuda.synchronize` calls (paratune.devices.sync_device, the trial's own); on CPU none.
+    two `torch.cuda.synchronize` calls (paratune.config.devices.sync_device, the trial's own); on CPU none.
     The allocator's peak counter is reset as the first measured step starts (after warm-up, as the
     trial's) and read as the last one ends, before whatever the loop does after it."""
-    from paratune import user_loop
+    from paratune.trial import user_loop
 
     events: list[str] = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(f"sync:{device}"))
@@ -293,7 +298,7 @@ def test_every_process_group_is_connected_before_the_first_step(gloo_world_of_on
     communicator set-up is a collective of its own), and one matmul."""
     import torch.distributed as dist
 
-    from paratune.devices import warm_up_process_groups
+    from paratune.config.devices import warm_up_process_groups
 
     made = [dist.new_group([0]) for _ in range(3)]
     seen: list = []

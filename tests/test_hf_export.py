@@ -1,6 +1,6 @@
 """Pretrained weights out: every layout's trained model written as a Hugging Face folder.
 
-Each layout trains 2 steps on 2 gloo processes and writes the folder (paratune.hf_export); here
+Each layout trains 2 steps on 2 gloo processes and writes the folder (paratune.train.hf_export); here
 `AutoModelForCausalLM.from_pretrained` loads it and every tensor is compared with the single-process
 reference trained the same 2 steps. A tensor left out (from_pretrained would fill it at random), an
 untrained one (Adam at lr 1e-2 moves each weight ~1e-2 a step) or another stage's or shard's values
@@ -18,11 +18,11 @@ import pytest
 import torch
 from conftest import BASE_PLAN
 
-from paratune.adapters import build_adapted_model
-from paratune.checkpoints import build_model_with_weights
-from paratune.hf_export import HFExportError, export_refusal
-from paratune.models import build_config
-from paratune.plan import load_plan_dict
+from paratune.model.adapters import build_adapted_model
+from paratune.model.checkpoints import build_model_with_weights
+from paratune.train.hf_export import HFExportError, export_refusal
+from paratune.model.build import build_config
+from paratune.config.plan import load_plan_dict
 
 STEPS = 2
 TOLERANCE = 2e-4
@@ -48,8 +48,8 @@ def _folder(plan) -> Path:
 def train_and_export(plan, rank: int, world: int, local_world: int, device) -> dict:
     """A gloo worker (gloo_harness `measure`): STEPS steps as a training run takes them, then the
     Hugging Face folder, written by every rank together."""
-    from paratune.data import TokenBatches
-    from paratune.hf_export import export_hf_folder, trained_modules
+    from paratune.config.data import TokenBatches
+    from paratune.train.hf_export import export_hf_folder, trained_modules
     from paratune.parallel import build_runner
     from paratune.parallel.dims import ParallelDims
 
@@ -68,7 +68,7 @@ def test_every_layout_writes_a_folder_from_pretrained_loads_with_the_trained_val
     from gloo_harness import run_plans_on_gloo
     from transformers import AutoModelForCausalLM
 
-    from paratune.parity import reference_training
+    from paratune.sweep.parity import reference_training
 
     plans = [load_plan_dict({**BASE_PLAN, **case}) for case in LAYOUTS.values()]
     outs = run_plans_on_gloo(plans, measure="test_hf_export:train_and_export")
@@ -126,7 +126,7 @@ def test_the_folder_gets_the_tokenizer_that_belongs_with_the_model(tmp_path):
     from transformers import AutoTokenizer
 
     from newcomer import make_pretrained, make_tokenizer
-    from paratune.hf_export import save_tokenizer, tokenizer_source
+    from paratune.train.hf_export import save_tokenizer, tokenizer_source
 
     model = make_pretrained(tmp_path / "model")
     other = make_tokenizer(tmp_path / "other", vocab_size=280)

@@ -1,4 +1,4 @@
-"""paratune.launch: the Ray releases it runs on, what each lacks, and the trainers it assembles.
+"""paratune.cluster.launch: the Ray releases it runs on, what each lacks, and the trainers it assembles.
 
 Ray's public API only, from OLDEST_RAY (2.49: the first Train V2 with
 FailureConfig(controller_failure_limit); before it the controller retries a worker group that
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from paratune.launch import NEWEST_RAY, OLDEST_RAY, RayFeatures, RayVersionError, check_ray_version
+from paratune.cluster.launch import NEWEST_RAY, OLDEST_RAY, RayFeatures, RayVersionError, check_ray_version
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,7 +46,7 @@ def test_the_installed_ray_is_train_v2_and_its_features_match_its_release():
     """Read from Ray's public config classes (never from the version number)."""
     import ray
 
-    from paratune.launch import ray_features
+    from paratune.cluster.launch import ray_features
 
     features = ray_features()
     minor = tuple(int(x) for x in ray.__version__.split(".")[:2])
@@ -60,8 +60,8 @@ def test_a_measurement_is_never_retried_and_training_keeps_rays_trainer():
     from ray.train import FailureConfig
     from ray.train.torch import TorchTrainer
 
-    from paratune.launch import Deadline, WorkerDemand, build_trainer
-    from paratune.plan import load_plan_dict
+    from paratune.cluster.launch import Deadline, WorkerDemand, build_trainer
+    from paratune.config.plan import load_plan_dict
 
     plan = load_plan_dict({"model": "tiny-llama", "num_workers": 2, "global_batch": 8, "micro_batch": 2,
                            "env": {"NCCL_ALGO": "Ring"}})
@@ -79,7 +79,7 @@ def test_a_measurement_is_never_retried_and_training_keeps_rays_trainer():
     assert timed.kwargs["failure_config"].max_failures == 0
     assert timed.kwargs["failure_config"].controller_failure_limit == 0
     # What the runner builds (in its own process) from those arguments: Ray's TorchTrainer.
-    from paratune.launch import _torch_trainer
+    from paratune.cluster.launch import _torch_trainer
 
     inner = _torch_trainer(loop, **timed.kwargs)
     assert type(inner) is TorchTrainer and inner.run_config.failure_config.controller_failure_limit == 0
@@ -94,7 +94,7 @@ def test_the_runner_env_sets_the_controller_switches_and_the_users_values_win(mo
     paratune's measurement settings, the worker-group start timeout (60 s on every release: Ray's
     default was 30 s before 2.54), Train V2 on (2.49-2.50); a user's own value wins, save the start
     timeout a sweep sets from its autoscaler bound."""
-    from paratune.launch import MEASUREMENT_CONTROLLER_ENV, runner_env
+    from paratune.cluster.launch import MEASUREMENT_CONTROLLER_ENV, runner_env
 
     monkeypatch.delenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", raising=False)
     monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "3")
@@ -112,7 +112,7 @@ def test_rank_0s_return_comes_back_without_result_return_value():
     import pickle
     from types import SimpleNamespace
 
-    from paratune.launch import RETURN_METRIC, return_value
+    from paratune.cluster.launch import RETURN_METRIC, return_value
 
     out = {"losses": [1.5, 1.25], "placement": [{"rank": 0}]}
     old = SimpleNamespace(metrics={RETURN_METRIC: base64.b64encode(pickle.dumps(out)).decode()})

@@ -1,5 +1,5 @@
 """The cost model of the levers (issue 28): checkpointing modes, the loss's form, float8, compile,
-async TP, in memory (paratune.activations/memory) and in the roofline (paratune.estimate), the
+async TP, in memory (paratune.costs.activations/memory) and in the roofline (paratune.costs.estimate), the
 device table's FP8 peaks and the device refusals; torchtitan's published plans predicted."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from paratune.activations import _trace_micro_batch, _traced_coefficients, _with_vocab, activation_coefficients
-from paratune.devices import GPU_FP8_TFLOPS, get_device, gpu_model, has_fp8
-from paratune.efficiency import float8_flops_share, recompute_share
-from paratune.estimate import compute_seconds, estimate
-from paratune.memory import estimate_memory, memory_moments
-from paratune.models import build_config, config_from_key, config_key
-from paratune.plan import load_plan_dict
-from paratune.shapes import HeldParams, float8_cast_bytes, model_shape
+from paratune.costs.activations import _trace_micro_batch, _traced_coefficients, _with_vocab, activation_coefficients
+from paratune.config.devices import GPU_FP8_TFLOPS, get_device, gpu_model, has_fp8
+from paratune.costs.efficiency import float8_flops_share, recompute_share
+from paratune.costs.estimate import compute_seconds, estimate
+from paratune.costs.memory import estimate_memory, memory_moments
+from paratune.model.build import build_config, config_from_key, config_key
+from paratune.config.plan import load_plan_dict
+from paratune.model.shapes import HeldParams, float8_cast_bytes, model_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 

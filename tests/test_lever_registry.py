@@ -8,17 +8,17 @@ import pytest
 import torch
 from torch import nn
 
-from paratune import extras
-from paratune.devices import get_device
-from paratune.estimate import compute_seconds
-from paratune.export_tools import accelerate_config
+from paratune.config import extras
+from paratune.config.devices import get_device
+from paratune.costs.estimate import compute_seconds
+from paratune.out.export_tools import accelerate_config
 from paratune.levers import (APPLY_STAGES, Lever, LeverField, applied_at, device_refusal, lever_fields, levers,
                              owner_of, register, unregister)
-from paratune.memory import estimate_memory
+from paratune.costs.memory import estimate_memory
 from paratune.parallel.runner import WorkerPlace, apply_levers
-from paratune.plan import Plan, PlanCore, PlanError, load_plan_dict, plan_class
-from paratune.space import SWEEPABLE
-from paratune.tables import strategy_label
+from paratune.config.plan import Plan, PlanCore, PlanError, load_plan_dict, plan_class
+from paratune.sweep.space import SWEEPABLE
+from paratune.out.tables import strategy_label
 
 # What these were before the registry (paratune 2026-12-06, 8a82517), read from that tree.
 PLAN_FIELD_ORDER_BEFORE = [

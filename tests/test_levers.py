@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from paratune.levers import device_refusal, loss_form
-from paratune.plan import PlanError, load_plan_dict
+from paratune.config.plan import PlanError, load_plan_dict
 
 BASE = {"model": "tiny-llama", "num_workers": 2, "global_batch": 8, "micro_batch": 2}
 

@@ -16,11 +16,11 @@ from gloo_harness import batch_result, one_torch_thread, reference_for  # noqa: 
 from conftest import BASE_PLAN
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from paratune.models import build_config
+from paratune.model.build import build_config
 from paratune.parallel import loss as loss_forms
-from paratune.parity import max_loss_difference
-from paratune.plan import PlanError, load_plan_dict
-from paratune.preflight import check_plan_against_model
+from paratune.sweep.parity import max_loss_difference
+from paratune.config.plan import PlanError, load_plan_dict
+from paratune.checks.preflight import check_plan_against_model
 
 
 def _plan(**fields):

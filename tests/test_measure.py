@@ -2,10 +2,11 @@
 
 import pytest
 
-from paratune import devices, measure
-from paratune.models import build_config, parameter_counts, parameter_layout
-from paratune.plan import load_plan_dict
-from paratune.trial import summarize
+from paratune.config import devices
+from paratune.costs import measure
+from paratune.model.build import build_config, parameter_counts, parameter_layout
+from paratune.config.plan import load_plan_dict
+from paratune.cluster.trial import summarize
 
 
 def test_tokens_per_second_per_gpu_from_a_known_window():
@@ -310,7 +311,7 @@ def test_comm_share_from_a_real_profile():
 
 
 def test_stop_rule_waits_for_its_steps_then_stops_only_outside_both_noise_bands():
-    from paratune.measure import TrialStopRule
+    from paratune.costs.measure import TrialStopRule
 
     # 1,000 tokens per step on 2 GPUs: a 1 s step is 500 tokens/s/GPU.
     # The incumbent's band is half its spread (as the verdict's), here 15%: its floor is 850.

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from paratune.activations import PhaseBytes, activation_coefficients
-from paratune.devices import get_device
-from paratune.estimate import estimate
-from paratune.memory import estimate_memory
-from paratune.plan import load_plan_dict
-from paratune.shapes import pipeline_in_flight
+from paratune.costs.activations import PhaseBytes, activation_coefficients
+from paratune.config.devices import get_device
+from paratune.costs.estimate import estimate
+from paratune.costs.memory import estimate_memory
+from paratune.config.plan import load_plan_dict
+from paratune.model.shapes import pipeline_in_flight
 
 ROOT = Path(__file__).resolve().parents[1]
 TETON = get_device("h100-96gb-grand-teton", ROOT / "plans" / "torchtitan" / "devices.yaml")
@@ -45,7 +45,7 @@ def test_a_stage_holds_other_micro_batches_blocks_not_the_head():
     coeff = activation_coefficients(one, "formula")
     a, b = (estimate_memory(p, "formula").phases["loss"] for p in (one, two))
     tokens, layers_here = 64, 1  # tiny-llama: 2 layers over 2 stages
-    from paratune.shapes import model_shape
+    from paratune.model.shapes import model_shape
 
     h = model_shape(one).hidden
     assert b - a == pytest.approx(2 * tokens * (coeff.per_layer * layers_here + 4 * h), rel=1e-6)

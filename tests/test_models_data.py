@@ -5,9 +5,10 @@ import json
 import pytest
 import torch
 
-from paratune.data import DataError, TokenBatches, pack_rows, step_loader
-from paratune.models import ModelError, build_config, build_model, parameter_counts, preset_names
-from paratune.plan import DataSpec
+from paratune.config.data import DataError, TokenBatches, pack_rows, step_loader
+from paratune.config.model_config import ModelError, preset_names
+from paratune.model.build import build_config, build_model, parameter_counts
+from paratune.config.plan import DataSpec
 
 
 def test_presets_include_cpu_and_real_shapes():

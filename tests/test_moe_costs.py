@@ -1,4 +1,4 @@
-"""The cost model under expert parallelism (paratune.moe_costs with paratune.memory / .estimate):
+"""The cost model under expert parallelism (paratune.costs.moe with paratune.costs.memory / .estimate):
 the experts' per-rank share, the all-to-all, the routing imbalance, and the MoE spaces' plans.
 
 Pure functions on the meta device (no processes): tiny-mixtral for hand-computed numbers (hidden
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from paratune.devices import get_device
-from paratune.estimate import _time_terms, comm_volume, compute_seconds, estimate, estimate_space
-from paratune.construction import construction_bytes
-from paratune.memory import memory_moments
-from paratune.moe_costs import (
+from paratune.config.devices import get_device
+from paratune.costs.estimate import _time_terms, comm_volume, compute_seconds, estimate, estimate_space
+from paratune.costs.construction import construction_bytes
+from paratune.costs.memory import memory_moments
+from paratune.costs.moe import (
     all_to_all_bytes,
     all_to_all_crosses_nodes,
     expert_dp_crosses_nodes,
@@ -25,8 +25,8 @@ from paratune.moe_costs import (
     held_with_experts,
     shard_params,
 )
-from paratune.plan import Plan
-from paratune.shapes import model_shape
+from paratune.config.plan import Plan
+from paratune.model.shapes import model_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -151,7 +151,7 @@ SPACES = [("qwen3_30b_a3b_1x8", "h100-80gb"), ("mixtral_8x7b_2x8", "h100-80gb"),
 
 @pytest.mark.parametrize("name,device", SPACES)
 def test_moe_spaces_rank_ep_plans_and_reject_naming_the_part(name, device):
-    from paratune.space import load_space
+    from paratune.sweep.space import load_space
 
     space = load_space(ROOT / "search_spaces" / f"{name}.yaml")
     dev = get_device(device)
@@ -179,10 +179,10 @@ def test_moe_spaces_rank_ep_plans_and_reject_naming_the_part(name, device):
     assert states == sorted(states, reverse=True) and states[0] > states[-1]
 
 
-def _moe_profile(seconds_per_byte: float = 1e-9) -> "Profile":  # noqa: F821 - paratune.profile.Profile
+def _moe_profile(seconds_per_byte: float = 1e-9) -> "Profile":  # noqa: F821 - paratune.costs.profile.Profile
     """A profile of tiny-mixtral's block (every expert local, as the profiler runs it) with linear
     collective curves for groups of 2 and 4 (no latency: the bytes alone)."""
-    from paratune.profile import BlockShape, BlockTime, Curve, LinearFit, Profile, config_digest
+    from paratune.costs.profile import BlockShape, BlockTime, Curve, LinearFit, Profile, config_digest
 
     blocks = [BlockTime(shape=BlockShape(micro_batch=2, seq_len=32), block_s=0.01, embed_s=0.001, head_s=0.02)]
     curves = [Curve(op=op, size=size, stride=1, latency_s=0.0, seconds_per_byte=seconds_per_byte)
@@ -193,8 +193,8 @@ def _moe_profile(seconds_per_byte: float = 1e-9) -> "Profile":  # noqa: F821 - p
 
 
 def test_calibrated_model_times_the_all_to_all_and_the_busiest_ranks_experts():
-    from paratune.profile import GroupSpec, plan_groups
-    from paratune.timemodel import compose
+    from paratune.costs.profile import GroupSpec, plan_groups
+    from paratune.costs.timemodel import compose
 
     profile = _moe_profile()
     plan = _plan(ep=2)
@@ -234,8 +234,8 @@ def test_a_ranks_blocks_are_traced_as_moe_blocks_with_its_own_experts():
     """The activation trace under ep holds E / ep experts (at least top_k) and MoE blocks only."""
     import json
 
-    from paratune.moe_costs import rank_trace_config as _rank_experts
-    from paratune.shapes import model_config_key
+    from paratune.costs.moe import rank_trace_config as _rank_experts
+    from paratune.model.shapes import model_config_key
 
     key = model_config_key(_plan())
     assert _rank_experts(key, 1) == key  # all experts, no dense first blocks to skip
@@ -250,9 +250,9 @@ def test_with_tp_a_rank_holds_its_ep_ranks_experts_whole():
     """tp x ep (paratune.parallel.ep): tp splits the dense part, the routed experts are ep's, whole on
     every tp rank, so a rank holds E / ep of them (not E / tp), and FSDP2 shards them over their
     expert_dp x tp copies; each tp rank dispatches 1 / tp of the shared tokens."""
-    from paratune.estimate import comm_volume
-    from paratune.moe_costs import held_with_experts
-    from paratune.shapes import model_shape
+    from paratune.costs.estimate import comm_volume
+    from paratune.costs.moe import held_with_experts
+    from paratune.model.shapes import model_shape
 
     def held(**kw):
         plan = _plan(num_workers=8, global_batch=8, micro_batch=1, strategy="ddp", tp=2, **kw)
@@ -271,8 +271,8 @@ def test_with_tp_a_rank_holds_its_ep_ranks_experts_whole():
 def test_a_sweep_passes_the_measured_routing_balance_to_its_time_model():
     """The ledger's calibration and the calibrated model take each trial's routing_balance: later
     ep predictions use the largest seen (the busiest rank sets the step)."""
-    from paratune.estimate import Roofline
-    from paratune.results import TrialResult
+    from paratune.costs.estimate import Roofline
+    from paratune.trial.results import TrialResult
     from paratune.sweep.ledger import observe_calibration
 
     cpu = get_device("cpu")

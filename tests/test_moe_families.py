@@ -19,10 +19,10 @@ from gloo_harness import batch_result, one_torch_thread, reference_for, run_name
 from conftest import BASE_PLAN
 from tiers import cases
 
-from paratune.models import build_config, build_model, routed_experts, routed_top_k
-from paratune.parity import max_loss_difference
-from paratune.plan import Plan, PlanError, load_plan_dict
-from paratune.preflight import check_plan_against_model
+from paratune.model.build import build_config, build_model, routed_experts, routed_top_k
+from paratune.sweep.parity import max_loss_difference
+from paratune.config.plan import Plan, PlanError, load_plan_dict
+from paratune.checks.preflight import check_plan_against_model
 
 # family preset -> (routed experts per MoE layer, indices of the MoE layers, has a load-balancing loss)
 FAMILIES: dict[str, tuple[int, list[int], bool]] = {

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratune import measure
-from paratune.plan import load_plan_dict
-from paratune.results import TrialResult
-from paratune.trial import summarize
+from paratune.costs import measure
+from paratune.config.plan import load_plan_dict
+from paratune.trial.results import TrialResult
+from paratune.cluster.trial import summarize
 from gloo_harness import batch_result
 
 TOP_K = 2  # tiny-mixtral: num_experts_per_tok
@@ -69,8 +69,8 @@ def test_the_routing_hook_never_leaves_the_routers_device():
     On the meta device any host transfer raises, and a dispatch mode lists every op it ran."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from paratune.models import build_config, build_model
-    from paratune.routing import RoutingCounter
+    from paratune.model.build import build_config, build_model
+    from paratune.trial.routing import RoutingCounter
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -143,8 +143,8 @@ def test_routing_is_read_from_a_family_that_hands_its_experts_counts(tmp_path):
     top-k, none unread."""
     from family_zoo import write_config
 
-    from paratune.models import build_config, build_model
-    from paratune.routing import RoutingCounter
+    from paratune.model.build import build_config, build_model
+    from paratune.trial.routing import RoutingCounter
 
     config = build_config(str(write_config("jetmoe", tmp_path)), {})
     model = build_model(config, seed=0)

@@ -9,12 +9,12 @@ from mlflow.tracking import MlflowClient
 
 from rich.console import Console
 
-from paratune.space import load_space
+from paratune.sweep.space import load_space
 from paratune.sweep.ledger import Ledger
 from paratune.sweep.driver import run_sweep
 from paratune.sweep.folder import read_sweep
 from paratune.sweep.page import _experts_html
-from paratune.tables import results_table
+from paratune.out.tables import results_table
 
 pytestmark = pytest.mark.integration
 

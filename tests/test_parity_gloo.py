@@ -16,8 +16,8 @@ from test_moe_families import moe_family_plans
 from test_moe_measure import CASES as MOE_MEASURE_CASES
 from tiers import cases, wanted
 
-from paratune.plan import load_plan_dict
-from paratune.parity import max_loss_difference
+from paratune.config.plan import load_plan_dict
+from paratune.sweep.parity import max_loss_difference
 
 pytestmark = pytest.mark.integration
 

@@ -1,12 +1,12 @@
-"""Placement rules as pure functions (paratune.placement): what a layout breaks, what a cluster
+"""Placement rules as pure functions (paratune.trial.placement): what a layout breaks, what a cluster
 cannot hold, how whole nodes are chosen and pinned, how a wait for an autoscaler ends; and the
 failure texts Ray gives when a node dies. The same rules on a real multi-node cluster:
 tests/test_cluster_jobs.py."""
 
 import pytest
 
-from paratune.failures import CLUSTER_REASONS, classify, classify_text
-from paratune.placement import (
+from paratune.trial.failures import CLUSTER_REASONS, classify, classify_text
+from paratune.trial.placement import (
     Demand,
     NodeLeases,
     NodeRoom,
@@ -21,7 +21,7 @@ from paratune.placement import (
     trials_at_once,
     wait_for_room,
 )
-from paratune.plan import load_plan_dict
+from paratune.config.plan import load_plan_dict
 
 A, B, C = "a" * 56, "b" * 56, "c" * 56
 
@@ -150,7 +150,7 @@ def test_node_death_and_placement_texts_are_classified(text, reason):
 
 def test_a_trial_the_cluster_failed_is_kept_but_measured_again_on_resume(tmp_path):
     from paratune.sweep.ledger import Ledger, LedgerEntry, objective_value, unscored
-    from paratune.trial import TrialResult
+    from paratune.cluster.trial import TrialResult
 
     plan_dict = plan(strategy="ddp").to_dict()
     lost = TrialResult.failed(plan_dict, "node_lost", "node(s) aaaaaaaa died during the trial")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from paratune.plan import Plan, PlanError, load_plan, load_plan_dict
+from paratune.config.plan import Plan, PlanError, load_plan, load_plan_dict
 
 
 def test_grad_accum_is_derived_from_the_global_batch():

@@ -2,7 +2,7 @@
 tensor- and pipeline-parallel plans with and without FSDP2 on the dp axis).
 
 Every trial records the dtype of every matmul its nn.Linear forwards dispatch in one warm-up
-step (paratune.precision); here each strategy x tp/pp combination is run on real gloo processes
+step (paratune.trial.precision); here each strategy x tp/pp combination is run on real gloo processes
 and must report bf16 only. fp32 plans are held to fp32 in test_parity_gloo.
 """
 
@@ -12,8 +12,8 @@ from conftest import BASE_PLAN
 from gloo_harness import one_torch_thread, run_plans_on_gloo  # noqa: F401 (fixture)
 from torch import nn
 
-from paratune.plan import load_plan_dict
-from paratune.precision import LinearMatmulDtypes
+from paratune.config.plan import load_plan_dict
+from paratune.trial.precision import LinearMatmulDtypes
 
 pytestmark = pytest.mark.integration
 

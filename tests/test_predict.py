@@ -3,10 +3,10 @@
 import pytest
 from test_timemodel import make_profile, plan
 
-from paratune.devices import get_device
-from paratune.estimate import Roofline
-from paratune.predict import RooflinePredictor, StepPrediction, TimePredictor
-from paratune.timemodel import StepTimeModel
+from paratune.config.devices import get_device
+from paratune.costs.estimate import Roofline
+from paratune.costs.predict import RooflinePredictor, StepPrediction, TimePredictor
+from paratune.costs.timemodel import StepTimeModel
 
 
 def test_the_roofline_and_the_calibrated_model_answer_alike():

@@ -12,10 +12,16 @@ import torch
 from conftest import BASE_PLAN
 from gloo_harness import one_torch_thread, reference_for, run_plans_on_gloo  # noqa: F401 (fixture)
 
-from paratune.checkpoints import CheckpointError, CheckpointSource, build_model_with_weights, has_weights, weights_folder
-from paratune.models import build_config, build_model, parameter_layout
-from paratune.plan import load_plan_dict
-from paratune.parity import max_loss_difference
+from paratune.model.checkpoints import (
+    CheckpointError,
+    CheckpointSource,
+    build_model_with_weights,
+    has_weights,
+    weights_folder,
+)
+from paratune.model.build import build_config, build_model, parameter_layout
+from paratune.config.plan import load_plan_dict
+from paratune.sweep.parity import max_loss_difference
 
 FP32 = 4
 
@@ -77,9 +83,9 @@ def test_a_model_folder_without_weights_is_an_error_not_random_init(llama_folder
     would train from random init while its user believes they fine-tune. Refused at validation with
     the folder, what was looked for, and the two ways to random init; a preset and a config.json
     path still start from random init, and the trial result says where the weights came from."""
-    from paratune.inputs import check_inputs
-    from paratune.models import model_init
-    from paratune.plan import PlanError, load_plan_dict
+    from paratune.config.inputs import check_inputs
+    from paratune.config.model_config import model_init
+    from paratune.config.plan import PlanError, load_plan_dict
 
     (tmp_path / "config.json").write_text((llama_folder / "config.json").read_text())
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
@@ -119,7 +125,7 @@ def test_converted_moe_checkpoint_is_refused_not_filled_at_random(tmp_path):
 
 
 def test_peft_base_layer_names_map_to_the_checkpoint(llama_folder):
-    from paratune.materialize import build_meta
+    from paratune.model.materialize import build_meta
 
     config = build_config(str(llama_folder))
     source = CheckpointSource(llama_folder, config)
@@ -163,8 +169,8 @@ def test_layouts_train_from_the_pretrained_weights(llama_folder):
 def test_preflight_refuses_a_checkpoint_the_model_cannot_take(llama_folder, tmp_path):
     """Metadata only (names and shapes), before any worker starts: a converted MoE checkpoint and
     overrides that change shapes are invalid plans; the folder as saved is fine."""
-    from paratune.plan import PlanError
-    from paratune.preflight import check_plan_against_model
+    from paratune.config.plan import PlanError
+    from paratune.checks.preflight import check_plan_against_model
 
     check_plan_against_model(load_plan_dict({**BASE_PLAN, "model": str(llama_folder)}))
     with pytest.raises(PlanError, match=r"shapes differ: 'model\.layers\.0\.mlp\.gate_proj\.weight' \(176, 64\)"):
@@ -177,7 +183,7 @@ def test_preflight_refuses_a_checkpoint_the_model_cannot_take(llama_folder, tmp_
 
 def test_parity_proxy_of_a_pretrained_model_is_random_init(llama_folder):
     """The proxy's shapes are not the checkpoint's: it builds from the folder's config.json only."""
-    from paratune.parity import parity_proxy
+    from paratune.sweep.parity import parity_proxy
 
     proxy = parity_proxy(load_plan_dict({**BASE_PLAN, "model": str(llama_folder)}))
     assert proxy.model == str(llama_folder / "config.json") and weights_folder(proxy.model) is None

@@ -10,10 +10,10 @@ import importlib
 
 import pytest
 
-from paratune.plan import load_plan_dict
-from paratune.profile import ProfileStore, covers, profile_requests_for
-from paratune.profiling import PROFILE_FUNCTION, collect_profile, run_profile
-from paratune.timemodel import StepTimeModel
+from paratune.config.plan import load_plan_dict
+from paratune.costs.profile import ProfileStore, covers, profile_requests_for
+from paratune.cluster.profiling import PROFILE_FUNCTION, collect_profile, run_profile
+from paratune.costs.timemodel import StepTimeModel
 
 TINY = {"model": "tiny-llama", "seq_len": 64, "global_batch": 16, "num_workers": 2, "env": {"OMP_NUM_THREADS": "1"}}
 
@@ -81,7 +81,7 @@ def test_run_profile_through_a_runner():
     assert profile.collectives == []  # one rank: nothing to communicate
     assert profile.block(8, 64, 1, "none").block_s > profile.block(1, 64, 1, "none").block_s
     assert profile.notes == []
-    assert collect_profile is importlib.import_module("paratune.profiling").collect_profile
+    assert collect_profile is importlib.import_module("paratune.cluster.profiling").collect_profile
 
 
 def test_bad_request_fields_are_named():
@@ -92,7 +92,7 @@ def test_bad_request_fields_are_named():
 def test_a_tp_slice_shrinks_the_widths_where_each_family_keeps_them():
     """A rank's tp slice of OPT halves ffn_dim (its feed-forward width); families without KV heads
     (OPT, GPT-NeoX) get no num_key_value_heads of paratune's making; Llama-likes lose both halves."""
-    from paratune.profiling import _local_config
+    from paratune.cluster.profiling import _local_config
 
     def sliced(model: str):
         [request] = profile_requests_for([load_plan_dict({**TINY, "model": model, "micro_batch": 1, "tp": 2})])
@@ -108,8 +108,8 @@ def test_a_tp_slice_shrinks_the_widths_where_each_family_keeps_them():
 
 def _selective_missing() -> str | None:
     """Why the recompute lever cannot run `selective` yet (None: it can), asked of the function itself."""
-    from paratune.materialize import build_meta
-    from paratune.models import build_config
+    from paratune.model.materialize import build_meta
+    from paratune.model.build import build_config
     from paratune.parallel.recompute import apply_checkpointing
 
     plan = load_plan_dict({**TINY, "num_workers": 1, "env": {}, "micro_batch": 2, "activation_checkpointing": "selective"})
@@ -125,7 +125,7 @@ def test_a_real_profile_measures_selective_beside_none_and_full():
     """One rank, the runner path: `layers` asks for no shape of its own, `selective` goes through the
     trials' recompute lever (a lever it refuses is left out, said so), and the time model predicts
     every checkpointing mode from what was measured, `layers` composed exactly from none and full."""
-    from paratune.timemodel import compose
+    from paratune.costs.timemodel import compose
 
     plans = [load_plan_dict({**TINY, "num_workers": 1, "env": {}, "micro_batch": 2, "activation_checkpointing": ac})
              for ac in ("none", "selective", "layers", "full")]
@@ -153,7 +153,7 @@ def test_a_lora_space_profiles_with_its_frozen_parts_as_a_trial_runs_them():
     """Under LoRA the embedding and the head are frozen: the embedding's timed step is its forward
     alone (nothing to run backward on; it raised before, and calibrated LoRA sweeps fell back to
     the roofline), the head's backward reaches its input only. Every LoRA block shape is profiled."""
-    from paratune.space import space_from_dict
+    from paratune.sweep.space import space_from_dict
 
     space = space_from_dict({"name": "lora", "fixed": {**TINY, "num_workers": 1, "env": {},
                                                        "peft": {"method": "lora", "r": 4, "alpha": 8,

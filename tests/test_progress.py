@@ -5,8 +5,16 @@ import io
 
 from rich.console import Console
 
-from paratune.progress import (ProgressDisplay, SweepProgress, eta_s, format_duration, format_progress,
-                               format_trial_line, progress_line, status_text)
+from paratune.out.progress import (
+    ProgressDisplay,
+    SweepProgress,
+    eta_s,
+    format_duration,
+    format_progress,
+    format_trial_line,
+    progress_line,
+    status_text,
+)
 
 
 def test_durations_are_short_and_unknowns_say_so():

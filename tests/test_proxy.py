@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 from gloo_harness import one_torch_thread  # noqa: F401 (fixture: in-process references on one thread)
 
-from paratune.models import build_config, load_config_dict, parameter_counts
-from paratune.parity import PROXY_HEAD_DIM, Parity, parity_proxy, proxy_shape, reference_losses, winner_parity
-from paratune.plan import Plan, load_plan_dict
-from paratune.space import load_space as _load_space
-from paratune.trial import TrialResult
+from paratune.model.build import build_config, parameter_counts
+from paratune.config.model_config import load_config_dict
+from paratune.sweep.parity import PROXY_HEAD_DIM, Parity, parity_proxy, proxy_shape, reference_losses, winner_parity
+from paratune.config.plan import Plan, load_plan_dict
+from paratune.sweep.space import load_space as _load_space
+from paratune.cluster.trial import TrialResult
 
 SPACES = sorted((Path(__file__).resolve().parents[1] / "search_spaces").glob("*.yaml"))
 # The proxy may shrink the model and shorten the run; every other field (strategy and its options,
@@ -166,7 +167,7 @@ def test_a_model_that_amplifies_rounding_passes_within_its_own_sensitivity(tmp_p
     a loss off by more than that, or a first loss that differs (another model), still fails."""
     from family_zoo import write_config
 
-    from paratune.parity import reference_training, rounding_sensitivity
+    from paratune.sweep.parity import reference_training, rounding_sensitivity
 
     plan = load_plan_dict({"model": str(write_config("cpmant", tmp_path)), "seq_len": 16, "global_batch": 4,
                            "micro_batch": 2, "num_workers": 2, "warmup_steps": 1, "measure_steps": 2, "lr": 1e-2})
@@ -186,13 +187,13 @@ def test_a_model_that_amplifies_rounding_passes_within_its_own_sensitivity(tmp_p
 @pytest.fixture(scope="module")
 def tracker(tmp_path_factory):
     """A real MLflow store (sqlite), shared by the tests of this module: creating one takes seconds."""
-    from paratune.tracking import SweepTracker
+    from paratune.out.tracking import SweepTracker
 
     return SweepTracker(f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}")
 
 
 def _finish_space(space_fixed: dict):
-    from paratune.space import space_from_dict
+    from paratune.sweep.space import space_from_dict
 
     return space_from_dict({"name": "finish", "fixed": space_fixed, "space": {"micro_batch": [2, 4]},
                             "search": {"algorithm": "grid", "trials": 2, "remeasure_rounds": 0}})

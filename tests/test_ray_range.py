@@ -18,10 +18,17 @@ import pytest
 import ray.cloudpickle
 from conftest import BASE_PLAN
 
-from paratune.failures import classify
-from paratune.launch import (Deadline, WorkerDemand, build_trainer, fit, placement_groups,
-                             remove_leaked_placement_groups, return_value)
-from paratune.plan import load_plan_dict
+from paratune.trial.failures import classify
+from paratune.cluster.launch import (
+    Deadline,
+    WorkerDemand,
+    build_trainer,
+    fit,
+    placement_groups,
+    remove_leaked_placement_groups,
+    return_value,
+)
+from paratune.config.plan import load_plan_dict
 
 pytestmark = pytest.mark.integration
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the train loops below: Ray's workers cannot import tests/
@@ -156,7 +163,7 @@ def test_a_run_past_its_deadline_ends_with_its_workers(ray_local, tmp_path):
 def test_a_training_run_reports_its_outcome(ray_local, tmp_path):
     """Ray's own TorchTrainer (no runner, no deadline), checkpointed; before Ray 2.56 the outcome is
     read from its last checkpoint."""
-    from paratune.training import run_training
+    from paratune.train.training import run_training
 
     result = run_training(load_plan_dict(BASE_PLAN), steps=3, checkpoint_every=2, track=False,
                           storage_path=str(tmp_path / "ray"), name="range-train")

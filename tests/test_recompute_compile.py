@@ -18,12 +18,12 @@ from conftest import BASE_PLAN
 from tiers import cases, wanted
 from torch import nn
 
-from paratune.materialize import build_meta
-from paratune.models import build_config, build_model
+from paratune.model.materialize import build_meta
+from paratune.model.build import build_config, build_model
 from paratune.parallel import compile as block_compile
 from paratune.parallel import recompute
-from paratune.parity import max_loss_difference
-from paratune.plan import load_plan_dict
+from paratune.sweep.parity import max_loss_difference
+from paratune.config.plan import load_plan_dict
 
 MODEL = {"model": "tiny-llama", "model_overrides": {"hidden_size": 64, "num_hidden_layers": 2}}
 
@@ -190,9 +190,9 @@ def test_an_async_tp_plans_workers_serve_it_alone():
     retired after its one plan; other keys keep being reused."""
     from types import SimpleNamespace
 
-    from paratune.launch import WorkerDemand
-    from paratune.pool import SessionPool
-    from paratune.session import GroupKey
+    from paratune.cluster.launch import WorkerDemand
+    from paratune.cluster.pool import SessionPool
+    from paratune.cluster.session import GroupKey
 
     cuda = {"device": "cuda", "num_workers": 2, "gpus_per_node": 2}
     async_plan = _plan(compile=True, tp=2, sequence_parallel=True, async_tp=True, **cuda)

@@ -1,4 +1,4 @@
-"""One refusal path (paratune.refusals): a rule lives with its owner and one function collects them, so
+"""One refusal path (paratune.checks.refusals): a rule lives with its owner and one function collects them, so
 `validate`, `plan` (a space's pruning), the trial and `train` refuse a plan alike, before any worker,
 with the same words; the device's refusals (cp and every lever's) are one function for the cost model
 and the launch. No Ray starts here: each entry point refuses before it would."""
@@ -9,14 +9,14 @@ import pytest
 import yaml
 
 from paratune import cli
-from paratune.devices import get_device
+from paratune.config.devices import get_device
 from paratune.levers import Lever, LeverField, register, unregister
-from paratune.plan import PlanError, load_plan_dict, plan_class
-from paratune.refusals import check_plan, device_entry_refusal
-from paratune.space import space_from_dict
-from paratune.training import run_training
-from paratune.trial import check_before_launch
-from paratune.user_loop import TRAIN_LOOP_ENV
+from paratune.config.plan import PlanError, load_plan_dict, plan_class
+from paratune.checks.refusals import check_plan, device_entry_refusal
+from paratune.sweep.space import space_from_dict
+from paratune.train.training import run_training
+from paratune.cluster.trial import check_before_launch
+from paratune.config.train_loop import TRAIN_LOOP_ENV
 
 PLAN = {"model": "tiny-llama", "num_workers": 2, "global_batch": 8, "micro_batch": 2, "seq_len": 32}
 # A plan its own fields allow and the model family refuses (tiny-llama has no routed experts).

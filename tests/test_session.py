@@ -1,4 +1,4 @@
-"""Launch once, measure many (paratune.session) on a real in-process Ray cluster: 2 gloo workers.
+"""Launch once, measure many (paratune.cluster.session) on a real in-process Ray cluster: 2 gloo workers.
 
 A plan measured in a reused worker group must measure what it measures in its own fresh group
 (run_trial): same losses, same peak memory, same parameters held, same speed within noise.
@@ -11,13 +11,13 @@ import time
 import pytest
 from conftest import BASE_PLAN, expected_parameter_share
 
-from paratune.measure import TrialStopRule
-from paratune.plan import load_plan_dict
-from paratune.parity import max_loss_difference, reference_losses
-from paratune.pool import get_pool_actor
-from paratune.results import SessionTrialResult
-from paratune.session import RequestFailed
-from paratune.trial import run_trial
+from paratune.costs.measure import TrialStopRule
+from paratune.config.plan import load_plan_dict
+from paratune.sweep.parity import max_loss_difference, reference_losses
+from paratune.cluster.pool import get_pool_actor
+from paratune.trial.results import SessionTrialResult
+from paratune.cluster.session import RequestFailed
+from paratune.cluster.trial import run_trial
 
 pytestmark = pytest.mark.integration
 
@@ -135,7 +135,7 @@ def assert_fresh_trial_figures(result, plan, before: set[str] = frozenset()) -> 
         [(0, node, 0, 2), (1, node, 1, 2)]
     # A measurement is never retried: Ray Train's preemption watcher (Ray 2.57+) is not started for
     # it. The names are Ray's own where this Ray defines them (private constants: read if there).
-    from paratune.launch import MEASUREMENT_CONTROLLER_ENV
+    from paratune.cluster.launch import MEASUREMENT_CONTROLLER_ENV
 
     assert MEASUREMENT_CONTROLLER_ENV == {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
                                           "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
@@ -208,7 +208,7 @@ def test_another_env_gets_another_group_and_a_failure_ends_it(pool):
 
 def test_a_request_past_its_timeout_ends_its_group_as_a_hang(pool, ray_local):
     def run(payload: dict, timeout_s: float | None = None) -> dict:
-        return ray_local.get(pool.actor.run.remote({**BASE_PLAN, "env": FAULT}, "paratune.session:probe",
+        return ray_local.get(pool.actor.run.remote({**BASE_PLAN, "env": FAULT}, "paratune.cluster.session:probe",
                                                    payload, timeout_s), timeout=600)
 
     # Each request runs in a process group of its own: a new store (port), the plan's backend.
@@ -229,7 +229,7 @@ def test_a_request_past_its_timeout_ends_its_group_as_a_hang(pool, ray_local):
 
 
 def test_plans_share_a_group_only_when_they_need_the_same_workers():
-    from paratune.session import GroupKey
+    from paratune.cluster.session import GroupKey
 
     def key(use_gpu: bool = False, nodes=None, **changes) -> GroupKey:
         return GroupKey.for_plan(load_plan_dict({**BASE_PLAN, **changes}), use_gpu, nodes)

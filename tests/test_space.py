@@ -5,13 +5,13 @@ import json
 import optuna
 import pytest
 
-from paratune.export import export_winner
-from paratune.plan import load_plan, load_plan_dict
-from paratune.space import SpaceError, load_space, space_from_dict
+from paratune.out.export import export_winner
+from paratune.config.plan import load_plan, load_plan_dict
+from paratune.sweep.space import SpaceError, load_space, space_from_dict
 from paratune.sweep.searchers import CandidateTree, all_points
 from paratune.sweep.ledger import point_key
-from paratune.trial import TrialResult
-from paratune.verdict import Standing, complexity, decide
+from paratune.cluster.trial import TrialResult
+from paratune.sweep.verdict import Standing, complexity, decide
 
 SPACE = {
     "name": "unit",
@@ -36,7 +36,7 @@ def test_a_shipped_space_is_named_and_the_checkouts_folder_is_the_packages(tmp_p
     so `paratune tune search_spaces/local_cpu.yaml` and `paratune tune local_cpu` read one file."""
     from pathlib import Path
 
-    from paratune.space import SHIPPED_SPACES, resolve_space, shipped_spaces
+    from paratune.sweep.space import SHIPPED_SPACES, resolve_space, shipped_spaces
 
     root = Path(__file__).resolve().parents[1]
     assert (root / "search_spaces").resolve() == SHIPPED_SPACES.resolve()
@@ -56,7 +56,7 @@ def test_a_shipped_space_is_named_and_the_checkouts_folder_is_the_packages(tmp_p
 
 def test_spaces_lists_the_shipped_ones_and_prints_one(capsys):
     from paratune.cli import main
-    from paratune.space import shipped_spaces
+    from paratune.sweep.space import shipped_spaces
 
     assert main(["spaces"]) == 0
     listed = capsys.readouterr().out
@@ -293,7 +293,7 @@ def test_fixed_fields_and_env_are_still_checked_alone(tmp_path):
 
 
 def test_the_data_loader_is_a_knob_a_space_sweeps(tmp_path):
-    from paratune.tables import strategy_label
+    from paratune.out.tables import strategy_label
 
     (tmp_path / "c.txt").write_text("paratune " * 400)
     fixed = {"model": "tiny-llama", "num_workers": 2, "global_batch": 8, "data": {"kind": "text", "path": str(tmp_path / "c.txt")}}

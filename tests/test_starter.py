@@ -6,8 +6,8 @@ from __future__ import annotations
 import yaml
 
 from paratune import cli
-from paratune.space import load_space
-from paratune.starter import Hardware, find_hardware, starter_space
+from paratune.sweep.space import load_space
+from paratune.commands.starter import Hardware, find_hardware, starter_space
 
 
 def test_the_hardware_is_what_was_asked_else_this_machine():

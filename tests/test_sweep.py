@@ -6,8 +6,8 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from paratune.plan import load_plan
-from paratune.space import load_space
+from paratune.config.plan import load_plan
+from paratune.sweep.space import load_space
 from paratune.sweep.ledger import Ledger, SweepError
 from paratune.sweep.driver import run_sweep
 
@@ -31,7 +31,7 @@ def sweep_pool(ray_local):
     the default, started and closed with it: the sweep jobs of tests/test_cluster_jobs.py.) Closed
     at the module's end, so the CPUs its idle group holds go back before the next module's workers
     need them."""
-    from paratune.pool import get_pool_actor
+    from paratune.cluster.pool import get_pool_actor
 
     name = "paratune-test-sweep-pool"
     actor = get_pool_actor(name)
@@ -162,8 +162,8 @@ def test_sweep_over_parallel_degrees_logs_them(ray_local, tmp_path, mlflow_uri, 
 def test_calibrated_sweep_profiles_measures_the_predicted_fastest_first_and_stops_by_its_rule(ray_local, tmp_path, mlflow_uri, sweep_pool):
     # Micro-batch 1 means 4 micro-batches per step: on a tiny model several times slower than
     # micro-batch 4, and the profiled model should say so; the rule then stops before them.
-    from paratune.profile import ProfileStore, profile_requests_for
-    from paratune.timemodel import StepTimeModel
+    from paratune.costs.profile import ProfileStore, profile_requests_for
+    from paratune.costs.timemodel import StepTimeModel
 
     space = _space(tmp_path, "calibrated", {"strategy": {"ddp": {}}, "micro_batch": [1, 4],
                                             "activation_checkpointing": ["none", "full"]},
@@ -233,10 +233,10 @@ def test_plans_the_cluster_cannot_hold_are_pruned_and_a_cuda_space_without_gpus_
 
 
 def _pool_groups(name: str) -> list[dict]:
-    """The worker groups of a running pool actor (paratune.session), ended ones left out."""
+    """The worker groups of a running pool actor (paratune.cluster.session), ended ones left out."""
     import ray
 
-    from paratune.pool import get_pool_actor
+    from paratune.cluster.pool import get_pool_actor
 
     return [g for g in ray.get(get_pool_actor(name).groups.remote()) if not g["ended"]]
 
@@ -263,7 +263,7 @@ def _assert_progress_without_tune_banner(captured, total: int) -> None:
 def _assert_mlflow_as_users_expect(client, report, children, ledger) -> None:
     """A model-training experiment; each trial run spans the trial; the parent says the winner and
     how to train with it."""
-    from paratune.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, NOTE_TAG
+    from paratune.out.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, NOTE_TAG
 
     parent = client.get_run(report.parent_run_id)
     assert client.get_experiment(parent.info.experiment_id).tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND

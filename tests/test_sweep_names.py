@@ -38,9 +38,9 @@ def test_import_paratune_loads_neither_torch_nor_ray():
 
 def test_every_public_name_resolves_to_its_module_and_the_readme_shows_it():
     import paratune
-    from paratune.plan import load_plan
+    from paratune.config.plan import load_plan
     from paratune.sweep.driver import run_sweep
-    from paratune.trial import run_trial
+    from paratune.cluster.trial import run_trial
 
     assert paratune.load_plan is load_plan and paratune.run_sweep is run_sweep and paratune.run_trial is run_trial
     readme = (ROOT / "README.md").read_text()

@@ -20,14 +20,14 @@ import pytest
 import yaml
 from PIL import Image
 
-from paratune.plan import load_plan_dict
+from paratune.config.plan import load_plan_dict
 from paratune.sweep.figures import (FIGURE_PIXELS, knob_importance, pareto_front, plot_importance, plot_losses,
                                     plot_predicted, plot_throughput_memory)
 from paratune.sweep.folder import leaderboard, read_sweep
 from paratune.sweep.ledger import Ledger, LedgerEntry, point_key
 from paratune.sweep.page import SweepReportPage, build_report, report_files, write_sweep_report
-from paratune.trial import TrialResult
-from paratune.verdict import Standing, decide
+from paratune.cluster.trial import TrialResult
+from paratune.sweep.verdict import Standing, decide
 
 REAL_SWEEP = Path(__file__).parent / "data" / "sweep_report"
 MiB = 2**20

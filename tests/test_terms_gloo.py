@@ -1,6 +1,6 @@
 """Issue 43's terms in both time models, each shown in its direction on real CPU runs where a CPU
 can show it (gloo processes, a real checkpointed model), and in the calibrated model's composition
-(paratune.timemodel.compose) beside the roofline's (paratune.estimate)."""
+(paratune.costs.timemodel.compose) beside the roofline's (paratune.costs.estimate)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 from gloo_harness import run_plans_on_gloo
 from test_timemodel import make_profile
 
-from paratune.estimate import comm_volume, dp_overlap_share
+from paratune.costs.estimate import comm_volume, dp_overlap_share
 from paratune.levers import async_tp_hidden
-from paratune.plan import load_plan_dict
-from paratune.timemodel import compose
+from paratune.config.plan import load_plan_dict
+from paratune.costs.timemodel import compose
 
 # ------------------------------------------------------------------ counted on gloo (2 processes)
 CALLS: list[tuple[str, int]] = []
@@ -34,7 +34,7 @@ def count_fsdp_collectives() -> None:
 
 def measure_with_counts(plan, rank, world, local_world, device):
     """train_and_measure, and the collectives it ran (per step)."""
-    from paratune.trial_worker import train_and_measure
+    from paratune.trial.worker import train_and_measure
 
     CALLS.clear()
     out = train_and_measure(plan, rank, world, local_world, device)
@@ -81,8 +81,8 @@ def test_full_recompute_runs_the_forward_again_counted_on_a_real_model():
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM
 
-    from paratune.efficiency import recompute_share
-    from paratune.models import build_config
+    from paratune.costs.efficiency import recompute_share
+    from paratune.model.build import build_config
     from paratune.parallel.recompute import checkpoint_blocks
 
     def step_flops(mode: str) -> int:
@@ -140,10 +140,10 @@ def test_prefetch_hides_fsdp2s_gathers_under_the_micro_batch_on_gpus_not_on_cpu(
 
 def test_the_calibrated_model_counts_fsdp2s_copies_every_micro_batch_on_gpus():
     """FSDP2's copy-out of each gather and copy-in to each reduce-scatter run on the compute
-    stream every micro-batch (paratune.efficiency.fsdp_copy_bytes): on a GPU profile an FSDP2
+    stream every micro-batch (paratune.costs.efficiency.fsdp_copy_bytes): on a GPU profile an FSDP2
     plan's compute exceeds DDP's at the same blocks by exactly those copies, per micro-batch; on
     CPU workers (no HBM figure) and for DDP (its gradients are views of its buckets) none."""
-    from paratune.efficiency import fsdp_copy_seconds_per_micro_batch
+    from paratune.costs.efficiency import fsdp_copy_seconds_per_micro_batch
 
     def plan(strategy, micro_batch):
         extra = {"fsdp": {"sharding": "full"}} if strategy == "fsdp" else {}

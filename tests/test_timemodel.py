@@ -9,13 +9,32 @@ import math
 
 import pytest
 
-from paratune.plan import load_plan_dict
-from paratune.profile import (BlockShape, BlockTime, Curve, GroupSpec, HeadShape, HeadTime, LinearFit, Profile,
-                              ProfileRequest,
-                              ProfileStore, config_digest, profile_requests_for)
-from paratune.profiling import fit_latency_bandwidth
-from paratune.timemodel import (FEATURES, PRIOR, PRIOR_BAND, StepTimeModel, compose, families, fit_coefficients,
-                                module_sizes)
+from paratune.config.plan import load_plan_dict
+from paratune.costs.profile import (
+    BlockShape,
+    BlockTime,
+    Curve,
+    GroupSpec,
+    HeadShape,
+    HeadTime,
+    LinearFit,
+    Profile,
+    ProfileRequest,
+    ProfileStore,
+    config_digest,
+    profile_requests_for,
+)
+from paratune.cluster.profiling import fit_latency_bandwidth
+from paratune.costs.timemodel import (
+    FEATURES,
+    PRIOR,
+    PRIOR_BAND,
+    StepTimeModel,
+    compose,
+    families,
+    fit_coefficients,
+    module_sizes,
+)
 
 BASE = {"model": "small-llama", "seq_len": 128, "global_batch": 16, "num_workers": 2}
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
@@ -108,8 +127,8 @@ def test_tensor_parallel_all_reduces_per_layer_and_recompute_adds_two():
 
 def test_ddp_buckets_and_bandwidth():
     """DDP all-reduces fp32 gradients once per step in buckets: 1 MiB first, then bucket_cap_mb."""
-    from paratune.shapes import local_params as _local_params
-    from paratune.shapes import model_shape
+    from paratune.model.shapes import local_params as _local_params
+    from paratune.model.shapes import model_shape
 
     spb, latency = 1e-9, 1e-3
     profile = make_profile(latency=latency, seconds_per_byte=spb)
@@ -344,7 +363,7 @@ def test_a_space_sweeping_compile_float8_and_checkpointing_asks_for_each_combina
     `layers`, which is made of `none` and `full` blocks, add none); no head beyond the standard."""
     from itertools import product
 
-    from paratune.space import space_from_dict
+    from paratune.sweep.space import space_from_dict
 
     plans = [c.plan for c in space_from_dict(LEVER_SPACE).candidates]
     assert {(p.activation_checkpointing, p.compile, p.float8) for p in plans} == set(
@@ -458,7 +477,7 @@ def test_a_lora_plan_times_the_frozen_base_block_it_runs():
     assert compose(lora, with_lora)["compute"] == pytest.approx(m * (4 * 0.8 * eager.block_s + eager.embed_s + eager.head_s))
     assert StepTimeModel([with_lora]).predict(lora).note is None
     # the profile a LoRA sweep asks for has the frozen-base block beside the full one's
-    from paratune.profile import profile_requests_for
+    from paratune.costs.profile import profile_requests_for
 
     (request,) = profile_requests_for([lora, plan(micro_batch=2, precision="bf16")])
     assert sorted(b.peft != "" for b in request.blocks) == [False, True]

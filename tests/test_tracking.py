@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from paratune.plan import PlanError, load_plan_dict
+from paratune.config.plan import PlanError, load_plan_dict
 from paratune.sweep.ledger import LedgerEntry
-from paratune.tracking import SweepTracker, redact
-from paratune.trial import TrialResult
+from paratune.out.tracking import SweepTracker, redact
+from paratune.cluster.trial import TrialResult
 
 from conftest import BASE_PLAN
 
@@ -75,7 +75,7 @@ def test_the_experiment_opens_as_model_training_and_trials_carry_their_own_times
     """MLflow's UI decides how to open an experiment by its kind tag: a model-training experiment
     opens on its runs, not on a GenAI overview of traces. A child run spans the trial itself
     (started_at to started_at + wall_s), not the milliseconds it took to log it."""
-    from paratune.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, start_training_run
+    from paratune.out.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, start_training_run
 
     uri = mlflow_uri
     client = SweepTracker(uri).client
@@ -101,8 +101,8 @@ def test_the_experiment_opens_as_model_training_and_trials_carry_their_own_times
 
 
 def test_the_parent_describes_the_winner_and_how_to_train_with_it(tracker, tmp_path):
-    from paratune.export import export_winner
-    from paratune.tracking import NOTE_TAG, sweep_note
+    from paratune.out.export import export_winner
+    from paratune.out.tracking import NOTE_TAG, sweep_note
 
     winner_dir = tmp_path / "sweep" / "winner"
     summary = {"label": "fsdp full mb4", "tokens_per_s_per_gpu_median": 12345.6, "relative_spread": 0.08,
@@ -139,7 +139,7 @@ def test_the_winners_commands_fit_where_the_sweep_ran(tmp_path, monkeypatch):
     import shlex
     import sys
 
-    from paratune.export import export_winner, on_a_cluster, own_command
+    from paratune.out.export import export_winner, on_a_cluster, own_command
 
     monkeypatch.setenv("PARATUNE_HOME", "/data/paratune_runs")
     monkeypatch.delenv("PARATUNE_STORAGE", raising=False)

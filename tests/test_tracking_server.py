@@ -21,13 +21,13 @@ import yaml
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from paratune.plan import load_plan_dict
-from paratune.space import load_space
+from paratune.config.plan import load_plan_dict
+from paratune.sweep.space import load_space
 from paratune.sweep.ledger import Ledger, LedgerEntry
 from paratune.sweep.driver import run_sweep
 from paratune.sweep.callbacks import LedgerCallback
-from paratune.tracking import SweepTracker, trial_metrics
-from paratune.trial import TrialResult
+from paratune.out.tracking import SweepTracker, trial_metrics
+from paratune.cluster.trial import TrialResult
 
 from conftest import BASE_PLAN
 from procs import free_port, stop_group

@@ -3,8 +3,8 @@
 import pytest
 from conftest import BASE_PLAN
 
-from paratune.plan import load_plan_dict
-from paratune.trial import run_trial
+from paratune.config.plan import load_plan_dict
+from paratune.cluster.trial import run_trial
 
 pytestmark = pytest.mark.integration
 
@@ -101,7 +101,7 @@ def test_hanging_worker_is_ended_by_the_trial_timeout(ray_local):
 # a trial early and records it (test_sweep's test_a_sweep_stops_early_the_trial_that_cannot_reach_its_incumbent).
 @pytest.mark.matrix
 def test_a_trial_that_cannot_reach_the_incumbent_stops_early_with_its_partial_figures(ray_local):
-    from paratune.measure import TrialStopRule
+    from paratune.costs.measure import TrialStopRule
 
     # The plan's env reaches its workers (and comes back as seen): settings that are not
     # communication settings are still delivered.
@@ -121,7 +121,7 @@ def test_a_loss_that_overflows_fails_the_trial_as_diverged(ray_local):
     """An lr of 1e20 sends step 1's loss to NaN on every rank: the trial is failed, reason
     `diverged`, naming the first step and rank (never `ok` with NaN figures, which a sweep would
     rank by its speed), and the cluster is free for the next trial."""
-    from paratune.failures import classify
+    from paratune.trial.failures import classify
 
     result = run_trial(load_plan_dict({**BASE_PLAN, "lr": 1e20}))
     assert result.status == "failed" and result.reason == "diverged", (result.status, result.message)
@@ -137,7 +137,7 @@ def test_parity_of_a_model_with_dropout_runs_both_sides_without_it(ray_local, tm
     losses, drawn with dropout on."""
     from family_zoo import write_config
 
-    from paratune.parity import winner_parity
+    from paratune.sweep.parity import winner_parity
 
     plan = load_plan_dict({**BASE_PLAN, "model": str(write_config("gpt_bigcode", tmp_path)), "measure_steps": 2})
     measured = run_trial(plan)

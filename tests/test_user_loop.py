@@ -1,4 +1,4 @@
-"""Your own training loop, tuned (paratune.user_loop): the session's timing rules on a real
+"""Your own training loop, tuned (paratune.trial.user_loop): the session's timing rules on a real
 one-process gloo group, the refusals before launch, and the example loop swept over ddp and
 fsdp on Ray with a loop that raises beside it, ranked and logged to MLflow."""
 
@@ -10,10 +10,12 @@ import torch
 import torch.distributed as dist
 from mlflow.tracking import MlflowClient
 
-from paratune import cli, measure, user_loop
-from paratune.plan import load_plan_dict
-from paratune.space import space_from_dict, with_train_loop
-from paratune.trial import check_before_launch
+from paratune import cli
+from paratune.costs import measure
+from paratune.trial import user_loop
+from paratune.config.plan import load_plan_dict
+from paratune.sweep.space import space_from_dict, with_train_loop
+from paratune.cluster.trial import check_before_launch
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = str(Path(__file__).resolve().parent)
@@ -82,7 +84,7 @@ def test_the_peak_window_is_the_trials_measured_steps(one_rank):
 
 def sharded_loop(config):
     """The example's model, prepared (FSDP2 under an fsdp plan) and stepped."""
-    from paratune.models import build_config, build_model
+    from paratune.model.build import build_config, build_model
 
     plan = user_loop.plan()
     config = build_config(plan.model, plan.model_overrides)
@@ -150,7 +152,7 @@ def test_bad_train_loop_is_refused_before_launch(tmp_path, capsys, monkeypatch, 
 # --------------------------------------------------------------------------- a real sweep on Ray
 @pytest.mark.integration
 def test_example_loop_swept_over_ddp_and_fsdp_ranked_and_logged(ray_local, tmp_path, mlflow_uri, monkeypatch):
-    from paratune.pool import get_pool_actor
+    from paratune.cluster.pool import get_pool_actor
     from paratune.sweep.driver import run_sweep
 
     monkeypatch.chdir(REPO)

@@ -77,8 +77,8 @@ def wheel_env(tmp_path_factory):
 
 
 def test_the_wheel_carries_the_presets_the_shipped_spaces_and_the_entry_points(wheel_env):
-    from paratune.models import PRESET_DIR
-    from paratune.space import shipped_spaces
+    from paratune.config.model_config import PRESET_DIR
+    from paratune.sweep.space import shipped_spaces
 
     wheel, *_ = wheel_env
     names = set(zipfile.ZipFile(wheel).namelist())

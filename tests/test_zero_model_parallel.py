@@ -10,8 +10,8 @@ import pytest
 from conftest import BASE_PLAN
 from gloo_harness import assert_groups_use_plan_timeout, one_torch_thread, reference_for  # noqa: F401 (fixture)
 
-from paratune.plan import PlanError, load_plan_dict
-from paratune.parity import max_loss_difference
+from paratune.config.plan import PlanError, load_plan_dict
+from paratune.sweep.parity import max_loss_difference
 
 
 def _plan(**changes):
@@ -19,7 +19,7 @@ def _plan(**changes):
 
 
 def _check_parity(plans, outs):
-    from paratune.models import build_config, parameter_counts
+    from paratune.model.build import build_config, parameter_counts
 
     for plan, out in zip(plans, outs):
         label = plan.model_dump(include={"num_workers", "tp", "zero", "grad_clip", "model_overrides"})

@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from paratune import user_loop
-from paratune.models import build_config, build_model
+from paratune.trial import user_loop
+from paratune.model.build import build_config, build_model
 
 
 def loop(config: dict[str, Any]) -> None:

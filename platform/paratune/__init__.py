@@ -29,14 +29,14 @@ _os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 
 # public name -> the module that defines it
 _PUBLIC: dict[str, str] = {
-    "Plan": "paratune.plan", "PlanError": "paratune.plan", "load_plan": "paratune.plan",
-    "load_plan_dict": "paratune.plan", "check_plan": "paratune.refusals",
-    "Space": "paratune.space", "load_space": "paratune.space",
-    "run_trial": "paratune.trial", "TrialResult": "paratune.results",
+    "Plan": "paratune.config.plan", "PlanError": "paratune.config.plan", "load_plan": "paratune.config.plan",
+    "load_plan_dict": "paratune.config.plan", "check_plan": "paratune.checks.refusals",
+    "Space": "paratune.sweep.space", "load_space": "paratune.sweep.space",
+    "run_trial": "paratune.cluster.trial", "TrialResult": "paratune.trial.results",
     "run_sweep": "paratune.sweep.driver", "SweepOutcome": "paratune.sweep.finish",
-    "estimate": "paratune.estimate", "Estimate": "paratune.estimate",
-    "load_devices": "paratune.devices", "Device": "paratune.devices",
-    "winner_parity": "paratune.parity", "Parity": "paratune.parity",
+    "estimate": "paratune.costs.estimate", "Estimate": "paratune.costs.estimate",
+    "load_devices": "paratune.config.devices", "Device": "paratune.config.devices",
+    "winner_parity": "paratune.sweep.parity", "Parity": "paratune.sweep.parity",
 }
 
 __all__ = ["__version__", *_PUBLIC]

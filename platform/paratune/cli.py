@@ -11,12 +11,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from paratune.plan import PlanError, load_plan
+from paratune.config.plan import PlanError, load_plan
 
 
 def _say_ray_fallbacks(console: Console) -> None:
-    """What the installed Ray lacks and what paratune does instead (paratune.launch.RayFeatures), once."""
-    from paratune.launch import ray_features
+    """What the installed Ray lacks and what paratune does instead (paratune.cluster.launch.RayFeatures), once."""
+    from paratune.cluster.launch import ray_features
 
     features = ray_features()
     for line in features.lost():
@@ -26,11 +26,11 @@ def _say_ray_fallbacks(console: Console) -> None:
 def _cmd_trial(args: argparse.Namespace, console: Console) -> int:
     """Run plans one after another. No plan or model, however broken, ends the command: a bad one
     is a failed row with its reason, and the results so far are written after every plan."""
-    from paratune.failures import classify
-    from paratune.parity import winner_parity
-    from paratune.tables import print_results
-    from paratune.results import TrialResult
-    from paratune.trial import run_trial
+    from paratune.trial.failures import classify
+    from paratune.sweep.parity import winner_parity
+    from paratune.out.tables import print_results
+    from paratune.trial.results import TrialResult
+    from paratune.cluster.trial import run_trial
 
     rows: list[tuple[str, TrialResult, float | None]] = []
     passed: dict[int, bool] = {}  # row index -> the parity judge's verdict (--parity, ok trials only)
@@ -61,7 +61,7 @@ def _cmd_trial(args: argparse.Namespace, console: Console) -> int:
                 result = TrialResult.failed(plan, reason, message)
         diff = None
         if result.ok and args.parity:
-            # The sweep's judge (paratune.parity): its tolerance, and a proxy for a model too big to
+            # The sweep's judge (paratune.sweep.parity): its tolerance, and a proxy for a model too big to
             # train on this CPU. It never raises: a check that cannot run says why.
             with console.status(f"single-process reference for {name}"):
                 check = winner_parity(plan, result)
@@ -89,13 +89,13 @@ def _cmd_trial(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace, console: Console) -> int:
-    from paratune.space import SpaceError, load_space
+    from paratune.sweep.space import SpaceError, load_space
     from paratune.sweep.driver import run_sweep
     from paratune.sweep.ledger import SweepError
-    from paratune.tables import print_sweep
-    from paratune.tracking import default_tracking_uri
+    from paratune.out.tables import print_sweep
+    from paratune.out.tracking import default_tracking_uri
 
-    from paratune.inputs import check_space_inputs
+    from paratune.config.inputs import check_space_inputs
 
     try:
         space = load_space(args.space)
@@ -104,9 +104,9 @@ def _cmd_tune(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]invalid space[/red]\n{escape(str(err))}")
         return 2
     search = args.search
-    if args.train_loop:  # every plan runs the user's loop (paratune.user_loop); checked before any launch
-        from paratune.space import with_train_loop
-        from paratune.user_loop import TrainLoopError
+    if args.train_loop:  # every plan runs the user's loop (paratune.trial.user_loop); checked before any launch
+        from paratune.sweep.space import with_train_loop
+        from paratune.config.train_loop import TrainLoopError
 
         try:
             space = with_train_loop(space, args.train_loop)
@@ -115,7 +115,7 @@ def _cmd_tune(args: argparse.Namespace, console: Console) -> int:
             return 2
         # The calibrated searcher profiles paratune's own model, not the loop's: grid unless asked.
         search = search or ("grid" if space.spec.search.algorithm == "calibrated" else None)
-    from paratune.home import paratune_home
+    from paratune.config.home import paratune_home
 
     _say_ray_fallbacks(console)
     out = Path(args.out) if args.out else paratune_home() / space.spec.name
@@ -126,7 +126,7 @@ def _cmd_tune(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]{err}[/red]")
         return 2
     print_sweep(outcome, console)
-    from paratune.export import own_command
+    from paratune.out.export import own_command
 
     uri = args.tracking_uri or default_tracking_uri()
     console.print(f"compare the trials in MLflow:  {own_command()} ui --tracking-uri {uri}", soft_wrap=True)
@@ -163,7 +163,7 @@ def _reachable_tracker(uri: str, parent: str, console: Console):
     """A SweepTracker on `uri` if the parent run is there (a few seconds at most), else None, said why."""
     import os
 
-    from paratune.tracking import SweepTracker
+    from paratune.out.tracking import SweepTracker
 
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
         console.print(f"[yellow]MLflow store {uri} is not there: the report is not logged to MLflow[/yellow]")
@@ -181,7 +181,7 @@ def _reachable_tracker(uri: str, parent: str, console: Console):
 
 
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
-    from paratune.training import run_training
+    from paratune.train.training import run_training
 
     plan = _load_plan_or_say_why(args.plan, console)
     if plan is None:
@@ -212,26 +212,26 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
 def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     import time
 
-    from paratune.devices import get_device
-    from paratune.estimate import estimate_space
-    from paratune.tables import print_estimates
-    from paratune.inputs import check_space_inputs
-    from paratune.plan import absolute_local_paths
-    from paratune.space import SpaceError, read_space_mapping, resolve_space, space_from_dict
+    from paratune.config.devices import get_device
+    from paratune.costs.estimate import estimate_space
+    from paratune.out.tables import print_estimates
+    from paratune.config.inputs import check_space_inputs
+    from paratune.config.plan import absolute_local_paths
+    from paratune.sweep.space import SpaceError, read_space_mapping, resolve_space, space_from_dict
 
     try:
         args.space = str(resolve_space(args.space))  # a file, or a shipped space's name (--compare too)
     except SpaceError as err:
         console.print(f"[red]cannot plan[/red]\n{escape(str(err))}")
         return 2
-    if args.compare:  # which cluster to train on (paratune.compare_cli); without it, nothing below changes
-        from paratune.compare_cli import cmd_compare
+    if args.compare:  # which cluster to train on (paratune.commands.compare); without it, nothing below changes
+        from paratune.commands.compare import cmd_compare
 
         return cmd_compare(args, console)
     t0 = time.perf_counter()
     profiles = None
     if args.profile:
-        from paratune.profile import ProfileError, load_profiles
+        from paratune.costs.profile import ProfileError, load_profiles
 
         try:
             profiles = load_profiles(args.profile)
@@ -266,7 +266,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
         return 2
     notes: list[str] = []
     if profiles:
-        from paratune.timemodel import StepTimeModel
+        from paratune.costs.timemodel import StepTimeModel
 
         estimates, notes = _times_from_profiles(estimates, space, StepTimeModel(profiles))
     first = space.candidates[0].plan
@@ -276,7 +276,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
                     title=f"{space.spec.name}: {first.model}, {first.num_workers} x {device.name} "
                           f"({first.num_workers // (first.gpus_per_node or first.num_workers)} node(s)), "
                           "predicted, fastest first",
-                    **({"time_source": f"composed from the stored profile {args.profile} (paratune.timemodel)"}
+                    **({"time_source": f"composed from the stored profile {args.profile} (paratune.costs.timemodel)"}
                        if profiles else {}))
     _print_construction(estimates, console, args.top)
     _print_levers(estimates, device, console, args.top)
@@ -314,7 +314,7 @@ def _space_device(raw: dict, profiles, extra: str | None) -> tuple[str, str]:
 
     if not torch.cuda.is_available():
         return "cpu", "the space's device is auto and this machine has no GPU"
-    from paratune.devices import gpu_model, load_devices
+    from paratune.config.devices import gpu_model, load_devices
 
     model = gpu_model(torch.cuda.get_device_name())
     match = next((d.name for d in load_devices(extra).values() if model and d.gpu == model.key), None)
@@ -335,7 +335,7 @@ def _hint_buffer_sizes(estimates, raw: dict, console: Console) -> None:
     states = worst.memory.weights + worst.memory.gradients + worst.memory.optimizer
     if worst.memory.comm_buffers <= states:
         return
-    from paratune.models import build_config
+    from paratune.model.build import build_config
 
     hidden = int(getattr(build_config(worst.plan.model, worst.plan.model_overrides), "hidden_size", 0) or 0)
     size = f"{max(hidden * hidden, 1):.0e}".replace("e+0", "e").replace("e+", "e")
@@ -347,11 +347,11 @@ def _hint_buffer_sizes(estimates, raw: dict, console: Console) -> None:
 
 def _print_experts(estimates, device, console: Console, top: int, routing_balance: float | None) -> None:
     """`paratune plan` of an expert-parallel space: each fitting ep plan's expert layout, its
-    all-to-all and where it runs (paratune.moe_costs)."""
+    all-to-all and where it runs (paratune.costs.moe)."""
     from rich.table import Table
 
-    from paratune.moe_costs import DEFAULT_IMBALANCE, all_to_all_crosses_nodes, expert_layout, expert_share
-    from paratune.tables import strategy_label
+    from paratune.costs.moe import DEFAULT_IMBALANCE, all_to_all_crosses_nodes, expert_layout, expert_share
+    from paratune.out.tables import strategy_label
 
     shown = [e for e in estimates if e.measurable and e.plan.ep > 1][:top]
     if not shown:
@@ -374,7 +374,7 @@ def _print_experts(estimates, device, console: Console, top: int, routing_balanc
 
 def _times_from_profiles(estimates, space, predictor) -> tuple[list, list[str]]:
     """Each estimate once per env choice of the space, its step time (and its parts) from
-    `predictor` (a paratune.predict.TimePredictor: the profiles' StepTimeModel, which takes the
+    `predictor` (a paratune.costs.predict.TimePredictor: the profiles' StepTimeModel, which takes the
     profile of that env) instead of the roofline; fastest first among those that fit."""
     from dataclasses import replace
 
@@ -394,7 +394,7 @@ def _print_time_parts(estimates, profiles, console: Console, top: int) -> None:
     """`paratune plan --profile`: where each fitting plan's predicted step goes."""
     from rich.table import Table
 
-    from paratune.tables import env_label, strategy_label
+    from paratune.out.tables import env_label, strategy_label
 
     table = Table(title="step time from the profile (s): compute, exposed communication, optimizer, overheads")
     for col in ("#", "plan", "env", "compute", "tp", "pp", "dp", "ep", "optimizer", "other", "step s"):
@@ -419,11 +419,11 @@ def _print_levers(estimates, device, console: Console, top: int) -> None:
     the FLOPs recomputed, the FLOPs float8 moves to the FP8 peak, and MFU against bf16's peak."""
     from rich.table import Table
 
-    from paratune.activations import vocab_held
-    from paratune.efficiency import float8_flops_share, recompute_share
+    from paratune.costs.activations import vocab_held
+    from paratune.costs.efficiency import float8_flops_share, recompute_share
     from paratune.levers import loss_form
-    from paratune.shapes import float8_cast_bytes, model_shape
-    from paratune.tables import strategy_label
+    from paratune.model.shapes import float8_cast_bytes, model_shape
+    from paratune.out.tables import strategy_label
 
     shown = [e for e in estimates if e.measurable][:top]
     if not any(e.plan.activation_checkpointing != "none" or e.plan.compile or e.plan.float8 != "none"
@@ -443,7 +443,7 @@ def _print_levers(estimates, device, console: Console, top: int) -> None:
                       f"{float8_cast_bytes(e.plan, shape) / 2**30:.2f}", f"{recompute_share(e.plan, shape):.1%}",
                       f"{f8:.0%}", mfu)
     console.print(table)
-    console.print("levers in the roofline (paratune.efficiency): recompute adds its FLOPs and the forward's "
+    console.print("levers in the roofline (paratune.costs.efficiency): recompute adds its FLOPs and the forward's "
                   "memory traffic; float8's linears at torchao's measured speed-up; compile fuses the memory-bound "
                   "ops between matmuls; async TP hides the forward's tp collectives (levers.async_tp_hidden); "
                   "compile changes no memory")
@@ -454,7 +454,7 @@ def _print_construction(estimates, console: Console, top: int) -> None:
     for the plans shown above, and how many plans cannot even be built."""
     from rich.table import Table
 
-    from paratune.tables import strategy_label, strategy_options
+    from paratune.out.tables import strategy_label, strategy_options
 
     fitting = [e for e in estimates if e.measurable][:top]
     if fitting:
@@ -482,9 +482,9 @@ def _load_plan_or_say_why(path: str, console: Console):
 
 
 def _cmd_validate(args: argparse.Namespace, console: Console) -> int:
-    """Every rule a trial checks before launch (paratune.refusals; its files included): seconds, no Ray."""
-    from paratune.models import ModelError
-    from paratune.refusals import check_plan
+    """Every rule a trial checks before launch (paratune.checks.refusals; its files included): seconds, no Ray."""
+    from paratune.config.model_config import ModelError
+    from paratune.checks.refusals import check_plan
 
     plan = _load_plan_or_say_why(args.plan, console)
     if plan is None:
@@ -499,9 +499,9 @@ def _cmd_validate(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_init(args: argparse.Namespace, console: Console) -> int:
-    """A starter space for the model on the hardware at hand (paratune.starter), written and named."""
-    from paratune.export import own_command
-    from paratune.starter import InitError, find_hardware, starter_space
+    """A starter space for the model on the hardware at hand (paratune.commands.starter), written and named."""
+    from paratune.out.export import own_command
+    from paratune.commands.starter import InitError, find_hardware, starter_space
 
     try:
         hw = find_hardware(args.device, args.gpus, args.devices)
@@ -520,9 +520,9 @@ def _cmd_init(args: argparse.Namespace, console: Console) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from paratune.quiet import quiet
+    from paratune.config.quiet import quiet
 
-    quiet()  # known-harmless third-party lines, filtered before anything emits them (paratune.quiet)
+    quiet()  # known-harmless third-party lines, filtered before anything emits them (paratune.config.quiet)
     parser = argparse.ArgumentParser(prog="paratune", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("trial", help="run plan(s) as measured Ray Train trials, results side by side")
@@ -541,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verbose", action="store_true", help="also Ray Tune's own output (banner, result folder, "
                                                           "trial tables)")
     p.add_argument("--train-loop", metavar="MODULE:FUNCTION",
-                   help="your own Ray Train loop, timed and swept like paratune's (paratune.user_loop)")
+                   help="your own Ray Train loop, timed and swept like paratune's (paratune.trial.user_loop)")
     p = sub.add_parser("report", help="(re)write a sweep's report (report/report.html) and log it to its MLflow run")
     p.add_argument("sweep_dir", help="the sweep folder (tune --out)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: the one in the sweep's sweep.json)")
@@ -607,8 +607,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="the space file to write (default: <name>.yaml here)")
     args = parser.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 160)
-    from paratune.cli_catalog import cmd_models, cmd_spaces
-    from paratune.cli_cluster import cmd_profile, cmd_ui
+    from paratune.commands.catalog import cmd_models, cmd_spaces
+    from paratune.commands.cluster import cmd_profile, cmd_ui
 
     handler = {"trial": _cmd_trial, "tune": _cmd_tune, "report": _cmd_report, "train": _cmd_train, "plan": _cmd_plan, "ui": cmd_ui,
                "validate": _cmd_validate, "models": cmd_models, "spaces": cmd_spaces, "init": _cmd_init,

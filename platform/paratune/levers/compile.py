@@ -10,7 +10,7 @@ from paratune.levers.registry import Lever, LeverField, register
 COMPILE_ZERO3_REASON = ("ZeRO-3 gathers each parameter in module hooks inside the blocks, which break "
                         "every compiled block's graph; DeepSpeed's own compile is not wired")
 # torch.compile of each block on a device without kernel figures (the CPU entry; on a GPU with
-# them compile's effect is paratune.efficiency's fused memory traffic): an assumed share off the
+# them compile's effect is paratune.costs.efficiency's fused memory traffic): an assumed share off the
 # ideal compute time, until a profile or the sweep's refit measures it.
 COMPILE_COMPUTE_SAVING = 0.10
 

@@ -2,10 +2,10 @@
 
 A lever is one module in this package (checkpointing, compile, float8, loss, async_tp) that builds a
 `Lever` and registers it. Everything that handles levers goes through the functions here, in
-registration order: the Plan's and the space's fields (paratune.plan, paratune.space), the rules
-(`check_levers`), the device refusals (`device_refusal`), the plan's label (paratune.tables), the
-roofline's hooks (`compute_time_factor`, `tp_comm_hidden`, `extra_memory_bytes`: paratune.estimate,
-paratune.timemodel, paratune.memory), the exports' notes (paratune.export_tools) and the order the
+registration order: the Plan's and the space's fields (paratune.config.plan, paratune.sweep.space), the rules
+(`check_levers`), the device refusals (`device_refusal`), the plan's label (paratune.out.tables), the
+roofline's hooks (`compute_time_factor`, `tp_comm_hidden`, `extra_memory_bytes`: paratune.costs.estimate,
+paratune.costs.timemodel, paratune.costs.memory), the exports' notes (paratune.out.export_tools) and the order the
 workers apply them in (`applied_at`: paratune.parallel.runner). A new lever is one new module here,
 plus its runtime code where it has some; a lever defined anywhere (a test's toy) works once
 registered.
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-# A paratune.plan.Plan; not imported, since the plan builds its lever fields from this registry.
+# A paratune.config.plan.Plan; not imported, since the plan builds its lever fields from this registry.
 Plan = Any
 
 # Where on the workers a lever is applied (paratune.parallel.runner.apply_levers), in this order:
@@ -81,7 +81,7 @@ class Lever:
     - rules(plan): raises ValueError naming the field, the value and what is allowed, on every device.
     - device_refusal(plan, gpu, has_fp8): why the cluster's device cannot run it (gpu None: CPU workers).
     - label(plan_dict) and label_rank: its part of the plan's short label, and where that part sits
-      among the label's parts (paratune.tables.LABEL_RANKS for the core's).
+      among the label's parts (paratune.out.tables.LABEL_RANKS for the core's).
     - compute_time_factor(plan): the roofline's ideal compute time is multiplied by it.
     - tp_comm_hidden(plan): the share of the tp collectives it hides (the largest share counts).
     - extra_memory_bytes(plan, shape): bytes a rank holds beyond the memory model's terms.
@@ -89,7 +89,7 @@ class Lever:
       "hf", "torchtitan").
     - apply: (stage, "module:function") pairs; the function is called as f(model, plan, place) on
       the workers (place: paratune.parallel.runner.WorkerPlace).
-    - extra: the `paratune[...]` extra (paratune.extras.EXTRAS) its fields need off their defaults.
+    - extra: the `paratune[...]` extra (paratune.config.extras.EXTRAS) its fields need off their defaults.
     """
 
     name: str

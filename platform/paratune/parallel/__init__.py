@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from paratune.adapters import add_adapters, prepare_init
-from paratune.checkpoints import checkpoint_sources
-from paratune.materialize import ConstructionMeter, ModelInit, build_meta
+from paratune.model.adapters import add_adapters, prepare_init
+from paratune.model.checkpoints import checkpoint_sources
+from paratune.model.materialize import ConstructionMeter, ModelInit, build_meta
 from paratune.parallel.zero import restore_torch_linear
-from paratune.plan import Plan
+from paratune.config.plan import Plan
 
 if TYPE_CHECKING:  # the runner is built by the strategy modules; this package only dispatches
     from paratune.parallel.runner import StepRunner
@@ -63,7 +63,7 @@ def build_runner(config, plan: Plan, device: torch.device, local_world_size: int
     init.comm_device = device
     names = {id(module): name for name, module in model.named_modules()}  # before pp takes stages out of it
     runner = parallelize(model, init, plan, device, local_world_size)
-    runner.hf_model, runner.hf_module_names = model, names  # the layout was applied in place: its names are the checkpoint's (paratune.hf_export)
+    runner.hf_model, runner.hf_module_names = model, names  # the layout was applied in place: its names are the checkpoint's (paratune.train.hf_export)
     if meter is not None:
         meter.stop()
     return runner

@@ -4,7 +4,7 @@ Each block's `__call__` is compiled in place (`nn.Module.compile`: the module ke
 parameters and its class, so tp's DTensor parameters, FSDP2's `fully_shard` and DDP applied
 afterwards see the module they expect; torchtitan's order: tp, checkpointing, compile, then the
 data-parallel wrap). All blocks of one class run the same code object, so with `use_cache=False`
-(paratune.models sets it; with a cache each layer's `layer_idx` becomes a guard and every block
+(paratune.model.build sets it; with a cache each layer's `layer_idx` becomes a guard and every block
 its own graph) one Dynamo graph serves them all, compiled on the first step and reused by every
 later step, block and, in a reused worker group, plan of the same shapes and layout.
 
@@ -22,7 +22,7 @@ from typing import Callable, TypeVar
 import torch
 from torch import nn
 
-from paratune.plan import Plan
+from paratune.config.plan import Plan
 
 T = TypeVar("T")
 
@@ -40,7 +40,7 @@ T = TypeVar("T")
 def resolve_async_embedding(model: nn.Module) -> None:
     """Make tp's embedding hand the first compiled block a plain tensor (see the note above):
     paratune.parallel.tp's own copy of the embedding's output, installed once (tp installs it too)."""
-    from paratune.models import decoder_parts
+    from paratune.model.build import decoder_parts
     from paratune.parallel.tp import own_embedding_output
 
     embedding = decoder_parts(model).embedding
@@ -68,7 +68,7 @@ def compile_options(plan: Plan) -> dict:
 def enable_async_tp(plan: Plan, device: torch.device, tp_group_name: str) -> None:
     """Async TP (torchtitan's way): Inductor's micro-pipeline pass (ASYNC_TP_OPTIONS, in the
     blocks' compile) over symmetric memory of the tp group. CUDA only; set before the blocks
-    compile. Its workers serve no other plan (paratune.launch.WorkerDemand.single_use)."""
+    compile. Its workers serve no other plan (paratune.cluster.launch.WorkerDemand.single_use)."""
     if not plan.async_tp:
         return
     if device.type != "cuda":
@@ -161,7 +161,7 @@ def compile_blocks(model: nn.Module, plan: Plan, device: torch.device | None = N
         return
     import torch._dynamo
 
-    from paratune.models import decoder_blocks
+    from paratune.model.build import decoder_blocks
 
     if plan.tp > 1:
         resolve_async_embedding(model)
@@ -173,7 +173,7 @@ def compile_blocks(model: nn.Module, plan: Plan, device: torch.device | None = N
     if config is not None and getattr(config, "use_cache", False):
         raise ValueError("compile: true needs the model's config.use_cache False (with a KV cache every block's "
                          "layer_idx is a guard: one graph per block, and Dynamo's recompile limit is hit); "
-                         "paratune.models.build_config sets it")
+                         "paratune.model.build.build_config sets it")
     blocks = decoder_blocks(model)
     # Never a silent eager fallback: at the recompile limit Dynamo raises instead (a trial failure).
     torch._dynamo.config.fail_on_recompile_limit_hit = True

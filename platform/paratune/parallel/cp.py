@@ -37,10 +37,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratune.config_sizes import config_sizes
+from paratune.config.sizes import config_sizes
 from paratune.parallel.runner import StepRunner
-from paratune.degrees import CP_CPU_REASON
-from paratune.plan import Plan
+from paratune.config.degrees import CP_CPU_REASON
+from paratune.config.plan import Plan
 
 IGNORE_INDEX = -100
 # "alltoall" passes each rank's key/value chunk to its neighbour step by step (memory of one chunk);

@@ -11,9 +11,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from paratune.parallel.runner import StepRunner, apply_levers, make_optimizer
-from paratune.adapters import store_frozen_base
-from paratune.materialize import ModelInit, materialize
-from paratune.plan import Plan
+from paratune.model.adapters import store_frozen_base
+from paratune.model.materialize import ModelInit, materialize
+from paratune.config.plan import Plan
 
 
 BUCKETS_ATTR = "paratune_bucket_buffers"  # {bucket index: its flat buffer} on a CPU DDP module
@@ -47,7 +47,7 @@ def keep_bucket_buffers(ddp: DistributedDataParallel) -> None:
 
 def wrap_ddp(model: nn.Module, plan: Plan, device: torch.device) -> DistributedDataParallel:
     """The plan's DDP around a materialized model (its bucket, view and static-graph knobs): paratune's
-    own ddp layout and a user's loop (paratune.user_loop) wrap the same way."""
+    own ddp layout and a user's loop (paratune.trial.user_loop) wrap the same way."""
     opts = plan.ddp
     assert opts is not None, "a ddp plan always has its ddp options (Plan fills the defaults)"
     return DistributedDataParallel(

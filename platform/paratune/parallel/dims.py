@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from paratune.plan import Plan
+from paratune.config.plan import Plan
 
 
 def hybrid_shard_degree(plan: Plan, local_world_size: int) -> int:

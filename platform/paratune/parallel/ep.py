@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from paratune.plan import Plan
+from paratune.config.plan import Plan
 
 DISPATCH_STYLE, PACKED_STYLE = "ep_dispatch_experts", "grouped_gemm"
 # Marks an expert parameter (a local [E / ep, ...] slice): clipping sums its squared norm over the
@@ -143,7 +143,7 @@ def ep_refusal(plan: Plan, model: nn.Module) -> str | None:
     missing = ep_unavailable()
     if missing is not None:
         return f"ep: {plan.ep}: {missing}; allowed: ep 1, or transformers >= 5.20"
-    from paratune.models import routed_experts
+    from paratune.model.build import routed_experts
 
     if not routed_experts(model):
         return (f"ep: {plan.ep} with model '{plan.model}' ({type(model).__name__}), which has no routed experts "

@@ -33,8 +33,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paratune.plan import Plan
-from paratune.quiet import quiet_torchao_import  # noqa: F401 (the workers' name for it)
+from paratune.config.plan import Plan
+from paratune.config.quiet import quiet_torchao_import  # noqa: F401 (the workers' name for it)
 
 # CUDA's _scaled_mm: both matrix dimensions of each float8 operand must be multiples of 16.
 SCALED_MM_MULTIPLE = 16
@@ -92,7 +92,7 @@ def tp_splits(model: nn.Module, plan: Plan) -> dict[int, str]:
 def skipped_linears(model: nn.Module, plan: Plan) -> dict[str, str]:
     """Every nn.Linear the plan's float8 leaves in bf16 (name -> why), on the model as built (the
     meta model before any layout, as `convert_to_float8` and the preflight see it)."""
-    from paratune.models import decoder_parts
+    from paratune.model.build import decoder_parts
 
     try:
         head = decoder_parts(model).head

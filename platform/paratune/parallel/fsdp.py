@@ -14,10 +14,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from paratune.models import decoder_blocks
+from paratune.model.build import decoder_blocks
 from paratune.parallel.runner import StepRunner, apply_levers, make_optimizer
-from paratune.materialize import ModelInit, materialize, move_buffers
-from paratune.plan import Plan
+from paratune.model.materialize import ModelInit, materialize, move_buffers
+from paratune.config.plan import Plan
 
 
 def fsdp_policies(plan: Plan, device: torch.device) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:

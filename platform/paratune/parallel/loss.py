@@ -32,8 +32,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from paratune.levers.loss import chunk_tokens
-from paratune.models import decoder_parts
-from paratune.plan import Plan
+from paratune.model.build import decoder_parts
+from paratune.config.plan import Plan
 
 IGNORE_INDEX = -100  # transformers' ForCausalLMLoss default
 FORM_ATTR = "paratune_loss_form"  # on the model (and pipeline stages): the form that runs
@@ -75,7 +75,7 @@ def _vocab_parallel_obstacle(plan: Plan, config) -> str | None:
         return f"cp {plan.cp}: {CP_REASON}"
     if getattr(config, "tie_word_embeddings", False):
         return TIED_REASON
-    from paratune.models import adds_router_aux_loss
+    from paratune.model.build import adds_router_aux_loss
 
     if adds_router_aux_loss(config):
         return AUX_LOSS_REASON

@@ -17,12 +17,12 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from paratune.materialize import ModelInit, materialize, move_buffers
-from paratune.models import decoder_blocks, decoder_parts
+from paratune.model.materialize import ModelInit, materialize, move_buffers
+from paratune.model.build import decoder_blocks, decoder_parts
 from paratune.parallel.runner import StepRunner, WorkerPlace, apply_levers, make_optimizer
 from paratune.parallel.dims import ParallelDims
 from paratune.parallel.tp import apply_tp, clip_grad_norm
-from paratune.plan import Plan
+from paratune.config.plan import Plan
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ The pieces are found whatever the family calls them (models.decoder_parts: Llama
 norm / lm_head, GPT-NeoX's embed_in / final_layer_norm / lm_head), and each block is called with
 the arguments its forward takes (positions; rotary tables where the family has them). Which
 families' stages train exactly like the whole model is preflight's rule (PIPELINE_FAMILIES);
-profiling (paratune.profile) times one block, the embedding and the head of any family this way.
+profiling (paratune.costs.profile) times one block, the embedding and the head of any family this way.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paratune.models import decoder_parts
+from paratune.model.build import decoder_parts
 from paratune.parallel.loss import FALLBACK_ATTR, FORM_ATTR, stage_loss
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from paratune.plan import Plan
+from paratune.config.plan import Plan
 
 aten = torch.ops.aten
 c10d_functional = torch.ops._c10d_functional
@@ -109,7 +109,7 @@ def checkpoint_blocks(model: nn.Module, mode: str, every_n_layers: int = 1, tp: 
     `mode` "full" (the whole block) or "selective" (SAVED_OPS kept, under tp the collectives too).
     In place, on the meta or a real model, before any wrapper (FSDP2 subclasses the block's class
     again and keeps this forward)."""
-    from paratune.models import decoder_blocks
+    from paratune.model.build import decoder_blocks
 
     for i, block in enumerate(decoder_blocks(model)):
         if i % every_n_layers:
@@ -157,6 +157,6 @@ def enable_full_recompute(model: nn.Module) -> None:
 
 def checkpointed_blocks(model: nn.Module) -> list[bool]:
     """Per decoder block, whether it is set to recompute (what `apply_checkpointing` did)."""
-    from paratune.models import decoder_blocks
+    from paratune.model.build import decoder_blocks
 
     return [getattr(type(block), "_paratune_checkpointed", None) is not None for block in decoder_blocks(model)]

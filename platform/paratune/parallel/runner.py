@@ -16,7 +16,7 @@ from torch import nn
 
 from paratune.levers import applied_at
 from paratune.parallel.loss import local_loss, loss_context, recorded_loss_form
-from paratune.plan import Plan
+from paratune.config.plan import Plan
 
 
 ADAM_BETAS, ADAM_EPS = (0.9, 0.95), 1e-8

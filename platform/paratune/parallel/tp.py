@@ -10,7 +10,7 @@ qkv_proj and gate_up_proj: the gather reassembles q|k|v before the attention spl
 naive column split is right; the attention itself then runs on every head on every tp rank);
 `replicated_with_grad_allreduce` keeps a parameter whole on every rank and sums its gradient over
 the tp group (Qwen3's per-head q/k norms only see this rank's heads). Any other style is refused
-before launch (paratune.preflight). The plan's keys name modules under the base model
+before launch (paratune.checks.preflight). The plan's keys name modules under the base model
 ("layers.*.self_attn.q_proj"; GPT-NeoX "layers.*.attention.query_key_value"): the blocks' stack
 is found generically (models.decoder_parts), as are the input embedding and the head, whatever
 the family calls them (embed_tokens, GPT-NeoX's embed_in, GPT-2's wte). The embedding is sharded
@@ -39,11 +39,11 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from paratune.models import decoder_blocks, decoder_parts
+from paratune.model.build import decoder_blocks, decoder_parts
 from paratune.parallel.loss import recorded_loss_form
 from paratune.parallel.tp_derive import family_tp_plan
 
-# The transformers styles implemented here (name -> what it does). paratune.preflight refuses a
+# The transformers styles implemented here (name -> what it does). paratune.checks.preflight refuses a
 # plan whose family uses any other style, before a worker starts.
 SUPPORTED_STYLES: dict[str, str] = {
     "colwise": "output features sharded, output stays sharded",
@@ -163,7 +163,7 @@ def linear_splits(model: nn.Module, expert_parallel: bool = False) -> dict[int, 
 
 
 def adapted_plan(block: nn.Module, plan: dict, sequence_parallel: bool = False) -> dict:
-    """A block's plan with each LoRA-wrapped linear (paratune.adapters) laid out as peft lays LoRA
+    """A block's plan with each LoRA-wrapped linear (paratune.model.adapters) laid out as peft lays LoRA
     under transformers' tp (peft tuners/lora/model.py): the base layer keeps the style; beside a
     column-parallel base, lora_B is column-parallel the same way (its r inputs whole) and lora_A
     stays whole, its gradient summed by lora_B's input; beside a row-parallel base, lora_A is
@@ -172,7 +172,7 @@ def adapted_plan(block: nn.Module, plan: dict, sequence_parallel: bool = False) 
     when each rank saw only its part of the sequence. Under sequence parallelism a column-parallel
     wrapper's input arrives as a replicated DTensor (the attention's / MLP's PrepareModuleInput):
     made local first, as without it, for the whole lora_A."""
-    from paratune.adapters import ADAPTER_NAME, is_lora_layer
+    from paratune.model.adapters import ADAPTER_NAME, is_lora_layer
 
     out: dict = {}
     for key, style in plan.items():

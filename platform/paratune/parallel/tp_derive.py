@@ -47,8 +47,8 @@ def family_tp_plan(model: nn.Module) -> tuple[dict[str, str], str]:
 
 def derived_tp_plan(model: nn.Module) -> dict[str, str]:
     """The plan derived from the decoder blocks' linears (see the module's docstring)."""
-    from paratune.config_sizes import config_sizes
-    from paratune.models import decoder_parts
+    from paratune.config.sizes import config_sizes
+    from paratune.model.build import decoder_parts
 
     parts = decoder_parts(model)
     sizes = config_sizes(model.config)

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from paratune.adapters import add_adapters
-from paratune.materialize import ModelInit, attn_implementation, materialize
+from paratune.model.adapters import add_adapters
+from paratune.model.materialize import ModelInit, attn_implementation, materialize
 from paratune.levers import APPLY_STAGES
 from paratune.parallel.runner import ADAM_BETAS, ADAM_EPS, StepRunner, apply_levers, make_optimizer
-from paratune.plan import Plan
+from paratune.config.plan import Plan
 
 
 

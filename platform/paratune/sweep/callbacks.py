@@ -11,12 +11,12 @@ from ray.tune import Callback
 from rich.console import Console
 from rich.markup import escape
 
-from paratune.progress import ProgressDisplay, SweepProgress, format_trial_line, status_text
+from paratune.out.progress import ProgressDisplay, SweepProgress, format_trial_line, status_text
 from paratune.sweep.ledger import (Ledger, LedgerEntry, apply_budget, log_trial_or_say, observe_calibration,
                                    predicted_only)
 from paratune.sweep.searchers import TimePredictions
-from paratune.tables import env_label, strategy_label, varying_env
-from paratune.results import TrialResult
+from paratune.out.tables import env_label, strategy_label, varying_env
+from paratune.trial.results import TrialResult
 
 
 try:  # Tune's console reporter: on Tune's "internals" page, not its stable API (present Ray 2.43-2.60)
@@ -29,7 +29,7 @@ except ImportError:  # a Ray without it: Tune's own output at verbose 0 (its ban
 class QuietTuneOutput(AirProgressReporter or object):
     """Ray Tune's console output, silenced: its banner table, "View detailed results here", the
     TensorBoard hint and its trial tables say nothing a paratune user needs (paratune prints
-    progress itself, paratune.progress). tune.run reports to the first such reporter among the
+    progress itself, paratune.out.progress). tune.run reports to the first such reporter among the
     callbacks, so the one Tune appends by itself (at AirVerbosity 0 here) only ever gets calls
     that print nothing at that verbosity. `paratune tune --verbose` leaves Tune's own in place."""
 
@@ -49,7 +49,7 @@ class QuietTuneOutput(AirProgressReporter or object):
 
 class LedgerCallback(Callback):
     """Driver side: as each trial finishes, record it in the ledger and MLflow, and say so (with
-    the sweep's progress: paratune.progress)."""
+    the sweep's progress: paratune.out.progress)."""
 
     def __init__(self, ledger: Ledger, tracker, parent: str, budget_gb: float | None, console: Console, total: int,
                  plans: dict[str, dict], calibration=None, predictions: TimePredictions | None = None,

@@ -1,9 +1,9 @@
 """Where the sweep's trials run: the Tune trainable, the worker-group pool, node leases and pruning.
 
 Each Tune trial is a function trainable (reserving no CPU itself) that runs one measured trial:
-in a reused worker group of the sweep's pool (paratune.session) when there is one, else in a
+in a reused worker group of the sweep's pool (paratune.cluster.session) when there is one, else in a
 Ray Train job of its own, on whole nodes leased for it when the plan wants them
-(paratune.placement). Plans the cluster can never hold are pruned before anything starts.
+(paratune.trial.placement). Plans the cluster can never hold are pruned before anything starts.
 Ray is imported where it is used, so the rest of the package loads without it.
 """
 
@@ -14,22 +14,22 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from paratune import placement
-from paratune.measure import TrialStopRule
-from paratune.plan import load_plan_dict
-from paratune.space import Space
+from paratune.trial import placement
+from paratune.costs.measure import TrialStopRule
+from paratune.config.plan import load_plan_dict
+from paratune.sweep.space import Space
 from paratune.sweep.ledger import OBJECTIVE, SweepError
-from paratune.results import TrialResult
-from paratune.launch import worker_demand
-from paratune.trial import run_trial
+from paratune.trial.results import TrialResult
+from paratune.cluster.launch import worker_demand
+from paratune.cluster.trial import run_trial
 
 
 # --------------------------------------------------------------------------- one trial
 def measure_plan(plan: dict[str, Any], stop_rule: dict[str, Any] | None, pool: str | None,
                  storage: str | None = None, leases: str | None = None) -> TrialResult:
-    """One measured trial: in a reused worker group of the sweep's pool (paratune.session, which
+    """One measured trial: in a reused worker group of the sweep's pool (paratune.cluster.session, which
     places whole nodes itself) when there is one, else in a worker group of its own, on whole
-    nodes leased from the sweep's `leases` actor when the plan wants them (paratune.placement)."""
+    nodes leased from the sweep's `leases` actor when the plan wants them (paratune.trial.placement)."""
     rule = TrialStopRule(**stop_rule) if stop_rule else None
     if pool:
         return pool_measure(pool, plan, rule)
@@ -67,8 +67,8 @@ def pool_measure(pool: str, plan: dict[str, Any], rule: TrialStopRule | None) ->
     """The trial in one of the pool's worker groups. Never raises for a failing plan."""
     import ray
 
-    from paratune.failures import classify
-    from paratune.pool import get_pool_actor
+    from paratune.trial.failures import classify
+    from paratune.cluster.pool import get_pool_actor
 
     try:
         out = ray.get(get_pool_actor(pool).measure.remote(plan, rule._asdict() if rule else None))
@@ -79,7 +79,7 @@ def pool_measure(pool: str, plan: dict[str, Any], rule: TrialStopRule | None) ->
 
 # --------------------------------------------------------------------------- the cluster
 def concurrency(space: Space) -> int:
-    """Trials at once: on whole nodes (paratune.placement, default when gpus_per_node is set),
+    """Trials at once: on whole nodes (paratune.trial.placement, default when gpus_per_node is set),
     the nodes that can host one trial's share / the nodes a trial needs, so concurrent trials
     never share a node; else the workers the cluster holds / a trial's workers."""
     plan = max((c.plan for c in space.candidates), key=lambda p: p.num_workers)
@@ -137,12 +137,12 @@ _POOL_HANDLES: dict[str, Any] = {}
 
 
 def start_pool(console: Console) -> str | None:
-    """The name of this sweep's pool of reusable worker groups (paratune.session: a 0-CPU actor
+    """The name of this sweep's pool of reusable worker groups (paratune.cluster.session: a 0-CPU actor
     every trainable reaches by name), or None (every trial then launches its own workers)."""
     try:
         import uuid
 
-        from paratune.pool import get_pool_actor
+        from paratune.cluster.pool import get_pool_actor
 
         name = f"paratune-sweep-pool-{uuid.uuid4().hex[:8]}"
         _POOL_HANDLES[name] = get_pool_actor(name)
@@ -153,7 +153,7 @@ def start_pool(console: Console) -> str | None:
 
 
 def start_leases() -> str:
-    """The sweep's record of whole nodes held by its trials (paratune.placement.NodeLeases), when
+    """The sweep's record of whole nodes held by its trials (paratune.trial.placement.NodeLeases), when
     trials launch their own worker groups; the driver holds the handle (see _POOL_HANDLES)."""
     import uuid
 
@@ -176,7 +176,7 @@ def close_pool(pool: str) -> None:
     during the sweep is noted, never raised (the sweep's results stand)."""
     import ray
 
-    from paratune.pool import get_pool_actor
+    from paratune.cluster.pool import get_pool_actor
 
     actor = _POOL_HANDLES.pop(pool, None) or get_pool_actor(pool)
     try:
@@ -200,8 +200,8 @@ def pool_runner(pool: str | None, request):
         return None
     import ray
 
-    from paratune.profiling import workers_plan
-    from paratune.pool import get_pool_actor
+    from paratune.cluster.profiling import workers_plan
+    from paratune.cluster.pool import get_pool_actor
 
     def runner(function_path: str, payload: dict[str, Any]) -> dict[str, Any]:
         plan = workers_plan(request).to_dict()

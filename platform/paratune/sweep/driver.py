@@ -21,10 +21,10 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from paratune.failures import explain
-from paratune.plan import load_plan_dict
-from paratune.progress import ProgressDisplay, SweepProgress
-from paratune.space import Space
+from paratune.trial.failures import explain
+from paratune.config.plan import load_plan_dict
+from paratune.out.progress import ProgressDisplay, SweepProgress
+from paratune.sweep.space import Space
 from paratune.sweep.cluster import (close_leases, close_pool, concurrency, device_tag, pool_runner, prune_unplaceable,
                                     start_leases, start_pool, trainable)
 from paratune.sweep.finish import SweepOutcome, finish_sweep, write_page
@@ -32,8 +32,8 @@ from paratune.sweep.ledger import Ledger, SweepError, candidate_key, observe_cal
 from paratune.sweep.searchers import (TimePredictions, all_points, calibrated_searcher,
                                       optuna_searcher)
 from paratune.sweep.stopping import SweepStopRule
-from paratune.tables import env_label, shared_env, strategy_label
-from paratune.launch import ensure_ray
+from paratune.out.tables import env_label, shared_env, strategy_label
+from paratune.cluster.launch import ensure_ray
 
 
 # --------------------------------------------------------------------------- settings
@@ -130,12 +130,12 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
     """The whole sweep (see the module doc); `verbose`: Ray Tune's own console output as well.
     Ends by writing the sweep report (paratune.sweep.page) and logging it to the parent run;
     `report_page=False` skips it (seconds of plotting a test of something else need not pay).
-    `pool`: the name of a running worker-group pool (paratune.session.get_pool_actor) to measure
+    `pool`: the name of a running worker-group pool (paratune.cluster.session.get_pool_actor) to measure
     in, left running afterwards, so that sweeps one after another in one Ray session (a notebook,
     a test session) launch their workers once; by default each sweep starts and closes its own.
     A space with `reuse_workers: false` never uses one."""
 
-    from paratune.tracking import SweepTracker
+    from paratune.out.tracking import SweepTracker
 
     console = console or Console()
     settings = SweepSettings.resolve(space, out_dir, trials, algorithm, seed, verbose, report_page)
@@ -283,8 +283,8 @@ def _predict(space: Space, budget_gb: float | None, console: Console):
 
     import ray
 
-    from paratune.devices import device_for_cluster
-    from paratune.estimate import Roofline
+    from paratune.config.devices import device_for_cluster
+    from paratune.costs.estimate import Roofline
 
     settings = space.spec.estimate
     first = space.candidates[0].plan
@@ -326,9 +326,9 @@ def _time_predictions(space: Space, plans: dict[str, dict], calibration, pool: s
     when profiling fails. Returns (predictions, seconds spent profiling)."""
     t0 = time.perf_counter()
     try:
-        from paratune.profile import ProfileStore, profile_requests_for
-        from paratune.profiling import run_profile
-        from paratune.timemodel import StepTimeModel
+        from paratune.costs.profile import ProfileStore, profile_requests_for
+        from paratune.cluster.profiling import run_profile
+        from paratune.costs.timemodel import StepTimeModel
 
         store = ProfileStore()
         device_name = calibration.device.name if calibration is not None else device_tag()
@@ -349,8 +349,8 @@ def _time_predictions(space: Space, plans: dict[str, dict], calibration, pool: s
                       "orders plans by the roofline instead[/yellow]")
         if calibration is None:
             return None, time.perf_counter() - t0
-        from paratune.estimate import Roofline
-        from paratune.predict import RooflinePredictor
+        from paratune.costs.estimate import Roofline
+        from paratune.costs.predict import RooflinePredictor
 
         roofline = RooflinePredictor(Roofline(calibration.device, calibration.capacity_gib))  # its own refits
         return TimePredictions(roofline, plans, "roofline"), time.perf_counter() - t0

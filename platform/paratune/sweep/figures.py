@@ -410,9 +410,9 @@ def _place_labels(fig, ax, x: np.ndarray, y: np.ndarray, texts: list[str], fonts
 
 
 def plot_clusters(rows: list, tokens: float, currency: str | None = None, title: str = "") -> Figure:
-    """Time to train against cost, one point per cluster (paratune.compare.Row; GPU-hours where no
+    """Time to train against cost, one point per cluster (paratune.costs.compare.Row; GPU-hours where no
     prices were given), the band as error bars, the time-versus-cost Pareto front as a staircase."""
-    from paratune.compare import tokens_label
+    from paratune.costs.compare import tokens_label
 
     out = Figure(FIGURE_NAMES[5], title or f"Time to train {tokens_label(tokens)} tokens against its cost, per cluster")
     shown = [r for r in rows if r.hours is not None and (r.cost is not None or currency is None)]
@@ -472,9 +472,9 @@ def plot_clusters(rows: list, tokens: float, currency: str | None = None, title:
 def plot_compare(folder: SweepFolder) -> Figure:
     """`paratune plan --compare --out SWEEP_DIR` left compare.json in the sweep folder: its clusters,
     the sweep's measured winner in place of its own cluster's prediction and the same device's other
-    clusters scaled by measured / predicted (paratune.compare.with_measured). No compare.json: no
+    clusters scaled by measured / predicted (paratune.costs.compare.with_measured). No compare.json: no
     figure and no note (the page shows nothing)."""
-    from paratune.compare import from_document, rank, with_measured
+    from paratune.costs.compare import from_document, rank, with_measured
 
     data = None
     try:

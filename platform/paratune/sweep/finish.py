@@ -14,12 +14,12 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from paratune.parity import winner_parity
-from paratune.plan import load_plan_dict
-from paratune.space import Space
+from paratune.sweep.parity import winner_parity
+from paratune.config.plan import load_plan_dict
+from paratune.sweep.space import Space
 from paratune.sweep.cluster import measure_plan
 from paratune.sweep.ledger import Ledger, LedgerEntry, apply_budget, log_trial_or_say
-from paratune.tables import strategy_label
+from paratune.out.tables import strategy_label
 
 
 @dataclass
@@ -50,8 +50,8 @@ class SweepOutcome:
 def finish_sweep(space: Space, outcome: SweepOutcome, ledger: Ledger, tracker, budget_gb: float | None,
                  console: Console, calibration=None, pool: str | None = None) -> None:
     """Re-measure the top plans side by side, decide with the noise, check parity, export."""
-    from paratune.export import export_winner
-    from paratune.verdict import Standing, complexity, decide
+    from paratune.out.export import export_winner
+    from paratune.sweep.verdict import Standing, complexity, decide
 
     settings = space.spec.search
     standings: dict[str, Standing] = {}
@@ -129,7 +129,7 @@ def finish_sweep(space: Space, outcome: SweepOutcome, ledger: Ledger, tracker, b
                         **({"all_to_all_share": first.all_to_all_share} if first.all_to_all_share is not None else {})}
     if calibration is not None:
         outcome.calibration = {"device": calibration.device.name, **calibration.summary()}
-    from paratune.tracking import sweep_note
+    from paratune.out.tracking import sweep_note
 
     note = sweep_note(summary, outcome.winner_dir, outcome.parity_failures)
     try:

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from paratune.sweep.ledger import Ledger, LedgerEntry, unscored
-from paratune.tables import env_label, strategy_label
-from paratune.results import TrialResult
-from paratune.verdict import Standing, decide
+from paratune.out.tables import env_label, strategy_label
+from paratune.trial.results import TrialResult
+from paratune.sweep.verdict import Standing, decide
 
 
 # --------------------------------------------------------------------------- the sweep folder

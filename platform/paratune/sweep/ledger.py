@@ -18,11 +18,11 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from paratune.failures import CLUSTER_REASONS
-from paratune.measure import TrialStopRule
-from paratune.plan import load_plan_dict
+from paratune.trial.failures import CLUSTER_REASONS
+from paratune.costs.measure import TrialStopRule
+from paratune.config.plan import load_plan_dict
 from paratune.sweep.stopping import Incumbent
-from paratune.results import TrialResult
+from paratune.trial.results import TrialResult
 
 OBJECTIVE = "objective"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from paratune.sweep.figures import (FIGURE_NAMES, FIGURE_PIXELS, Figure, plot_compare, plot_importance, plot_losses,
                                     plot_predicted, plot_throughput_memory, plot_time_split)
 from paratune.sweep.folder import Row, SweepFolder, leaderboard, read_sweep
-from paratune.tables import strategy_label
+from paratune.out.tables import strategy_label
 
 REPORT_DIR = "report"
 HTML_NAME = "report.html"

@@ -13,13 +13,13 @@ import random
 from pathlib import Path
 from typing import Any, Callable
 
-from paratune.plan import Plan, load_plan_dict
-from paratune.space import Space
+from paratune.config.plan import Plan, load_plan_dict
+from paratune.sweep.space import Space
 from paratune.sweep.ledger import (OBJECTIVE, Ledger, incumbent_of, objective_value, point_key, stop_rule_for,
                                    unscored)
 from paratune.sweep.stopping import SweepStopRule
-from paratune.tables import env_label, strategy_label, varying_env
-from paratune.results import TrialResult
+from paratune.out.tables import env_label, strategy_label, varying_env
+from paratune.trial.results import TrialResult
 
 
 # --------------------------------------------------------------------------- points

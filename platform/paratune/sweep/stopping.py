@@ -1,6 +1,6 @@
 """When the calibrated search stops measuring: the plans predicted best first, until none left can win.
 
-The step-time model (paratune.timemodel, calibrated on a profile of the cluster and refitted on
+The step-time model (paratune.costs.timemodel, calibrated on a profile of the cluster and refitted on
 every measured trial) predicts every plan's tokens/s/GPU with an error band it has measured on
 the trials so far. The sweep measures the plan predicted fastest among those not yet measured,
 and stops by a stated rule (`SweepStopRule`): once no unmeasured plan, even at its prediction
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratune.measure import noise_band
+from paratune.costs.measure import noise_band
 
 
 @dataclass(frozen=True)

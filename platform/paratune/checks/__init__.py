@@ -1,0 +1,1 @@
+"""Whether a plan can run: the model family's layout rules and the one refusal path."""

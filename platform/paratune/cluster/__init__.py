@@ -1,0 +1,1 @@
+"""Ray: launching workers, reused worker groups, the trial's driver, profile timing."""

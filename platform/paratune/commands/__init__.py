@@ -1,0 +1,1 @@
+"""The command line's subcommands beside cli.py: models, spaces, profile, ui, compare, init."""

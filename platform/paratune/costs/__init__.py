@@ -1,0 +1,1 @@
+"""Predict before you spend: memory, compute, communication, step time, clusters; the plan's numbers."""

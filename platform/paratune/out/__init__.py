@@ -1,0 +1,1 @@
+"""What paratune hands back: console tables, progress, MLflow, the winner's exports."""
