@@ -131,3 +131,18 @@ def test_the_loader_with_workers_gives_each_rank_its_steps_in_order(tmp_path):
         assert len(micro) == len(want) == 2 and all(torch.equal(a, b) for a, b in zip(micro, want))
     in_process = TokenBatches(DataSpec(), 300, 16, 8, 3)
     assert [m.shape for m in next(step_loader(in_process, 0, 1, 0, 2, 2))] == [(2, 16), (2, 16)]
+
+
+def test_a_frozen_models_blocks_are_found_once_and_an_unfrozen_ones_every_time():
+    """The pre-launch checks walk one shared meta model per config for every plan of a space: a model
+    marked read-only keeps block_stacks' answer; a model a layout may still change never does."""
+    from paratune.model.build import block_stacks, freeze_structure
+    from paratune.model.materialize import build_meta
+
+    config = build_config("tiny-llama")
+    live = build_meta(config)
+    assert block_stacks(live) is not block_stacks(live)  # walked again each time
+    frozen = freeze_structure(build_meta(config))
+    first = block_stacks(frozen)
+    assert block_stacks(frozen) is first
+    assert [(name, len(stack)) for name, stack in first] == [(name, len(stack)) for name, stack in block_stacks(live)]

@@ -51,10 +51,10 @@ SEQUENCE_PARALLEL_NORMS = ("input_layernorm", "post_attention_layernorm")
 @lru_cache(maxsize=16)
 def _meta_model(key: str) -> nn.Module:
     """The model of a config key on the meta device (cached: a sweep checks many plans of one model)."""
+    from paratune.model.build import config_from_key, freeze_structure
     from paratune.model.materialize import build_meta
-    from paratune.model.build import config_from_key
 
-    return build_meta(config_from_key(key))
+    return freeze_structure(build_meta(config_from_key(key)))  # only read here: its walks are kept
 
 
 def check_plan_against_model(plan: Plan, config=None) -> None:

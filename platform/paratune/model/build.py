@@ -107,8 +107,14 @@ def block_stacks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     classes (outermost only); where there are several, those inside the decoder (`get_decoder()`:
     a multimodal model's vision tower has blocks of its own). A family that names none (BioGPT,
     CTRL, OpenAI-GPT): the one ModuleList of `num_hidden_layers` modules of one class that hold
-    parameters. Almost every family has one stack; a few (HRM, BLT) have several, in order."""
+    parameters. Almost every family has one stack; a few (HRM, BLT) have several, in order.
+
+    A model marked read-only (`freeze_structure`: the pre-launch checks' shared meta models) keeps
+    its answer: a space's thousands of plans walk an 80-layer model's modules once, not per plan."""
     from torch import nn
+
+    if (known := model.__dict__.get(_STACKS_KEPT)) is not None:
+        return known
 
     names = set(getattr(model, "_no_split_modules", None) or ())
     lists = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.ModuleList) and len(mod)]
@@ -136,7 +142,21 @@ def block_stacks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
                   else f"a ModuleList of num_hidden_layers ({layers}) modules of one class with parameters (it "
                        "names no block class in _no_split_modules)")
         raise ModelError(f"cannot find decoder blocks in {type(model).__name__}: looked for {looked}, found none")
+    if model.__dict__.get(_FROZEN):
+        model.__dict__[_STACKS_KEPT] = found
     return found
+
+
+# A model whose module tree no one changes any more (set by `freeze_structure`), and block_stacks'
+# answer kept on it. In the module's __dict__: not a parameter, buffer or submodule.
+_FROZEN, _STACKS_KEPT = "_paratune_structure_frozen", "_paratune_block_stacks"
+
+
+def freeze_structure(model: nn.Module) -> nn.Module:
+    """Mark a model whose module tree will not change (a meta model only read by checks), so the
+    walks over it (block_stacks) are done once. Never for a model a layout will wrap or shard."""
+    model.__dict__[_FROZEN] = True
+    return model
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:

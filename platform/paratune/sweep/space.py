@@ -272,6 +272,20 @@ def _rule_of(message: str) -> str:
     return re.sub(r"(?<![A-Za-z])-?\d+(\.\d+)?(e[+-]?\d+)?(?![A-Za-z])", "N", head)
 
 
+def _config_of(plan: Plan, built: dict[str, Any]) -> Any:
+    """The plan's model config, built once per model and overrides (a space's candidates share them);
+    None where it cannot be built: the rules build it again and report the model's own error."""
+    from paratune.model.build import build_config
+
+    key = json.dumps([plan.model, plan.model_overrides], sort_keys=True, default=str)
+    if key not in built:
+        try:
+            built[key] = build_config(plan.model, plan.model_overrides)
+        except Exception:  # noqa: BLE001 - reported by the rule that needs the config, per candidate
+            built[key] = None
+    return built[key]
+
+
 def enumerate_candidates(spec: SpaceFile, details: dict[str, str] | None = None
                          ) -> tuple[list[Candidate], int, Counter, dict[str, str]]:
     """Every structural combination (strategy, its knobs, shared knobs) with the fixed part,
@@ -290,6 +304,7 @@ def enumerate_candidates(spec: SpaceFile, details: dict[str, str] | None = None
     shared = [(name, divisors if getattr(spec.space, name) == "auto" else getattr(spec.space, name))
               for name in SWEEPABLE if getattr(spec.space, name) is not None]
     shared += [(f"data.{knob}", choices) for knob, choices in spec.space.data.items()]
+    configs: dict[str, Any] = {}  # every candidate has the fixed model: its config is built once
     for strategy, knobs in spec.space.strategy.items():
         knob_names = list(knobs)
         for knob_values in itertools.product(*(knobs[k] for k in knob_names)):
@@ -305,7 +320,7 @@ def enumerate_candidates(spec: SpaceFile, details: dict[str, str] | None = None
                     plan_dict["data"] = {**(spec.fixed.get("data") or {}), **data}
                 try:
                     plan = load_plan_dict(plan_dict)
-                    check_plan(plan)  # the family's rules on the meta model (cached), a user loop's
+                    check_plan(plan, _config_of(plan, configs))  # the family's rules on the meta model, a user loop's
                     candidates.append(Candidate(choices, plan))
                 except (PlanError, ModelError) as err:
                     rule = _rule_of(str(err))
