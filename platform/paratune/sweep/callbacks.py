@@ -36,6 +36,10 @@ class QuietTuneOutput(AirProgressReporter or object):
     available = AirProgressReporter is not None
     if available:
         _heartbeat_threshold = _start_end_verbosity = _intermediate_result_verbosity = AirVerbosity.DEFAULT
+    # The base class leaves this None for its subclasses to set, and formats it in every per-trial
+    # line: unset, a trial that errored at Tune's level (its actor's node died) raised AttributeError
+    # in this callback, which Tune turns into a TuneError that ended the whole sweep.
+    _addressing_tmpl = "Trial {}"
 
     def __init__(self) -> None:
         super().__init__(AirVerbosity.SILENT)
@@ -45,6 +49,10 @@ class QuietTuneOutput(AirProgressReporter or object):
 
     def print_heartbeat(self, trials, *args: Any, force: bool = False) -> None:
         """No trial-status table (paratune's progress line says how far the sweep is)."""
+
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        """Tune prints its error line here whatever the verbosity; paratune records and says the
+        failure itself (LedgerCallback.on_trial_error), and the sweep goes on."""
 
 
 class LedgerCallback(Callback):
