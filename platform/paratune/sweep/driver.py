@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -265,13 +266,23 @@ def _search(run: SweepRun, done: int, remaining: int) -> None:
     # paratune's own ledger is the sweep's record, so that line is Tune's detail too (--verbose).
     tune_logger = logging.getLogger("ray.tune")
     level = tune_logger.level
+    # Quiet: Tune's legacy output flow (RAY_AIR_NEW_OUTPUT=0, read by tune.run when fit starts). The
+    # new flow always appends a console reporter of its own beside ours and sets up only the first, and
+    # that one's on_trial_error raised (its start time None) when a trial died with its node: Tune turned
+    # it into a TuneError that ended the sweep (test_cluster_jobs' fault sweep). At verbose 0 the legacy
+    # flow prints nothing. --verbose keeps Tune's new output.
+    new_output = os.environ.get("RAY_AIR_NEW_OUTPUT")
     if not verbose:
         tune_logger.setLevel(logging.WARNING)
+        os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
     try:
         with display:
             tuner.fit()
     finally:
         tune_logger.setLevel(level)
+        if not verbose:
+            os.environ.pop("RAY_AIR_NEW_OUTPUT", None) if new_output is None else os.environ.update(
+                RAY_AIR_NEW_OUTPUT=new_output)
 
 
 # --------------------------------------------------------------------------- the cost models
