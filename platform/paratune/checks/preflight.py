@@ -135,9 +135,10 @@ def _check_float8(plan: Plan, model: nn.Module) -> None:
     """A float8 plan converts at least one linear: every linear whose shape on a rank CUDA's
     _scaled_mm cannot take stays bf16 (paratune.parallel.float8), and a plan where that is all of
     them would measure bf16 under a float8 label (its trial fails the float8 dtype check, late)."""
+    from paratune.model.build import remembered
     from paratune.parallel.float8 import skipped_linears
 
-    linears = [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    linears = remembered(model, "linear_names", lambda: [name for name, m in model.named_modules() if type(m) is nn.Linear])
     skipped = skipped_linears(model, plan)
     if linears and len(skipped) == len(linears):
         example = next((f"{n}: {why}" for n, why in skipped.items() if "LM head" not in why), "")
@@ -191,12 +192,12 @@ def _is_module(root: nn.Module, path: str, module: nn.Module) -> bool:
 
 
 def _check_tp(plan: Plan, config, model: nn.Module) -> None:
-    from paratune.model.build import decoder_blocks
-    from paratune.parallel.tp import LINEAR_STYLES, SUPPORTED_STYLES, block_prefix
+    from paratune.model.build import decoder_blocks, remembered
+    from paratune.parallel.ep import expert_module_patterns
+    from paratune.parallel.tp import block_prefix
     from paratune.parallel.tp_derive import family_tp_plan
 
     tp = plan.tp
-    allowed_styles = ", ".join(SUPPORTED_STYLES)
     parts = _parts(config, model, "tp", tp, "tp 1")
     try:
         hf_plan, source = family_tp_plan(model)
@@ -219,9 +220,32 @@ def _check_tp(plan: Plan, config, model: nn.Module) -> None:
                         "strategy 'fsdp' (FSDP2 x TP keeps the tie), or ddp with dp 1")
     blocks = decoder_blocks(model)
     prefix = block_prefix(model, hf_plan)
-    from paratune.parallel.ep import expert_module_patterns, under_experts
-
     experts = expert_module_patterns(config) if getattr(plan, "ep", 1) > 1 else []  # ep's, not tp's
+    refusal = remembered(model, ("tp_plan_entries", tp, tuple(experts)),
+                         lambda: _tp_entries_refusal(plan, config, model, hf_plan, prefix, blocks, embedding, experts))
+    if refusal is not None:
+        raise PlanError(refusal)
+
+
+def _tp_entries_refusal(plan: Plan, config, model: nn.Module, hf_plan: dict[str, str], prefix: str,
+                        blocks: list[nn.Module], embedding: nn.Module, experts: list[str]) -> str | None:
+    """Why transformers' tp plan cannot be applied entry by entry to every block at the plan's tp
+    (None: it can). A function of the model, tp and the experts ep takes off tp only: kept per
+    (tp, experts) on the checks' frozen model (80 blocks x 7 entries a plan, otherwise)."""
+    try:
+        _check_tp_entries(plan, config, model, hf_plan, prefix, blocks, embedding, experts)
+    except PlanError as err:
+        return str(err)
+    return None
+
+
+def _check_tp_entries(plan: Plan, config, model: nn.Module, hf_plan: dict[str, str], prefix: str,
+                      blocks: list[nn.Module], embedding: nn.Module, experts: list[str]) -> None:
+    from paratune.parallel.ep import under_experts
+    from paratune.parallel.tp import LINEAR_STYLES, SUPPORTED_STYLES
+
+    tp = plan.tp
+    allowed_styles = ", ".join(SUPPORTED_STYLES)
     for pattern, style in hf_plan.items():
         if under_experts(pattern, experts):
             continue
@@ -256,16 +280,22 @@ def _check_autotp(plan: Plan, config, model: nn.Module) -> None:
     """ZeRO with tp is DeepSpeed's AutoTP, which follows the same transformers plan but implements
     fewer styles and rejects a plan with any other (deepspeed/module_inject/tp_plan_converter.py),
     inside `deepspeed.initialize` on every worker. The same test, on the same merged plan, here."""
-    from deepspeed.module_inject.tp_plan_converter import SUPPORTED_STYLES as AUTOTP_STYLES
-    from deepspeed.runtime.tensor_parallel.config import _get_hf_tp_plan
+    from paratune.model.build import remembered
 
-    hf_plan = _get_hf_tp_plan(model) or {}
-    unsupported = sorted({style for style in hf_plan.values() if style.lower() not in AUTOTP_STYLES})
+    unsupported = remembered(model, "autotp_unsupported_styles", lambda: _autotp_unsupported_styles(model))
     if unsupported:
         raise PlanError(f"tp: {plan.tp} with strategy 'zero' and {_family(config)}: DeepSpeed's AutoTP rejects "
                         f"transformers' plan for the family, whose style(s) {unsupported} it does not implement; "
                         f"allowed: tp 1 with zero, or strategy 'ddp'/'fsdp' with tp {plan.tp} (paratune's own tensor "
                         "parallelism implements them)")
+
+
+def _autotp_unsupported_styles(model: nn.Module) -> list[str]:
+    from deepspeed.module_inject.tp_plan_converter import SUPPORTED_STYLES as AUTOTP_STYLES
+    from deepspeed.runtime.tensor_parallel.config import _get_hf_tp_plan
+
+    hf_plan = _get_hf_tp_plan(model) or {}
+    return sorted({style for style in hf_plan.values() if style.lower() not in AUTOTP_STYLES})
 
 
 def _check_module(plan: Plan, config, pattern: str, style: str, module: nn.Module, linear_styles: set[str]) -> None:

@@ -555,11 +555,18 @@ def vocab_held(plan: Plan, vocab: int, hidden: int) -> float:
 def _eager_attention(plan: Plan) -> bool:
     """Whether the plan's model runs eager attention (keeps s x s scores; paratune.model.materialize's
     choice: SDPA where the family supports it)."""
-    from paratune.model.materialize import attn_implementation
-    from paratune.model.build import config_from_key
     from paratune.model.shapes import model_config_key
 
-    return attn_implementation(config_from_key(model_config_key(plan))) == "eager"
+    return _eager_attention_of(model_config_key(plan))
+
+
+@lru_cache(maxsize=64)
+def _eager_attention_of(config_key: str) -> bool:
+    """Per config key: building the config from its key costs ~2 ms, asked for twice a plan."""
+    from paratune.model.materialize import attn_implementation
+    from paratune.model.build import config_from_key
+
+    return attn_implementation(config_from_key(config_key)) == "eager"
 
 
 def activation_coefficients(plan: Plan, model: ActivationModel = "trace") -> ActivationCoefficients:

@@ -7,13 +7,15 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Hashable, TypeVar
 
 if TYPE_CHECKING:  # torch is imported where a model is built: reading configs (validate, plan's checks) needs none
     import torch
     from torch import nn
 
 from paratune.config.model_config import ModelError, _fit_layer_types, load_config_dict
+
+T = TypeVar("T")
 
 
 # Causal-LM classes transformers ships whose training step needs more than token ids, by model_type.
@@ -154,9 +156,26 @@ _FROZEN, _STACKS_KEPT = "_paratune_structure_frozen", "_paratune_block_stacks"
 
 def freeze_structure(model: nn.Module) -> nn.Module:
     """Mark a model whose module tree will not change (a meta model only read by checks), so the
-    walks over it (block_stacks) are done once. Never for a model a layout will wrap or shard."""
+    walks over it (block_stacks, `remembered`) are done once. Never for a model a layout will wrap
+    or shard."""
     model.__dict__[_FROZEN] = True
     return model
+
+
+_REMEMBERED = "_paratune_remembered"
+
+
+def remembered(model: nn.Module, key: Hashable, compute: Callable[[], T]) -> T:
+    """compute(), a pure function of the model's module tree and `key`, once per key on a frozen
+    model (`freeze_structure`): a space's thousands of plans ask the same few questions of one
+    80-layer meta model (tp's splits at each degree, float8's skipped linears). Every time on any
+    other model (a worker's, whose tree its layout changes)."""
+    if not model.__dict__.get(_FROZEN):
+        return compute()
+    kept = model.__dict__.setdefault(_REMEMBERED, {})
+    if key not in kept:
+        kept[key] = compute()
+    return kept[key]
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:

@@ -91,7 +91,14 @@ def tp_splits(model: nn.Module, plan: Plan) -> dict[int, str]:
 
 def skipped_linears(model: nn.Module, plan: Plan) -> dict[str, str]:
     """Every nn.Linear the plan's float8 leaves in bf16 (name -> why), on the model as built (the
-    meta model before any layout, as `convert_to_float8` and the preflight see it)."""
+    meta model before any layout, as `convert_to_float8` and the preflight see it). Read only: on
+    the pre-launch checks' frozen model the answer is kept per tp degree and expert parallelism."""
+    from paratune.model.build import remembered
+
+    return remembered(model, ("float8_skipped_linears", plan.tp, plan.ep > 1), lambda: _skipped_linears(model, plan))
+
+
+def _skipped_linears(model: nn.Module, plan: Plan) -> dict[str, str]:
     from paratune.model.build import decoder_parts
 
     try:
