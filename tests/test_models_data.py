@@ -146,3 +146,29 @@ def test_a_frozen_models_blocks_are_found_once_and_an_unfrozen_ones_every_time()
     first = block_stacks(frozen)
     assert block_stacks(frozen) is first
     assert [(name, len(stack)) for name, stack in first] == [(name, len(stack)) for name, stack in block_stacks(live)]
+
+
+def test_a_frozen_models_tp_and_float8_answers_are_kept_per_degree_and_equal_the_walked_ones():
+    """The checks' answers per tp degree (float8's skipped linears, tp's plan entries) are kept on a
+    frozen model, one per degree, and equal what a walk of a live model gives at that degree."""
+    from paratune.config.plan import load_plan_dict
+    from paratune.model.build import freeze_structure, remembered
+    from paratune.model.materialize import build_meta
+    from paratune.parallel.float8 import skipped_linears
+
+    config = build_config("tiny-llama")
+    live, frozen = build_meta(config), freeze_structure(build_meta(config))
+    calls = []
+    assert remembered(frozen, "k", lambda: calls.append(1) or len(calls)) == 1
+    assert remembered(frozen, "k", lambda: calls.append(1) or len(calls)) == 1 and calls == [1]
+    assert remembered(live, "k", lambda: calls.append(1) or len(calls)) == 2
+    assert remembered(live, "k", lambda: calls.append(1) or len(calls)) == 3
+    plans = {tp: load_plan_dict({"model": "tiny-llama", "num_workers": tp, "tp": tp, "strategy": "fsdp",
+                                 "float8": "tensorwise", "precision": "bf16", "seq_len": 32, "global_batch": 4,
+                                 "micro_batch": 1})
+             for tp in (1, 2)}
+    kept = {tp: skipped_linears(frozen, plan) for tp, plan in plans.items()}
+    assert skipped_linears(frozen, plans[2]) is kept[2] and kept[1] is not kept[2]
+    for tp, plan in plans.items():
+        assert kept[tp] == skipped_linears(live, plan)
+    assert kept[1] != kept[2]  # tiny-llama's widths: a tp split below 16 per rank stays bf16
