@@ -29,16 +29,14 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/paratune tune search_spaces/local_cpu.yaml --out paratune_runs/demo-$$(date +%Y%m%d-%H%M%S)
 
-# One test process by default. TEST_WORKERS=2: two (pytest-xdist), one running the modules that
-# start Ray one after another (tests/conftest.py: RAY_MODULES), the other the gloo and unit modules
-# beside them. Not the default yet: measured 14-17 min from fresh clones (one process: 14.6-16.7), and
-# one run lost a node of the job tests' cluster to its 1 s health checks under the load
-# (bench/results/test_suite_time.md).
+# Two test processes by default (pytest-xdist, TEST_WORKERS=2; 0: one process): one module at a time
+# in each, the Ray modules first (tests/conftest.py). On 2 cores the suite is bound by its CPU work:
+# one process kept them ~70% busy, two ~90% (bench/results/test_suite_time.md).
 # `make test` leaves out the tests marked `matrix` (pyproject.toml): further parameter values of code
 # paths that kept tests already run (every family x strategy, every layout x option); each says which
 # kept test covers it. `make test-matrix` runs only those, `make test-all` everything; CI (.ci/run)
 # runs `make test`, then `make test-matrix`.
-TEST_WORKERS ?= 0
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x -m "not matrix" --durations=15 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 

@@ -38,34 +38,22 @@ def pytest_collection_finish(session) -> None:
 
 
 # The modules whose tests start Ray: the in-process cluster (ray_local), `ray start` raylets, the
-# `paratune` command's own Ray. Under pytest-xdist (`make test TEST_WORKERS=2`) they run one after
-# another in one process, as they do without xdist, while the other process runs the gloo and unit
-# modules beside them. Two of them at once (each with its controllers, pools and health checks on
-# the same 2 cores) measured slower than one after the other: 15 min 48 s against 15 min 22 s.
-# test_wheel.py: the installed wheel's `paratune trial` starts a Ray of its own.
+# `paratune` command's own Ray. test_wheel.py: the installed wheel's `paratune trial` starts a Ray of
+# its own. Under pytest-xdist (`make test`'s two processes) they go first, the three-raylet job tests
+# (the longest module) first of all, so that the short unit and gloo modules fill the other process
+# at the end. Each module is one scope (its fixtures stay in one process); two Ray modules may run
+# at once, each process with its own in-process Ray (bench/results/test_suite_time.md: 90% of the
+# 2 cores busy, against ~70% with every Ray module in one process).
 RAY_MODULES = ["test_cli.py", "test_cluster_config.py", "test_cluster_jobs.py", "test_newcomer.py", "test_profile.py",
                "test_ray_range.py", "test_session.py", "test_sweep.py", "test_tracking_server.py", "test_trial_ray.py",
                "test_user_loop.py", "test_wheel.py"]
+LONGEST_MODULE = "test_cluster_jobs.py"
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Under xdist, the Ray modules first (one process takes them at once); file order otherwise."""
+    """Under xdist, the job tests, then the other Ray modules, then the rest; file order otherwise."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: item.path.name not in RAY_MODULES)  # stable
-
-
-@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a venv without xdist (.ci/oldest_ray.sh's) runs too
-def pytest_xdist_make_scheduler(config, log):
-    """xdist's scheduling by scope (a scope runs whole in one process), with every Ray module in
-    one scope ("ray") and each other module its own."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class RayModulesInOneProcess(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return "ray" if Path(module).name in RAY_MODULES else module
-
-    return RayModulesInOneProcess(config, log)
+        items.sort(key=lambda item: (item.path.name != LONGEST_MODULE, item.path.name not in RAY_MODULES))  # stable
 
 
 def pytest_sessionfinish(session) -> None:

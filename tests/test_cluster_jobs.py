@@ -103,9 +103,11 @@ class Cluster:
 
 # Worker nodes: name -> CPUs. The head has none: job drivers only, never a trial's worker.
 WORKER_NODES = {"node3": 3, "node2": 2}
-# GCS notices a dead raylet within ~3 s (default: 5 missed checks of 3 s), so node loss is quick.
-FAST_HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "2",
-                      "RAY_health_check_timeout_ms": "1000", "RAY_health_check_initial_delay_ms": "1000"}
+# GCS notices a dead raylet within ~10 s (default: 5 missed checks of 3 s, ~30 s), so node loss is
+# quick, and a live raylet on 2 cores shared with another test process (make test's two) answers
+# in time: 1 s checks with a 1 s timeout and 2 misses lost a live node under that load.
+FAST_HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3",
+                      "RAY_health_check_timeout_ms": "3000", "RAY_health_check_initial_delay_ms": "1000"}
 
 
 def own_ports() -> list[str]:
