@@ -29,14 +29,16 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/paratune tune search_spaces/local_cpu.yaml --out paratune_runs/demo-$$(date +%Y%m%d-%H%M%S)
 
-# Two test processes by default (pytest-xdist, TEST_WORKERS=2; 0: one process): one module at a time
-# in each, the Ray modules first (tests/conftest.py). On 2 cores the suite is bound by its CPU work:
-# one process kept them ~70% busy, two ~90% (bench/results/test_suite_time.md).
+# One test process by default. TEST_WORKERS=2: two (pytest-xdist), one module at a time in each, the
+# Ray modules first (tests/conftest.py). On 2 cores the suite is bound by its CPU work (~3,000 CPU-s):
+# two processes kept the cores 93% busy and took 26 min 11 s from a fresh clone, one process 27 min
+# 55 s (bench/results/test_suite_time.md, 2026-12-07): not enough gain for two processes' timing
+# noise in every test, so not the default.
 # `make test` leaves out the tests marked `matrix` (pyproject.toml): further parameter values of code
 # paths that kept tests already run (every family x strategy, every layout x option); each says which
 # kept test covers it. `make test-matrix` runs only those, `make test-all` everything; CI (.ci/run)
 # runs `make test`, then `make test-matrix`.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 0
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x -m "not matrix" --durations=15 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 

@@ -39,11 +39,11 @@ def pytest_collection_finish(session) -> None:
 
 # The modules whose tests start Ray: the in-process cluster (ray_local), `ray start` raylets, the
 # `paratune` command's own Ray. test_wheel.py: the installed wheel's `paratune trial` starts a Ray of
-# its own. Under pytest-xdist (`make test`'s two processes) they go first, the three-raylet job tests
+# its own. Under pytest-xdist (`make test TEST_WORKERS=2`) they go first, the three-raylet job tests
 # (the longest module) first of all, so that the short unit and gloo modules fill the other process
 # at the end. Each module is one scope (its fixtures stay in one process); two Ray modules may run
-# at once, each process with its own in-process Ray (bench/results/test_suite_time.md: 90% of the
-# 2 cores busy, against ~70% with every Ray module in one process).
+# at once, each process with its own in-process Ray (bench/results/test_suite_time.md, 2026-12-07:
+# the 2 cores 93% busy, 26 min 11 s against one process's 27 min 55 s).
 RAY_MODULES = ["test_cli.py", "test_cluster_config.py", "test_cluster_jobs.py", "test_newcomer.py", "test_profile.py",
                "test_ray_range.py", "test_session.py", "test_sweep.py", "test_tracking_server.py", "test_trial_ray.py",
                "test_user_loop.py", "test_wheel.py"]
