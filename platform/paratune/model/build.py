@@ -6,7 +6,6 @@ import json
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Hashable, TypeVar
 
 if TYPE_CHECKING:  # torch is imported where a model is built: reading configs (validate, plan's checks) needs none
