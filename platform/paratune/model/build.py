@@ -111,11 +111,12 @@ def block_stacks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     parameters. Almost every family has one stack; a few (HRM, BLT) have several, in order.
 
     A model marked read-only (`freeze_structure`: the pre-launch checks' shared meta models) keeps
-    its answer: a space's thousands of plans walk an 80-layer model's modules once, not per plan."""
-    from torch import nn
+    its answer (`remembered`): a space's thousands of plans walk an 80-layer model's modules once."""
+    return remembered(model, "block_stacks", lambda: _find_block_stacks(model))
 
-    if (known := model.__dict__.get(_STACKS_KEPT)) is not None:
-        return known
+
+def _find_block_stacks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    from torch import nn
 
     names = set(getattr(model, "_no_split_modules", None) or ())
     lists = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.ModuleList) and len(mod)]
@@ -143,14 +144,12 @@ def block_stacks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
                   else f"a ModuleList of num_hidden_layers ({layers}) modules of one class with parameters (it "
                        "names no block class in _no_split_modules)")
         raise ModelError(f"cannot find decoder blocks in {type(model).__name__}: looked for {looked}, found none")
-    if model.__dict__.get(_FROZEN):
-        model.__dict__[_STACKS_KEPT] = found
     return found
 
 
-# A model whose module tree no one changes any more (set by `freeze_structure`), and block_stacks'
-# answer kept on it. In the module's __dict__: not a parameter, buffer or submodule.
-_FROZEN, _STACKS_KEPT = "_paratune_structure_frozen", "_paratune_block_stacks"
+# A model whose module tree no one changes any more (set by `freeze_structure`), and the answers kept
+# on it (`remembered`). In the module's __dict__: not a parameter, buffer or submodule.
+_FROZEN, _REMEMBERED = "_paratune_structure_frozen", "_paratune_remembered"
 
 
 def freeze_structure(model: nn.Module) -> nn.Module:
@@ -160,8 +159,6 @@ def freeze_structure(model: nn.Module) -> nn.Module:
     model.__dict__[_FROZEN] = True
     return model
 
-
-_REMEMBERED = "_paratune_remembered"
 
 
 def remembered(model: nn.Module, key: Hashable, compute: Callable[[], T]) -> T:

@@ -280,10 +280,10 @@ def _search(run: SweepRun, done: int, remaining: int) -> None:
             tuner.fit()
     finally:
         tune_logger.setLevel(level)
-        if not verbose and new_output is None:
-            del os.environ["RAY_AIR_NEW_OUTPUT"]
-        elif not verbose:
-            os.environ["RAY_AIR_NEW_OUTPUT"] = new_output
+        if not verbose:  # the caller's own setting back, or none
+            os.environ.pop("RAY_AIR_NEW_OUTPUT")
+            if new_output is not None:
+                os.environ["RAY_AIR_NEW_OUTPUT"] = new_output
 
 
 # --------------------------------------------------------------------------- the cost models
