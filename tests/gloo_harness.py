@@ -66,13 +66,19 @@ def assert_groups_use_plan_timeout(plan, out: dict, expect_groups: bool = True) 
 
 
 def _worker(rank: int, world: int, port: int, plan_dicts: list[dict], queue, setup: str | None = None,
-            measure: str | None = None) -> None:
+            measure: str | None = None, fault_file: str | None = None) -> None:
     """Runs the plans one after another in one process group (one spawn and import for all).
     `setup` ('module:function') is called first, in every worker; `measure` replaces
     train_and_measure (same arguments). Rank 0 reports each plan's output as it finishes
     (("ok", i, out), with `groups_created`: the process groups the plan made, see
     `record_group_creation`); any rank reports the first failure (("error", i, traceback); i is -1
-    before the first plan) and stops; rank 0 ends with ("done", None, None)."""
+    before the first plan) and stops; rank 0 ends with ("done", None, None). A rank killed by a
+    signal (a segfault in a library) cannot report: faulthandler writes its Python stacks to
+    `fault_file`, and the harness shows them."""
+    import faulthandler
+
+    if fault_file is not None:
+        faulthandler.enable(open(fault_file, "w"), all_threads=True)  # noqa: SIM115 - kept open until the process ends
     import torch
     import torch.distributed as dist
 
@@ -124,11 +130,16 @@ def _run_group(plans, setup, measure) -> tuple[list[dict], int | None, str | Non
     """One set of processes runs the plans in order until one fails. Returns the outputs of the
     plans that finished (in order), and the index and error text of the one that failed (None, None
     when all finished; -1 when the workers failed before the first plan)."""
+    import tempfile
+
     ctx = _context()
     queue = ctx.SimpleQueue()
     world = plans[0].num_workers
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, [p.to_dict() for p in plans], queue, setup, measure))
+    faults = tempfile.TemporaryDirectory(prefix="gloo-faults-")
+    fault_files = [os.path.join(faults.name, f"rank{r}.txt") for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, [p.to_dict() for p in plans], queue, setup, measure,
+                                               fault_files[r]))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -167,7 +178,13 @@ def _run_group(plans, setup, measure) -> tuple[list[dict], int | None, str | Non
     if failed is not None:
         failed = -1 if failed < 0 else min(failed, len(outs))
         outs = outs[:max(failed, 0)]
-        errors.append(f"worker exit codes: {[p.exitcode for p in procs]}")
+        errors.append(f"plan {failed} of {len(plans)} failed; worker exit codes: {[p.exitcode for p in procs]}")
+        for rank, path in enumerate(fault_files):  # a rank that died by a signal: where it was
+            with contextlib.suppress(OSError), open(path) as f:
+                text = f.read().strip()
+                if text:
+                    errors.append(f"rank {rank} died by a signal (faulthandler):\n{text}")
+    faults.cleanup()
     return outs, failed, "\n".join(errors) if failed is not None else None
 
 
