@@ -93,6 +93,21 @@ def mlflow_uri(tmp_path, empty_mlflow_store) -> str:
     return f"sqlite:///{db}"
 
 
+def resources_released(ray) -> None:
+    """Nothing holds the in-process cluster after a failure: both CPUs free again, no live placement
+    group (the next trial or group would otherwise wait for CPUs, then time out)."""
+    import time
+
+    from ray.util import placement_group_table
+
+    deadline = time.time() + 30
+    while ray.available_resources().get("CPU", 0) < 2 and time.time() < deadline:
+        time.sleep(0.5)
+    assert ray.available_resources().get("CPU", 0) >= 2
+    live = [pg for pg in placement_group_table().values() if pg["state"] in ("CREATED", "PENDING", "RESCHEDULING")]
+    assert not live, live
+
+
 def expected_parameter_share(plan) -> float:
     """Parameters one rank should hold under a plan: the model over tp and pp, and over the ranks
     FSDP2 shards across (the dp axis with cp folded in, or a hybrid shard group)."""

@@ -9,7 +9,7 @@ groups each property needs."""
 import time
 
 import pytest
-from conftest import BASE_PLAN, expected_parameter_share
+from conftest import BASE_PLAN, expected_parameter_share, resources_released
 
 from paratune.costs.measure import TrialStopRule
 from paratune.config.plan import load_plan_dict
@@ -184,7 +184,7 @@ def test_the_stop_rule_works_in_a_reused_group(pool):
     assert full.group_id == result.group_id and full.group_request == result.group_request + 1
 
 
-def test_another_env_gets_another_group_and_a_failure_ends_it(pool):
+def test_another_env_gets_another_group_and_a_failure_ends_it(pool, ray_local):
     idle = pool.measure({**BASE_PLAN, "measure_steps": 1})  # an idle group of the plain env
     assert [g["group_id"] for g in pool.groups()] == [idle.group_id]
     # gloo reads GLOO_SOCKET_IFNAME as Ray Train sets up the group's first process group: a group
@@ -192,6 +192,7 @@ def test_another_env_gets_another_group_and_a_failure_ends_it(pool):
     unborn = pool.measure({**BASE_PLAN, "measure_steps": 1, "env": {"GLOO_SOCKET_IFNAME": "paratune-no-such-if0"}})
     assert unborn.status == "failed" and "paratune-no-such-if0" in unborn.message
     assert unborn.group_id != idle.group_id and pool.groups() == []
+    resources_released(ray_local)
     # Another env, another group (new processes); its seed-7 plans kill rank 1 at step 1.
     killed = pool.measure({**BASE_PLAN, "measure_steps": 1, "env": FAULT, "seed": 7})
     assert killed.status == "failed" and killed.reason == "worker_died", killed.message

@@ -1,7 +1,7 @@
 """The trial end to end on a real in-process Ray cluster: 2 gloo workers per trial."""
 
 import pytest
-from conftest import BASE_PLAN
+from conftest import BASE_PLAN, resources_released
 
 from paratune.config.plan import load_plan_dict
 from paratune.cluster.trial import run_trial
@@ -15,22 +15,11 @@ pytestmark = pytest.mark.integration
 # every family, on gloo processes without Ray: tests/test_parity_gloo.py. Here: how fresh trials fail.
 
 
-def _resources_released() -> None:
-    """A failed trial leaves nothing holding the cluster: both CPUs free, no live placement group
-    (the next trial would otherwise wait for CPUs, then time out)."""
-    import time
-
-    import ray
-    from ray.util import placement_group_table
-
-    deadline = time.time() + 30
-    while ray.available_resources().get("CPU", 0) < 2 and time.time() < deadline:
-        time.sleep(0.5)
-    assert ray.available_resources().get("CPU", 0) >= 2
-    live = [pg for pg in placement_group_table().values() if pg["state"] in ("CREATED", "PENDING", "RESCHEDULING")]
-    assert not live, live
-
-
+# `matrix` (make test-matrix): the env reaches a group's workers before its process group starts, and a
+# group that cannot start leaves no worker or placement group, through the same launch code
+# (launch.build_trainer, the plan's WorkerDemand) in a reused group: test_session's
+# test_another_env_gets_another_group_and_a_failure_ends_it ("unborn").
+@pytest.mark.matrix
 def test_env_reaches_workers_before_process_group_start(ray_local):
     # gloo reads GLOO_SOCKET_IFNAME while the process group is created: a bogus interface can
     # only fail the trial if the variable was in the worker's environment before that moment.
@@ -39,7 +28,7 @@ def test_env_reaches_workers_before_process_group_start(ray_local):
     assert result.status == "failed" and result.reason is not None
     assert "paratune-no-such-if0" in result.message
     # The failed setup must not leak its placement group and starve the next trial.
-    _resources_released()
+    resources_released(ray_local)
 
 
 # `matrix` (make test-matrix): a worker's exception in a fresh trial, classified, is test_a_loss_that_overflows
@@ -92,7 +81,7 @@ def test_hanging_worker_is_ended_by_the_trial_timeout(ray_local):
     assert result.status == "failed" and result.reason == "hang", result.message
     assert time.perf_counter() - t0 < 20 + 75  # the deadline, plus abort and teardown
     # Its workers are gone: the cluster's CPUs are free again, no placement group is left.
-    _resources_released()
+    resources_released(ray_local)
 
 
 # `matrix` (make test-matrix): the same worker code stops in a reused group, with its partial figures and
@@ -127,7 +116,7 @@ def test_a_loss_that_overflows_fails_the_trial_as_diverged(ray_local):
     assert result.status == "failed" and result.reason == "diverged", (result.status, result.message)
     assert "loss not finite from step 1 on rank 0 (nan); 2 of 2 rank(s)" in result.message
     assert classify(RuntimeError(result.message))[0] == "diverged"  # also when only the text survives
-    _resources_released()
+    resources_released(ray_local)
 
 
 def test_parity_of_a_model_with_dropout_runs_both_sides_without_it(ray_local, tmp_path):
