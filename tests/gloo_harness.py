@@ -181,7 +181,7 @@ def _run_group(plans, setup, measure) -> tuple[list[dict], int | None, str | Non
         errors.append(f"plan {failed} of {len(plans)} failed; worker exit codes: {[p.exitcode for p in procs]}")
         for rank, path in enumerate(fault_files):  # a rank that died by a signal: where it was
             with contextlib.suppress(OSError), open(path) as f:
-                text = f.read().strip()
+                text = f.read().split("\nExtension modules:")[0].strip()  # the stacks, not the module list
                 if text:
                     errors.append(f"rank {rank} died by a signal (faulthandler):\n{text}")
     faults.cleanup()
