@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
+export CPU_ADAM_BUILD = from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False)
 
 .PHONY: demo test test-matrix test-all test-fast install bench clean
 
@@ -16,12 +17,17 @@ STAMP   = $(VENV)/.installed
 # torchtitan without its dependencies (its pins would downgrade huggingface-hub under transformers;
 # only its config parser is used, to check the winner's torchtitan export). The last line: the GPU image's transformers (bench/gpu_image.txt) beside the venv, not in it, for
 # the test that runs the GPU acceptance script as that image would (tests/test_gpu_acceptance.py).
+# DeepSpeed's CPU Adam (ZeRO offload's optimizer step) is a C++ op torch JIT-builds at first use,
+# ~125 CPU-s, again for every new venv path (the include paths are in torch's build key): built here,
+# once per venv, like DeepSpeed's own DS_BUILD_CPU_ADAM install, not inside the first test that needs it.
 $(STAMP): pyproject.toml constraints.txt bench/gpu_image.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -c constraints.txt uv torch==2.13.0
 	$(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode -c constraints.txt -e '.[all,test]'
 	$(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode --no-deps -c constraints.txt torchtitan
 	$(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode --target $(VENV)/gpu-image-site -r bench/gpu_image.txt
+	$(BIN)/python -c "$$CPU_ADAM_BUILD" >/dev/null 2>&1 && touch $(VENV)/.cpu_adam_built \
+	  || echo "note: DeepSpeed's CPU Adam did not build (a C++ compiler?); ZeRO offload's test builds it at first use"
 	touch $(STAMP)
 
 install: $(STAMP)

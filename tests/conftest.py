@@ -14,10 +14,11 @@ BASE_PLAN = {"model": "tiny-llama", "seq_len": 32, "global_batch": 8, "micro_bat
              "lr": 1e-2}
 
 # DeepSpeed's CPU Adam (what ZeRO offload steps with on GPU clusters) is JIT-compiled at first use:
-# ~125 CPU-seconds of C++ per fresh clone (two files), inside whichever test needs it first. It is
-# built from the session's start by a niced background process instead: it takes the CPU the tests
-# leave idle, and a test that needs the op before it is done waits on torch's build lock (its
-# process idle, the build then has that core) instead of starting another build.
+# ~125 CPU-seconds of C++ per venv (two files), inside whichever test needs it first. `make install`
+# builds it (and leaves .cpu_adam_built in the venv). Without that, it is built from the session's
+# start by a niced background process: it takes the CPU the tests leave idle, and a test that needs
+# the op before it is done waits on torch's build lock (its process idle, the build then has that
+# core) instead of starting another build.
 _CPU_ADAM_BUILD = "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False)"
 _builder: subprocess.Popen | None = None
 
@@ -31,7 +32,8 @@ def pytest_collection_finish(session) -> None:
 
     tiers.SELECTED = {"matrix" if item.get_closest_marker("matrix") else "core" for item in session.items}
     first_process = os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"
-    wanted = not session.config.option.collectonly and any(item.get_closest_marker("integration") for item in session.items)
+    built = (Path(sys.prefix) / ".cpu_adam_built").exists()
+    wanted = not (built or session.config.option.collectonly) and any(item.get_closest_marker("integration") for item in session.items)
     if first_process and wanted and _builder is None:
         _builder = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", _CPU_ADAM_BUILD],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
