@@ -237,6 +237,7 @@ def checkpoint_round_trip(plan, rank: int, world: int, local_world: int, device)
     fresh runner loads the state and takes the same 3rd step. Equal losses (and equal expert
     weights after it) only if every rank's own experts and their optimizer states came back."""
     import os
+    import shutil
     import tempfile
 
     import torch.distributed as dist
@@ -272,7 +273,9 @@ def checkpoint_round_trip(plan, rank: int, world: int, local_world: int, device)
     resumed = step(second, 2)
     same_experts = bool(torch.equal(experts(first), experts(second)))
     flags = torch.tensor([float(same_experts)])
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # every rank has loaded: the folder can go
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
     return {"continued": continued, "resumed": resumed, "experts_equal_on_every_rank": bool(flags.item())}
 
 

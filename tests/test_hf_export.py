@@ -11,6 +11,7 @@ checked in test_cluster_jobs.
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -66,12 +67,21 @@ def train_and_export(plan, rank: int, world: int, local_world: int, device) -> d
 @pytest.mark.integration
 def test_every_layout_writes_a_folder_from_pretrained_loads_with_the_trained_values():
     from gloo_harness import run_plans_on_gloo
+
+    plans = [load_plan_dict({**BASE_PLAN, **case}) for case in LAYOUTS.values()]
+    outs = run_plans_on_gloo(plans, measure="test_hf_export:train_and_export")
+    try:
+        _check_folders(plans, outs)
+    finally:  # the ranks wrote them under the system's temp dir (one path for every rank): gone after the test
+        for out in outs:
+            shutil.rmtree(out["folder"], ignore_errors=True)
+
+
+def _check_folders(plans: list, outs: list[dict]) -> None:
     from transformers import AutoModelForCausalLM
 
     from paratune.sweep.parity import reference_training
 
-    plans = [load_plan_dict({**BASE_PLAN, **case}) for case in LAYOUTS.values()]
-    outs = run_plans_on_gloo(plans, measure="test_hf_export:train_and_export")
     for name, plan, out in zip(LAYOUTS, plans, outs):
         folder = Path(out["folder"])
         files = sorted(p.name for p in folder.glob("*.safetensors"))
