@@ -110,6 +110,27 @@ def resources_released(ray) -> None:
     assert not live, live
 
 
+def ray_actor_processes(*classes: str, settle_s: float = 15.0) -> dict[int, str]:
+    """Live processes of this machine that Ray titled as an actor of one of `classes` (`ray::Class`,
+    `ray::Class.method` while it runs one): pid -> title. Waits up to `settle_s` for them to go, since
+    an actor whose last handle was dropped ends a moment later."""
+    import time
+
+    deadline = time.time() + settle_s
+    while True:
+        found = {}
+        for entry in Path("/proc").iterdir():
+            try:
+                title = (entry / "cmdline").read_bytes().split(b"\0")[0].decode()
+            except (OSError, ValueError):
+                continue
+            if title.startswith("ray::") and title[5:].split(".")[0].split()[0] in classes:
+                found[int(entry.name)] = title
+        if not found or time.time() > deadline:
+            return found
+        time.sleep(0.5)
+
+
 def expected_parameter_share(plan) -> float:
     """Parameters one rank should hold under a plan: the model over tp and pp, and over the ranks
     FSDP2 shards across (the dp axis with cp folded in, or a hybrid shard group)."""

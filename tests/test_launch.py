@@ -1,6 +1,6 @@
 """paratune.cluster.launch: the Ray releases it runs on, what each lacks, and the trainers it assembles.
 
-Ray's public API only, from OLDEST_RAY (2.49: the first Train V2 with
+Ray's public API (and one private method, feature-detected), from OLDEST_RAY (2.49: the first Train V2 with
 FailureConfig(controller_failure_limit); before it the controller retries a worker group that
 cannot start forever) to NEWEST_RAY; pyproject.toml declares the same range."""
 
@@ -78,12 +78,18 @@ def test_a_measurement_is_never_retried_and_training_keeps_rays_trainer():
     assert (timed.deadline_s, timed.deadline_message, timed.start_timeout_s) == (12.0, "late {deadline_s:.0f}", 5.0)
     assert timed.kwargs["failure_config"].max_failures == 0
     assert timed.kwargs["failure_config"].controller_failure_limit == 0
-    # What the runner builds (in its own process) from those arguments: Ray's TorchTrainer.
-    from paratune.cluster.launch import _torch_trainer
+    # What the runner builds (in its own process) from those arguments: Ray's TorchTrainer, less the
+    # two actors a measurement has no use for (Ray Data's dataset manager, the placement-group
+    # cleaner: MEASUREMENT_SKIPPED_CALLBACKS), every other controller callback kept.
+    from paratune.cluster.launch import MEASUREMENT_SKIPPED_CALLBACKS, _torch_trainer
 
-    inner = _torch_trainer(loop, **timed.kwargs)
-    assert type(inner) is TorchTrainer and inner.run_config.failure_config.controller_failure_limit == 0
+    inner = _torch_trainer(loop, measurement=True, **timed.kwargs)
+    assert isinstance(inner, TorchTrainer) and inner.run_config.failure_config.controller_failure_limit == 0
     assert inner.run_config.worker_runtime_env == {"env_vars": {"NCCL_ALGO": "Ring"}}
+    rays = [type(cb).__name__ for cb in TorchTrainer(loop, scaling_config=inner.scaling_config)._create_default_callbacks()]
+    assert set(MEASUREMENT_SKIPPED_CALLBACKS) <= set(rays), rays  # the installed Ray starts both: the cut is real
+    assert [type(cb).__name__ for cb in inner._create_default_callbacks()] == \
+        [name for name in rays if name not in MEASUREMENT_SKIPPED_CALLBACKS]
     training = build_trainer(loop, {}, name="r", workers=workers, backend="gloo", comm_timeout_s=30,
                              storage_path="/tmp/paratune-test-storage", failure_config=FailureConfig(max_failures=3))
     assert type(training) is TorchTrainer and training.run_config.failure_config.max_failures == 3

@@ -1,9 +1,10 @@
 """The trial end to end on a real in-process Ray cluster: 2 gloo workers per trial."""
 
 import pytest
-from conftest import BASE_PLAN, resources_released
+from conftest import BASE_PLAN, ray_actor_processes, resources_released
 
 from paratune.config.plan import load_plan_dict
+from paratune.cluster.launch import idle_runner_pids
 from paratune.cluster.trial import run_trial
 
 pytestmark = pytest.mark.integration
@@ -131,8 +132,13 @@ def test_parity_of_a_model_with_dropout_runs_both_sides_without_it(ray_local, tm
     plan = load_plan_dict({**BASE_PLAN, "model": str(write_config("gpt_bigcode", tmp_path)), "measure_steps": 2})
     measured = run_trial(plan)
     assert measured.status == "ok", measured.message
+    runners = idle_runner_pids()
     parity = winner_parity(plan, measured)
     assert parity.passed, parity.reason
+    # Two fresh trials in a row: the first's runner actor ran the second (one Ray process and its
+    # imports fewer per launch), and each run's Ray Train actors ended with it.
+    assert runners and idle_runner_pids() == runners, (runners, idle_runner_pids())
+    assert ray_actor_processes("TrainController", "RayTrainWorker", "SynchronizationActor") == {}
     assert parity.mode == "deterministic" and parity.switched_off == {"resid_pdrop": 0.1, "embd_pdrop": 0.1,
                                                                       "attn_pdrop": 0.1}
     assert parity.losses != list(measured.losses)  # the check's own run, not the dropout-drawing one

@@ -6,10 +6,11 @@ device decides GPU or CPU workers, that decides what Ray reserves per worker, th
 the env vars in place before the process group starts (`worker_demand`), and `build_trainer`
 turns that into a TorchTrainer. Measurements get the timed trainer (a deadline, never retried,
 Ray's controller trimmed for a measurement); the training run keeps Ray's own TorchTrainer and
-defaults. Ray's public API only (RunConfig, FailureConfig, ScalingConfig, Train's documented
+defaults. Ray's public API (RunConfig, FailureConfig, ScalingConfig, Train's documented
 RAY_TRAIN_* variables, Ray Core's actors), on every release from OLDEST_RAY to NEWEST_RAY: what a
 release lacks is read from its public config classes (`ray_features`) and its fallback said
-(`RayFeatures.lost`).
+(`RayFeatures.lost`). One private method, behind feature detection with Ray's own behaviour as the
+fallback: a measurement skips two of Train's default actors (`measurement_trainer_class`).
 
 Ray is imported inside the functions: the worker path imports this module without Ray.
 """
@@ -328,17 +329,33 @@ class FitRunner:
     The deadline is Ray Core's ownership: Ray Train's controller is an actor of the process that calls
     fit(), and its workers are the controller's, so ray.kill() on this runner ends them all (the
     placement group stays: remove_leaked_placement_groups). Not threaded: Ray 2.49-2.50's fit()
-    registers a SIGINT handler, which only the main thread may."""
+    registers a SIGINT handler, which only the main thread may. A runner whose fit() returned by itself
+    serves the next measurement of its process (`_RunnerPool`): a Ray process and its imports fewer per
+    launch."""
 
     def fit(self, train_loop, kwargs: dict[str, Any]):
         """(Result or None, the error that ended the run or None)."""
+        import signal
+        import threading
+
         if not ray_features().return_value:
             train_loop = functools.partial(_return_by_report, train_loop)
+        # Ray Train's SIGINT handler holds the run's controller: put back the one before it, so the
+        # controller (and its actors) end with the run, not with this runner's next fit().
+        main = threading.current_thread() is threading.main_thread()
+        handler = signal.getsignal(signal.SIGINT) if main else None
         try:
-            result = _torch_trainer(train_loop, **kwargs).fit()
+            result = _torch_trainer(train_loop, measurement=True, **kwargs).fit()
         except Exception as err:  # noqa: BLE001 - returned, not raised: the caller sees Ray's own error
             return None, err
+        finally:
+            if main and handler is not None:
+                signal.signal(signal.SIGINT, handler)
         return result, result.error
+
+    def pid(self) -> int:
+        """This runner's process id (also the pool's liveness check)."""
+        return os.getpid()
 
 
 @functools.cache
@@ -346,6 +363,72 @@ def _runner_class():
     import ray
 
     return ray.remote(FitRunner)
+
+
+class _RunnerPool:
+    """This process's idle runners, by cluster node and env: a measurement takes one (or starts one)
+    and gives it back when its fit() returned by itself. A runner killed for a deadline or an abort is
+    never given back; one that died meanwhile is replaced (a liveness call when taken)."""
+
+    MAX_IDLE = 2  # a sweep's driver, a session's concurrent groups: each running measurement has its own
+
+    def __init__(self) -> None:
+        import threading
+
+        self._lock = threading.Lock()
+        self._idle: list[tuple[tuple, Any]] = []
+
+    @staticmethod
+    def _key(env: dict[str, str]) -> tuple:
+        import ray
+
+        context = ray.get_runtime_context()  # a new cluster (ray.shutdown, ray.init) is a new node id
+        return context.get_node_id(), context.get_job_id(), tuple(sorted(env.items()))
+
+    def take(self, env: dict[str, str]):
+        import ray
+
+        key = self._key(env)
+        while True:
+            with self._lock:
+                self._idle = [(k, r) for k, r in self._idle if k[:2] == key[:2]]  # another cluster's: gone with it
+                found = next((i for i, (k, _) in enumerate(self._idle) if k == key), None)
+                runner = self._idle.pop(found)[1] if found is not None else None
+            if runner is None:
+                return key, _runner_class().options(num_cpus=0, scheduling_strategy=placement.on_this_node(),
+                                                    runtime_env={"env_vars": env}).remote()
+            try:
+                ray.get(runner.pid.remote(), timeout=30)
+                return key, runner
+            except Exception:  # noqa: BLE001 - dead or unresponsive: never used again
+                ray.kill(runner, no_restart=True)
+
+    def give_back(self, key: tuple, runner) -> None:
+        import ray
+
+        with self._lock:
+            self._idle.append((key, runner))
+            extra = self._idle[:-self.MAX_IDLE]
+            self._idle = self._idle[-self.MAX_IDLE:]
+        for _, old in extra:
+            ray.kill(old, no_restart=True)
+
+
+    def idle_pids(self) -> list[int]:
+        """The process ids of this process's idle runners on the current cluster."""
+        import ray
+
+        with self._lock:
+            runners = [r for k, r in self._idle]
+        return sorted(ray.get([r.pid.remote() for r in runners], timeout=30))
+
+
+_runners = _RunnerPool()
+
+
+def idle_runner_pids() -> list[int]:
+    """This process's idle measurement runners (their pids): what the next measurement reuses."""
+    return _runners.idle_pids()
 
 
 class TimedTrainer:
@@ -366,22 +449,25 @@ class TimedTrainer:
     def fit(self):
         import ray
 
-        runner = _runner_class().options(
-            num_cpus=0, scheduling_strategy=placement.on_this_node(),
-            runtime_env={"env_vars": runner_env(self.start_timeout_s)}).remote()
+        key, runner = _runners.take(runner_env(self.start_timeout_s))
         self.runner = runner
+        reusable = False
         try:
             done, _ = ray.wait([runner.fit.remote(self.train_loop, self.kwargs)], timeout=self.deadline_s)
             if not done or self.aborted:
                 self.abort()
                 raise TrialTimeout(self.deadline_message.format(deadline_s=self.deadline_s))
             result, error = ray.get(done[0])
+            reusable = not self.aborted
             if error is not None:
                 raise error
             return result
         finally:
             self.runner = None
-            ray.kill(runner, no_restart=True)
+            if reusable:
+                _runners.give_back(key, runner)
+            else:
+                ray.kill(runner, no_restart=True)
 
     def abort(self) -> None:
         """End the run now, whatever its state (the runner, so its controller and workers)."""
@@ -393,8 +479,37 @@ class TimedTrainer:
             ray.kill(runner, no_restart=True)
 
 
+# Ray Train V2 actors a measurement has no use for, by the class name of the controller callback
+# that starts them: Ray Data's DatasetManager (started on Ray 2.60 with no dataset) and the
+# detached PlacementGroupCleaner (a measurement's failure paths remove its placement group
+# themselves: remove_leaked_placement_groups, the session's _end_after_failure). Two Ray processes
+# and their imports fewer per launch. The training run keeps all of Ray's.
+MEASUREMENT_SKIPPED_CALLBACKS = ("DatasetsCallback", "PlacementGroupCleanerCallback")
+
+
+@functools.cache
+def measurement_trainer_class():
+    """TorchTrainer without MEASUREMENT_SKIPPED_CALLBACKS when it has no datasets. Ray's default
+    callbacks come from a private method (DataParallelTrainer._create_default_callbacks, Ray
+    2.49-2.60): used only where the installed Ray has it, else Ray's own TorchTrainer (every actor
+    started, as before)."""
+    from ray.train.torch import TorchTrainer
+
+    if not callable(getattr(TorchTrainer, "_create_default_callbacks", None)):
+        return TorchTrainer
+
+    class MeasurementTrainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            callbacks = super()._create_default_callbacks()
+            if getattr(self, "datasets", None) or not isinstance(callbacks, list):
+                return callbacks
+            return [cb for cb in callbacks if type(cb).__name__ not in MEASUREMENT_SKIPPED_CALLBACKS]
+
+    return MeasurementTrainer
+
+
 def _torch_trainer(train_loop, *, train_loop_config, name, workers: "WorkerDemand", backend: str, comm_timeout_s: float,
-                   storage_path, nodes, failure_config, checkpoint_config, callbacks):
+                   storage_path, nodes, failure_config, checkpoint_config, callbacks, measurement: bool = False):
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -410,7 +525,8 @@ def _torch_trainer(train_loop, *, train_loop_config, name, workers: "WorkerDeman
     scaling: dict[str, Any] = {}
     if nodes and ray_features().label_selector:
         scaling["label_selector"] = placement.pinned_selectors(workers.demand, nodes)
-    return TorchTrainer(
+    trainer_class = measurement_trainer_class() if measurement else TorchTrainer
+    return trainer_class(
         train_loop,
         train_loop_config=train_loop_config,
         scaling_config=ScalingConfig(num_workers=workers.workers, use_gpu=workers.use_gpu,
