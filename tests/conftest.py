@@ -110,10 +110,11 @@ def resources_released(ray) -> None:
     assert not live, live
 
 
-def ray_actor_processes(*classes: str, settle_s: float = 15.0) -> dict[int, str]:
+def ray_actor_processes(*classes: str, settle_s: float = 30.0, besides: dict[int, str] | None = None) -> dict[int, str]:
     """Live processes of this machine that Ray titled as an actor of one of `classes` (`ray::Class`,
-    `ray::Class.method` while it runs one): pid -> title. Waits up to `settle_s` for them to go, since
-    an actor whose last handle was dropped ends a moment later."""
+    `ray::Class.method` while it runs one), but those in `besides` (e.g. what an earlier module left):
+    pid -> title. Waits up to `settle_s` for them to go, since an actor whose last handle was dropped
+    ends a moment later (~1.2 s here)."""
     import time
 
     deadline = time.time() + settle_s
@@ -124,7 +125,8 @@ def ray_actor_processes(*classes: str, settle_s: float = 15.0) -> dict[int, str]
                 title = (entry / "cmdline").read_bytes().split(b"\0")[0].decode()
             except (OSError, ValueError):
                 continue
-            if title.startswith("ray::") and title[5:].split(".")[0].split()[0] in classes:
+            if title.startswith("ray::") and title[5:].split(".")[0].split()[0] in classes \
+                    and int(entry.name) not in (besides or {}):
                 found[int(entry.name)] = title
         if not found or time.time() > deadline:
             return found

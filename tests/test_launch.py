@@ -125,3 +125,22 @@ def test_rank_0s_return_comes_back_without_result_return_value():
     assert return_value(old) == out
     assert return_value(SimpleNamespace(metrics=None)) is None and return_value(None) is None
     assert return_value(SimpleNamespace(return_value=out, metrics=None)) == out
+
+
+def test_a_fit_puts_back_the_sigint_handler_it_found():
+    """Ray Train's fit() installs a SIGINT handler holding the run's controller (main thread): after
+    the run, the process's own handler is back, so the finished run's controller ends with it."""
+    import signal
+
+    from paratune.cluster.launch import sigint_handler_kept
+
+    def own(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGINT, own)
+    try:
+        with sigint_handler_kept():
+            signal.signal(signal.SIGINT, lambda signum, frame: None)  # what fit() does
+        assert signal.getsignal(signal.SIGINT) is own
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -130,6 +130,8 @@ def test_parity_of_a_model_with_dropout_runs_both_sides_without_it(ray_local, tm
     from paratune.sweep.parity import winner_parity
 
     plan = load_plan_dict({**BASE_PLAN, "model": str(write_config("gpt_bigcode", tmp_path)), "measure_steps": 2})
+    train_actors = ("TrainController", "RayTrainWorker", "SynchronizationActor")
+    earlier = ray_actor_processes(*train_actors, settle_s=0)  # not this test's runs
     measured = run_trial(plan)
     assert measured.status == "ok", measured.message
     runners = idle_runner_pids()
@@ -138,7 +140,7 @@ def test_parity_of_a_model_with_dropout_runs_both_sides_without_it(ray_local, tm
     # Two fresh trials in a row: the first's runner actor ran the second (one Ray process and its
     # imports fewer per launch), and each run's Ray Train actors ended with it.
     assert runners and idle_runner_pids() == runners, (runners, idle_runner_pids())
-    assert ray_actor_processes("TrainController", "RayTrainWorker", "SynchronizationActor") == {}
+    assert ray_actor_processes(*train_actors, besides=earlier) == {}, earlier
     assert parity.mode == "deterministic" and parity.switched_off == {"resid_pdrop": 0.1, "embd_pdrop": 0.1,
                                                                       "attn_pdrop": 0.1}
     assert parity.losses != list(measured.losses)  # the check's own run, not the dropout-drawing one

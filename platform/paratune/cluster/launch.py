@@ -17,6 +17,7 @@ Ray is imported inside the functions: the worker path imports this module withou
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -323,6 +324,23 @@ def return_value(result) -> Any:
     return pickle.loads(base64.b64decode(metrics[RETURN_METRIC])) if RETURN_METRIC in metrics else None
 
 
+@contextlib.contextmanager
+def sigint_handler_kept():
+    """Put back this process's SIGINT handler after a fit(). Ray Train's fit() (main thread) installs
+    one that aborts the run on Ctrl-C and holds the run's controller: left in place, the finished
+    run's controller (a Ray process) lives until the process's next fit() or its end."""
+    import signal
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGINT) if main else None
+    try:
+        yield
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGINT, handler)
+
+
 class FitRunner:
     """One TorchTrainer.fit() at a time, in a 0-CPU actor on the caller's node that paratune owns.
 
@@ -335,22 +353,13 @@ class FitRunner:
 
     def fit(self, train_loop, kwargs: dict[str, Any]):
         """(Result or None, the error that ended the run or None)."""
-        import signal
-        import threading
-
         if not ray_features().return_value:
             train_loop = functools.partial(_return_by_report, train_loop)
-        # Ray Train's SIGINT handler holds the run's controller: put back the one before it, so the
-        # controller (and its actors) end with the run, not with this runner's next fit().
-        main = threading.current_thread() is threading.main_thread()
-        handler = signal.getsignal(signal.SIGINT) if main else None
-        try:
-            result = _torch_trainer(train_loop, measurement=True, **kwargs).fit()
-        except Exception as err:  # noqa: BLE001 - returned, not raised: the caller sees Ray's own error
-            return None, err
-        finally:
-            if main and handler is not None:
-                signal.signal(signal.SIGINT, handler)
+        with sigint_handler_kept():
+            try:
+                result = _torch_trainer(train_loop, measurement=True, **kwargs).fit()
+            except Exception as err:  # noqa: BLE001 - returned, not raised: the caller sees Ray's own error
+                return None, err
         return result, result.error
 
     def pid(self) -> int:
@@ -580,8 +589,9 @@ def build_trainer(train_loop: Callable[[dict[str, Any]], Any], train_loop_config
 
 def fit(trainer) -> tuple[Any, BaseException | None]:
     """(Ray Train's Result or None, the error that ended the run or None): never raises."""
-    try:
-        result = trainer.fit()
-    except Exception as err:  # noqa: BLE001 - every failure becomes a classified result
-        return None, err
+    with sigint_handler_kept():  # Ray's own TorchTrainer (a training run) installs it in this process
+        try:
+            result = trainer.fit()
+        except Exception as err:  # noqa: BLE001 - every failure becomes a classified result
+            return None, err
     return result, result.error
