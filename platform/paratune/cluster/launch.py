@@ -422,7 +422,6 @@ class _RunnerPool:
         for _, old in extra:
             ray.kill(old, no_restart=True)
 
-
     def idle_pids(self) -> list[int]:
         """The process ids of this process's idle runners on the current cluster."""
         import ray
