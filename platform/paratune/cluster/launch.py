@@ -355,12 +355,7 @@ class FitRunner:
         """(Result or None, the error that ended the run or None)."""
         if not ray_features().return_value:
             train_loop = functools.partial(_return_by_report, train_loop)
-        with sigint_handler_kept():
-            try:
-                result = _torch_trainer(train_loop, measurement=True, **kwargs).fit()
-            except Exception as err:  # noqa: BLE001 - returned, not raised: the caller sees Ray's own error
-                return None, err
-        return result, result.error
+        return fit(_torch_trainer(train_loop, measurement=True, **kwargs))  # the caller sees Ray's own error
 
     def pid(self) -> int:
         """This runner's process id (also the pool's liveness check)."""
@@ -588,7 +583,7 @@ def build_trainer(train_loop: Callable[[dict[str, Any]], Any], train_loop_config
 
 def fit(trainer) -> tuple[Any, BaseException | None]:
     """(Ray Train's Result or None, the error that ended the run or None): never raises."""
-    with sigint_handler_kept():  # Ray's own TorchTrainer (a training run) installs it in this process
+    with sigint_handler_kept():  # Ray's TorchTrainer installs it where fit() runs (a runner, a training run)
         try:
             result = trainer.fit()
         except Exception as err:  # noqa: BLE001 - every failure becomes a classified result
