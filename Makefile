@@ -7,7 +7,7 @@ BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 export CPU_ADAM_BUILD = from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False)
 
-.PHONY: demo test test-matrix test-all test-fast install bench clean
+.PHONY: demo test test-e2e test-matrix test-all test-fast install bench clean
 
 # torch through pip (the machine's pip configuration finds the local CPU wheel); everything else
 # through uv (same pins, ~10x faster than pip here). Bytecode is compiled once, at install, for
@@ -40,13 +40,21 @@ demo: $(STAMP)
 # two processes kept the cores 93% busy and took 26 min 11 s from a fresh clone, one process 27 min
 # 55 s (bench/results/test_suite_time.md, 2026-12-07): not enough gain for two processes' timing
 # noise in every test, so not the default.
-# `make test` leaves out the tests marked `matrix` (pyproject.toml): further parameter values of code
-# paths that kept tests already run (every family x strategy, every layout x option); each says which
-# kept test covers it. `make test-matrix` runs only those, `make test-all` everything; CI (.ci/run)
-# runs `make test`, then `make test-matrix`.
+# Three tiers (pyproject.toml's markers), each test in one; CI (.ci/run) runs all three, in this order.
+# `make test`: every unit test, every strategy and lever on gloo and DeepSpeed, and each layer end to
+# end on real Ray: a fresh trial and reused worker groups with their failures (test_session), a Ray Tune
+# + Optuna sweep into MLflow (test_sweep), a training run (test_ray_range). Within 15 minutes here.
+# `make test-e2e`: the tests marked `e2e`, each capability's whole flow as a user runs it (the
+# multi-node `ray job submit` cluster and its faults, the README's fine-tune, the wheel, the MLflow
+# server, the user loop's and the MoE sweeps, the GPU acceptance script); each names the kept test
+# that runs its layer. `make test-matrix`: the tests marked `matrix`, further parameter values of code
+# paths kept tests run (every family x strategy, every layout x option). `make test-all`: everything.
 TEST_WORKERS ?= 0
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -x -m "not matrix" --durations=15 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -x -m "not matrix and not e2e" --durations=15 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
+
+test-e2e: $(STAMP)
+	$(BIN)/python -m pytest -q -x -m "e2e and not matrix" --durations=15 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 test-matrix: $(STAMP)
 	$(BIN)/python -m pytest -q -x -m matrix --durations=15 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder

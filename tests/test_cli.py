@@ -68,7 +68,10 @@ def _session_cmdlines(sid: int) -> list[list[str]]:
     return out
 
 
+# `e2e` (make test-e2e): `make test` keeps MLflow as a real server (test_tracking_server) and each
+# command's own first line (test_a_command_says_its_own_first_line).
 @pytest.mark.integration
+@pytest.mark.e2e
 def test_ui_serves_the_store_on_localhost_with_one_worker(tmp_path, mlflow_uri):
     """`paratune ui` itself asks MLflow for one server worker (uvicorn, not MLflow's default pool of
     four): the environment carries no MLFLOW_WORKERS. It prints the link to the sweeps' runs."""

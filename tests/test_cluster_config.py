@@ -404,7 +404,10 @@ def test_the_mlflow_restart_line_survives_the_launchers_wrapper(which, tmp_path)
         node.kill()
 
 
+# `e2e` (make test-e2e): `make test` keeps the start commands' own checks against Ray's schema and the
+# launcher's docker run (above) and the MLflow restart line through the launcher's wrapper.
 @pytest.mark.integration
+@pytest.mark.e2e
 @needs_namespaces
 def test_start_commands_bring_up_a_head_a_worker_and_mlflow_through_the_launchers_wrapper():
     """head_start_ray_commands and worker_start_ray_commands, each line through the launcher's own

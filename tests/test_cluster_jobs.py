@@ -32,7 +32,9 @@ from mlflow.tracking import MlflowClient
 from paratune.sweep.ledger import Ledger
 from procs import free_port, stop_group, wait_http
 
-pytestmark = [pytest.mark.integration, pytest.mark.skipif(
+# `e2e` (make test-e2e): `make test` keeps a sweep's trials on Ray (test_sweep), fresh and reused worker
+# groups with their failures (test_session) and a training run's checkpoints (test_ray_range).
+pytestmark = [pytest.mark.integration, pytest.mark.e2e, pytest.mark.skipif(
     tuple(int(x) for x in __import__("ray").__version__.split(".")[:2]) < (2, 52),
     reason="the cluster runs with token auth, which Ray has from 2.52 (below, RAY_AUTH_MODE does nothing: "
            "docs/install.md 'Ray versions')")]

@@ -28,6 +28,9 @@ def _image_versions() -> dict[str, str]:
     return dict(line.split("==") for line in pins if line and not line.startswith("#"))
 
 
+# `e2e` (make test-e2e): `make test` keeps the worker path's imports as on the GPU image (below) and
+# checkpointing and compile under the GPU image's transformers (test_recompute_compile's gpu-image case).
+@pytest.mark.e2e
 def test_acceptance_script_smoke_runs_as_on_the_gpu_image(tmp_path):
     assert (IMAGE_SITE / "transformers").is_dir(), f"{IMAGE_SITE} is missing: run `make install`"
     env = {**os.environ, "PARATUNE_ACCEPT_DIR": str(tmp_path), "PARATUNE_ACCEPT_PORT": str(_free_port()),

@@ -16,7 +16,9 @@ from paratune.sweep.folder import read_sweep
 from paratune.sweep.page import _experts_html
 from paratune.out.tables import results_table
 
-pytestmark = pytest.mark.integration
+# `e2e` (make test-e2e): `make test` keeps expert parallelism's parity and routing figures on gloo
+# (test_expert_parallel, test_moe_measure) and a sweep on Ray (test_sweep).
+pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 
 SPACE = Path(__file__).resolve().parents[1] / "search_spaces" / "tiny_moe_cpu.yaml"
 

@@ -17,7 +17,9 @@ import pytest
 from newcomer import make_pretrained, write_jsonl
 from paratune import cli
 
-pytestmark = pytest.mark.integration
+# `e2e` (make test-e2e): `make test` keeps each step's own tests: init (test_starter), plan (test_estimate),
+# a sweep on Ray (test_sweep), LoRA on every strategy (test_adapters), the HF export (test_hf_export).
+pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 PARATUNE = str(Path(sys.executable).parent / "paratune")
 
 

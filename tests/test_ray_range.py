@@ -156,10 +156,8 @@ def test_a_run_past_its_deadline_ends_with_its_workers(ray_local, tmp_path):
     _released(before)
 
 
-# `matrix` (make test-matrix; .ci/oldest_ray.sh runs it on the oldest Ray): on this Ray, run_training's
-# outcome through Ray's TorchTrainer, checkpointed: test_cluster_jobs' training job (resumed from its
-# checkpoint) and test_newcomer's `paratune train`.
-@pytest.mark.matrix
+# The training run's one end-to-end run in `make test` (test_cluster_jobs' training job, resumed from its
+# checkpoint, and test_newcomer's `paratune train` are `e2e`).
 def test_a_training_run_reports_its_outcome(ray_local, tmp_path):
     """Ray's own TorchTrainer (no runner, no deadline), checkpointed; before Ray 2.56 the outcome is
     read from its last checkpoint."""

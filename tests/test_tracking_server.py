@@ -107,6 +107,9 @@ def _assert_each_trial_once(client: MlflowClient, parent_id: str, entries: list[
 
 
 # --------------------------------------------------------------------------- a real sweep
+# `e2e` (make test-e2e): `make test` keeps every trial logged once through this server under races and
+# errors (the tests below) and a sweep on Ray logged to an MLflow store (test_sweep).
+@pytest.mark.e2e
 def test_a_sweep_logs_through_the_server_each_of_two_concurrent_trials_once(ray_local, server, faulty, tmp_path,
                                                                            monkeypatch, capsys):
     """Two plans, grid, one worker each: Tune runs both trials at once on the 2-CPU cluster. The

@@ -120,6 +120,9 @@ def test_a_loss_that_overflows_fails_the_trial_as_diverged(ray_local):
     resources_released(ray_local)
 
 
+# `e2e` (make test-e2e): `make test` keeps parity's switch for the random draws a family ships
+# (test_families) and a fresh trial beside a reused group (test_session).
+@pytest.mark.e2e
 def test_parity_of_a_model_with_dropout_runs_both_sides_without_it(ray_local, tmp_path):
     """GPT-BigCode ships dropout 0.1 (resid/embd/attn): its measured trial draws masks no reference
     repeats, so parity re-runs the plan and the reference with every dropout off, and says so

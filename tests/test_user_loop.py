@@ -150,7 +150,10 @@ def test_bad_train_loop_is_refused_before_launch(tmp_path, capsys, monkeypatch, 
 
 
 # --------------------------------------------------------------------------- a real sweep on Ray
+# `e2e` (make test-e2e): `make test` keeps the session's timing rules on a real gloo group (above) and a
+# sweep on Ray ranked and logged to MLflow (test_sweep).
 @pytest.mark.integration
+@pytest.mark.e2e
 def test_example_loop_swept_over_ddp_and_fsdp_ranked_and_logged(ray_local, tmp_path, mlflow_uri, monkeypatch):
     from paratune.cluster.pool import get_pool_actor
     from paratune.sweep.driver import run_sweep

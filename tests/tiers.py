@@ -1,5 +1,7 @@
-"""The two tiers of the suite: `make test` runs every test not marked `matrix`; `make test-matrix` the
-ones marked `matrix` (further parameter values of a code path a kept test already runs); CI both.
+"""The suite's tiers (pyproject.toml's markers): `make test` runs every test marked neither `matrix` nor
+`e2e`; `make test-e2e` the `e2e` ones (each capability's whole flow as a user runs it); `make
+test-matrix` the `matrix` ones (further parameter values of a code path a kept test already runs); CI
+all three. The batches below know only "core" and "matrix": no `e2e` test reads one.
 
 A module that runs its parametrized cases as one batch (one set of gloo processes for all) marks its
 matrix cases with `cases(...)` and builds its batch from `wanted(...)` cases only, so a tier that
