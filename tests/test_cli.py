@@ -68,8 +68,8 @@ def _session_cmdlines(sid: int) -> list[list[str]]:
     return out
 
 
-# `e2e` (make test-e2e): `make test` keeps MLflow as a real server (test_tracking_server) and each
-# command's own first line (test_a_command_says_its_own_first_line).
+# `e2e` (make test-e2e): `make test` keeps MLflow as a real server (test_tracking_server's race and
+# error tests) and a `paratune` command run as a user runs it (test_a_command_says_its_own_first_line).
 @pytest.mark.integration
 @pytest.mark.e2e
 def test_ui_serves_the_store_on_localhost_with_one_worker(tmp_path, mlflow_uri):

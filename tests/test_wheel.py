@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-# `e2e` (make test-e2e): `make test` keeps the layout test of what the package imports (test_layout) and a
-# trial on Ray from the checkout (test_session).
+# `e2e` (make test-e2e): `make test` keeps the core install's refusals without the extras (test_extras)
+# and a trial on Ray from the checkout (test_session).
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 ROOT = Path(__file__).resolve().parents[1]
 UV = Path(sys.executable).parent / "uv"
