@@ -8,6 +8,8 @@ from paratune.cluster.launch import idle_runner_pids
 from paratune.cluster.trial import run_trial
 
 pytestmark = pytest.mark.integration
+# The Ray Train actors a fresh trial starts, which must end with its run.
+TRAIN_ACTORS = ("TrainController", "RayTrainWorker", "SynchronizationActor")
 
 
 # A fresh trial's figures against the reference and against a reused group's (FSDP2 with its
@@ -113,11 +115,16 @@ def test_a_loss_that_overflows_fails_the_trial_as_diverged(ray_local):
     rank by its speed), and the cluster is free for the next trial."""
     from paratune.trial.failures import classify
 
+    earlier = ray_actor_processes(*TRAIN_ACTORS, settle_s=0)  # not this test's run
     result = run_trial(load_plan_dict({**BASE_PLAN, "lr": 1e20}))
     assert result.status == "failed" and result.reason == "diverged", (result.status, result.message)
     assert "loss not finite from step 1 on rank 0 (nan); 2 of 2 rank(s)" in result.message
     assert classify(RuntimeError(result.message))[0] == "diverged"  # also when only the text survives
     resources_released(ray_local)
+    # The run's Ray Train actors ended with it; its runner, whose fit() returned by itself, is kept
+    # for the next measurement (reused by the next fresh trial: the dropout test below, `e2e`).
+    assert ray_actor_processes(*TRAIN_ACTORS, besides=earlier) == {}, earlier
+    assert idle_runner_pids()
 
 
 # `e2e` (make test-e2e): `make test` keeps parity's switch for the random draws a family ships
@@ -133,8 +140,7 @@ def test_parity_of_a_model_with_dropout_runs_both_sides_without_it(ray_local, tm
     from paratune.sweep.parity import winner_parity
 
     plan = load_plan_dict({**BASE_PLAN, "model": str(write_config("gpt_bigcode", tmp_path)), "measure_steps": 2})
-    train_actors = ("TrainController", "RayTrainWorker", "SynchronizationActor")
-    earlier = ray_actor_processes(*train_actors, settle_s=0)  # not this test's runs
+    earlier = ray_actor_processes(*TRAIN_ACTORS, settle_s=0)  # not this test's runs
     measured = run_trial(plan)
     assert measured.status == "ok", measured.message
     runners = idle_runner_pids()
@@ -143,7 +149,7 @@ def test_parity_of_a_model_with_dropout_runs_both_sides_without_it(ray_local, tm
     # Two fresh trials in a row: the first's runner actor ran the second (one Ray process and its
     # imports fewer per launch), and each run's Ray Train actors ended with it.
     assert runners and idle_runner_pids() == runners, (runners, idle_runner_pids())
-    assert ray_actor_processes(*train_actors, besides=earlier) == {}, earlier
+    assert ray_actor_processes(*TRAIN_ACTORS, besides=earlier) == {}, earlier
     assert parity.mode == "deterministic" and parity.switched_off == {"resid_pdrop": 0.1, "embd_pdrop": 0.1,
                                                                       "attn_pdrop": 0.1}
     assert parity.losses != list(measured.losses)  # the check's own run, not the dropout-drawing one
