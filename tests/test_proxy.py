@@ -161,26 +161,61 @@ def test_small_model_is_compared_with_the_reference_directly():
     assert "over tolerance 0.0001" in off.reason
 
 
-def test_a_model_that_amplifies_rounding_passes_within_its_own_sensitivity(tmp_path):
-    """CPM-Ant at lr 1e-2 moves its third loss by ~8e-3 when its initial weights move by 1e-7: a
-    layout whose reduction order differs (here: the reference with such weights) passes, saying so;
-    a loss off by more than that, or a first loss that differs (another model), still fails."""
+def test_the_rounding_envelope_bounds_each_step_and_keeps_the_first_loss_exact():
+    """The verdict against a rounding envelope, on an envelope of made-up members (no chaotic sample in
+    the assertion): within margin x the members' largest deviation at every step passes, saying how the
+    bound was made; beyond it at any one step fails, naming the step; a first loss off fails (another
+    model) however wide the envelope; a model whose envelope is below the fixed tolerance keeps it."""
+    from paratune.sweep.parity import RoundingEnvelope, parity_verdict
+
+    plan = load_plan_dict({"model": "tiny-llama", "seq_len": 16, "global_batch": 4, "micro_batch": 2,
+                           "num_workers": 2, "warmup_steps": 1, "measure_steps": 2, "lr": 1e-2})
+    envelope = RoundingEnvelope({"weights draw 0": [0.0, 1e-3, 2e-2], "weights draw 1": [2e-6, 5e-4, 5e-2],
+                                 "micro-batch 1 instead of 2": [0.0, 0.0, 1e-3]}, margin=4.0)
+    assert envelope.spread == [2e-6, 1e-3, 5e-2]
+    assert envelope.bound(1e-4) == pytest.approx([1e-4, 4e-3, 0.2])  # the fixed tolerance is its floor
+    reference = [25.0, 22.0, 18.0]
+    inside = parity_verdict(plan, [25.0, 22.003, 18.19], reference, envelope)
+    assert inside.passed and "within this model's rounding envelope at every step" in inside.reason
+    assert envelope.how() in inside.reason and "4 x the largest deviation, step by step, of 3 perturbed" in inside.reason
+    assert inside.rounding_envelope["bound"] == pytest.approx([1e-4, 4e-3, 0.2])
+    assert inside.to_record("x", "k")["rounding_envelope"]["members"] == envelope.members  # parity.json keeps it
+    # each step against its own bound: step 1 off by 5e-3 fails though the last step's bound is 0.2
+    early = parity_verdict(plan, [25.0, 22.005, 18.0], reference, envelope)
+    assert not early.passed and "beyond this model's rounding envelope: step 1 is off by 0.005" in early.reason
+    far = parity_verdict(plan, [25.0, 22.0, 18.0 + 10 * 0.2], reference, envelope)
+    assert not far.passed and "step 2" in far.reason and "over tolerance 0.0001" in far.reason
+    other = parity_verdict(plan, [25.001, 22.0, 18.0], reference, envelope)
+    assert not other.passed and "the first losses differ" in other.reason and other.rounding_envelope is None
+    quiet = RoundingEnvelope({"weights draw 0": [0.0, 1e-7, 5e-7]})  # Llama-like: the tolerance decides
+    assert quiet.bound(1e-4) == [1e-4] * 3
+    assert not parity_verdict(plan, [25.0, 22.0, 18.001], reference, quiet).passed
+
+
+def test_a_model_that_amplifies_rounding_passes_within_its_rounding_envelope(tmp_path):
+    """CPM-Ant at lr 1e-2 moves its later losses by 1e-3 and more when its initial weights move by fp32
+    rounding: winner_parity makes the model's envelope itself and passes losses inside it, with the
+    envelope in its record; the same figures beyond it, or a first loss that differs, fail."""
     from family_zoo import write_config
 
-    from paratune.sweep.parity import reference_training, rounding_sensitivity
+    from paratune.sweep.parity import ENVELOPE_DRAWS, rounding_envelope
 
     plan = load_plan_dict({"model": str(write_config("cpmant", tmp_path)), "seq_len": 16, "global_batch": 4,
                            "micro_batch": 2, "num_workers": 2, "warmup_steps": 1, "measure_steps": 2, "lr": 1e-2})
     reference = reference_losses(plan)
-    rounded = reference_training(plan, weight_noise=1e-8)[0]
-    sensitivity = rounding_sensitivity(plan, 3, reference=reference)
-    assert 1e-4 < max(abs(a - b) for a, b in zip(rounded, reference)) < sensitivity
-    check = winner_parity(plan, _ok_result(plan, rounded))
-    assert check.passed and "amplifies rounding at lr 0.01 (the first losses agree)" in check.reason
-    far = winner_parity(plan, _ok_result(plan, [*reference[:2], reference[2] + 10 * sensitivity]))
-    assert not far.passed and "over tolerance" in far.reason
-    other = winner_parity(plan, _ok_result(plan, [reference[0] + 1e-3, *rounded[1:]]))
-    assert not other.passed
+    envelope = rounding_envelope(plan, 3, reference=reference)
+    assert len(envelope.members) == ENVELOPE_DRAWS + 1  # the draws and another micro-batch split
+    assert envelope.spread[0] <= 1e-6 * reference[0]  # the first loss: nothing amplified yet
+    assert envelope.spread[2] > 1e-4  # the model amplifies rounding past the fixed tolerance
+    bound = envelope.bound(1e-4)
+    inside = [reference[0], reference[1] + 0.5 * bound[1], reference[2] - 0.5 * bound[2]]
+    check = winner_parity(plan, _ok_result(plan, inside))
+    assert check.passed and "amplifies fp32 rounding at lr 0.01, and the first losses agree" in check.reason
+    assert check.rounding_envelope["bound"] == bound  # the same ensemble, made again: deterministic
+    far = winner_parity(plan, _ok_result(plan, [*reference[:2], reference[2] + 10 * bound[2]]))
+    assert not far.passed and "beyond this model's rounding envelope: step 2" in far.reason
+    other = winner_parity(plan, _ok_result(plan, [reference[0] + 1e-3, *inside[1:]]))
+    assert not other.passed and "first losses differ" in other.reason
 
 
 # --------------------------------------------------------------------------- finish_sweep, without Ray
@@ -291,6 +326,7 @@ def test_finish_falls_back_to_the_next_plan_and_records_why(tmp_path, tracker):
     assert "over tolerance" in report.parity_failures[0]["reason"] and "ddp mb2x2 fails loss parity" in printed
     summary = json.loads((report.winner_dir / "summary.json").read_text())
     assert summary["parity_failed_above"] == report.parity_failures and summary["parity_proxy"] is None
+    assert summary["parity_bound"] is None  # the fixed tolerance decided: no rounding envelope
     assert parent.data.tags["paratune.winner"] == "ddp mb4x1"
 
 

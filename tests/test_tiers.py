@@ -10,6 +10,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TIER_MARKERS = ("e2e", "matrix")
 TIERS = ("test", "test-e2e", "test-matrix")  # the make targets CI runs, in its order
+# ... and then the loss-parity modules again under other CPU kernel sets (a subset of `make test`'s tests)
+CI_TARGETS = (*TIERS, "test-kernels")
 
 
 def marker_expressions() -> dict[str, str]:
@@ -27,7 +29,7 @@ def selects(expression: str, markers: set[str]) -> bool:
 
 def test_ci_runs_every_tier_and_pyproject_declares_their_markers():
     ci = (ROOT / ".ci" / "run").read_text()
-    assert [line for line in ci.splitlines() if line.startswith("make ")] == [f"make {t}" for t in TIERS]
+    assert [line for line in ci.splitlines() if line.startswith("make ")] == [f"make {t}" for t in CI_TARGETS]
     declared = (ROOT / "pyproject.toml").read_text()
     for marker in TIER_MARKERS:
         assert re.search(rf'^\s*"{marker}: ', declared, re.M), marker
@@ -40,3 +42,14 @@ def test_ci_runs_every_tier_and_pyproject_declares_their_markers():
 def test_each_set_of_tier_markers_runs_in_exactly_one_tier(markers, tier):
     expressions = marker_expressions()
     assert [t for t in TIERS if selects(expressions[t], markers)] == [tier]
+
+
+def test_the_kernel_runs_repeat_only_tests_that_make_test_runs():
+    """`make test-kernels` runs a subset of `make test` (its modules, its marker expression) under other
+    CPU kernel sets, and every module it names exists."""
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"^test-kernels: .*\n((?:\t.*\n)+)", makefile, re.M).group(1)
+    assert re.search(r'-m "([^"]+)"', recipe).group(1) == marker_expressions()["test"]
+    assert "for cap in avx2 default;" in recipe and "ATEN_CPU_CAPABILITY=$$cap" in recipe and "|| exit 1" in recipe
+    modules = re.search(r"^KERNEL_MODULES = (.+)$", makefile, re.M).group(1).split()
+    assert modules and all((ROOT / m).is_file() for m in modules)

@@ -107,7 +107,7 @@ def test_the_parent_describes_the_winner_and_how_to_train_with_it(tracker, tmp_p
     winner_dir = tmp_path / "sweep" / "winner"
     summary = {"label": "fsdp full mb4", "tokens_per_s_per_gpu_median": 12345.6, "relative_spread": 0.08,
                "measurements": 3, "mfu": 0.0123, "peak_memory_bytes": [2**30, 2**31], "parity_max_abs_loss_diff": 2e-6,
-               "tied_with": ["fsdp full mb4"]}
+               "tied_with": ["fsdp full mb4"], "parity_bound": "4 x the largest deviation, step by step, of 9 runs"}
     export_winner(load_plan_dict(BASE_PLAN), winner_dir, summary)
     parent = tracker.start_parent("s", None, {}, {})
     note = sweep_note(summary, winner_dir, [{"label": "zero 3", "reason": "max |loss - reference| 0.2 over 1e-4"}])
@@ -118,6 +118,7 @@ def test_the_parent_describes_the_winner_and_how_to_train_with_it(tracker, tmp_p
     text = run.data.tags[NOTE_TAG]
     assert "**Winner: fsdp full mb4**" in text and "12,346 tokens/s/GPU" in text and "±4.0%" in text
     assert "MFU 1.23%" in text and "peak memory 2.00 GiB per rank" in text and "zero 3" in text
+    assert "max |Δ| 2.0e-06, within the model's rounding envelope (4 x the largest deviation" in text
     assert "Tied" not in text  # only with itself
     assert text.index("Train with it") < text.index("zero 3")  # the commands before the detail
     plan = str((winner_dir / "plan.yaml").resolve())

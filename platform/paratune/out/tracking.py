@@ -130,7 +130,9 @@ def sweep_note(summary: dict[str, Any] | None, winner_dir: Path | None,
             figures.append(f"peak memory {max(summary['peak_memory_bytes']) / 2**30:.2f} GiB per rank")
         if summary.get("parity_max_abs_loss_diff") is not None:
             figures.append(f"loss parity vs a single process: max |Δ| {summary['parity_max_abs_loss_diff']:.1e}"
-                           + (" (on a proxy model)" if summary.get("parity_proxy") else ""))
+                           + (" (on a proxy model)" if summary.get("parity_proxy") else "")
+                           + (f", within the model's rounding envelope ({summary['parity_bound']})"
+                              if summary.get("parity_bound") else ""))
         lines.append(f"**Winner: {label}**: " + ", ".join(figures) + ".")
         if winner_dir is not None:
             from paratune.out.export import train_command

@@ -87,6 +87,8 @@ def finish_sweep(space: Space, outcome: SweepOutcome, ledger: Ledger, tracker, b
             if check.mode == "deterministic":
                 console.print(f"loss parity of {escape(candidate.label)} judged with the model's random draws off on "
                               f"both sides ({escape(', '.join(check.switched_off))}); its measured steps kept them")
+            if check.rounding_envelope is not None:  # a model that amplifies rounding: how its bound was made
+                console.print(f"loss parity of {escape(candidate.label)}: {escape(check.reason)}")
             break
         outcome.parity_failures.append({"label": candidate.label, "key": candidate.key, "reason": check.reason})
         console.print(f"[red]{escape(candidate.label)} fails loss parity ({escape(check.reason)}); not a winner[/red]")
@@ -109,6 +111,7 @@ def finish_sweep(space: Space, outcome: SweepOutcome, ledger: Ledger, tracker, b
                    "relative_spread": winner.relative_spread, "measurements": len(winner.values),
                    "parity_max_abs_loss_diff": parity.max_abs_loss_diff, "parity_proxy": parity.proxy,
                    "parity_mode": parity.mode, "parity_switched_off": parity.switched_off,
+                   "parity_bound": (parity.rounding_envelope or {}).get("how"),  # None: the fixed tolerance
                    "parity_failed_above": outcome.parity_failures,
                    "tied_with": [s.label for s in verdict.tied_with_best],
                    "mfu": winner.results[0].mfu, "peak_memory_bytes": winner.results[0].peak_memory_bytes}
