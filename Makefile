@@ -59,16 +59,20 @@ test-e2e: $(STAMP)
 test-matrix: $(STAMP)
 	$(BIN)/python -m pytest -q -x -m matrix --durations=15 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
-# The modules whose verdicts rest on fp32 rounding (loss parity: the proxy, every family, every layout on
-# gloo) again under two other CPU kernel sets. torch picks its kernels by the CPU (avx512 on one machine,
-# avx2 on another: other roundings, the same tests); ATEN_CPU_CAPABILITY, read at start and inherited by
-# the gloo and Ray workers, makes this machine run another's, so a kernel-dependent result shows here
-# first. The suite is proven under the machine's own, avx2 and default (docs/DESIGN.md, "Kernels").
-KERNEL_MODULES = tests/test_proxy.py tests/test_families.py tests/test_parity_gloo.py
+# The modules whose verdicts rest on rounding (loss parity: the proxy, every family, every layout on gloo;
+# the exported weights; float8; expert parallelism and the MoE families) again under two other CPU kernel
+# sets. torch picks its kernels by the CPU (avx512 on one machine, avx2 on another), and so does MKL's
+# sgemm (on AMD and Intel alike): other summation orders, the same tests. ATEN_CPU_CAPABILITY and
+# MKL_CBWR, read at start and inherited by the gloo and Ray workers, make this machine run another's
+# (avx2 + MKL's AVX2 path; torch's default + MKL's compatible path), so a kernel-dependent result shows
+# here first. The suite is proven under the machine's own and these two (docs/DESIGN.md, "Kernels").
+KERNEL_MODULES = tests/test_proxy.py tests/test_families.py tests/test_parity_gloo.py tests/test_hf_export.py \
+                 tests/test_float8.py tests/test_expert_parallel.py tests/test_moe_families.py
 test-kernels: $(STAMP)
-	for cap in avx2 default; do \
-	  echo "ATEN_CPU_CAPABILITY=$$cap"; \
-	  ATEN_CPU_CAPABILITY=$$cap $(BIN)/python -m pytest -q -x -m "not matrix and not e2e" $(KERNEL_MODULES) || exit 1; \
+	for cap in avx2:AVX2 default:COMPATIBLE; do \
+	  echo "ATEN_CPU_CAPABILITY=$${cap%%:*} MKL_CBWR=$${cap##*:}"; \
+	  ATEN_CPU_CAPABILITY=$${cap%%:*} MKL_CBWR=$${cap##*:} \
+	    $(BIN)/python -m pytest -q -x -m "not matrix and not e2e" $(KERNEL_MODULES) || exit 1; \
 	done
 
 test-all: $(STAMP)

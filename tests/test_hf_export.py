@@ -26,7 +26,18 @@ from paratune.model.build import build_config
 from paratune.config.plan import load_plan_dict
 
 STEPS = 2
-TOLERANCE = 2e-4
+# Adam's first steps are ~lr * g / (|g| + eps): an element whose gradient is rounding-sized (a rarely
+# used embedding row, an MLP unit at rest) moves by a share of lr that its summation order decides, so
+# a correct layout is held as a whole, not element by element: every element within TOLERANCE (seen
+# up to 1.5e-4 on tp2's up_proj under ATEN_CPU_CAPABILITY=default + MKL_CBWR=COMPATIBLE, 2.7e-5 under
+# the machine's own, AMD EPYC 2026-12-07; 2e-4 failed on no machine yet but was held to 1.4x), and all
+# but BULK_OUTLIERS of a tensor's elements within BULK_TOLERANCE (at most 9 of 11,264 seen beyond it).
+# A weight left untrained (~1e-2 off: Adam at lr 1e-2), another shard's or stage's values, or values
+# rounded to bf16 on the way out (~4e-5 off nearly everywhere) fail the bulk check.
+TOLERANCE = 2e-3
+BULK_TOLERANCE = 1e-5
+BULK_OUTLIERS = 0.005  # a share of the tensor's elements (at least one)
+MOVED = 4e-3  # a trained weight's largest move from its initial value (lr 1e-2, 2 steps: seen >= 1.4e-2)
 LAYOUTS = {
     "ddp": {"strategy": "ddp"},
     "fsdp-tied": {"strategy": "fsdp", "fsdp": {"sharding": "full"}, "model_overrides": {"tie_word_embeddings": True}},
@@ -100,18 +111,24 @@ def _check_folders(plans: list, outs: list[dict]) -> None:
                    else build_model_with_weights(config, plan.seed, plan.model).state_dict())
         for key, value in expected.items():
             assert loaded[key].dtype == torch.float32, (name, key, loaded[key].dtype)
-            # Adam's first steps are ~lr * sign(grad): a rarely used embedding row's tiny gradient
-            # summed in another order moves it up to ~5e-5 differently; untrained is ~1e-2 off.
-            assert torch.allclose(loaded[key], value, atol=TOLERANCE, rtol=0), \
-                (name, key, float((loaded[key] - value).abs().max()))
+            assert _matches(loaded[key], value), (name, key, float((loaded[key] - value).abs().max()))
+            if key.endswith("mlp.up_proj.weight"):  # what the check tells apart: values rounded to bf16 on the way out
+                assert not _matches(value.to(torch.bfloat16).float(), value), (name, key)
             moved = float((loaded[key] - initial[key]).abs().max())
             targets = (plan.peft.target_modules or ("q_proj", "v_proj")) if plan.peft is not None else ()  # peft's Llama default
             if plan.peft is None or any(f".{t}." in key for t in targets):  # LoRA: its targets only
-                assert moved > 20 * TOLERANCE, (name, key, "not trained")
+                assert moved > MOVED and not _matches(initial[key], value), (name, key, "not trained")
             else:
                 assert moved == 0.0, (name, key, "a frozen weight moved")
         if name == "fsdp-tied":  # written once, tied again on load
             assert loaded["lm_head.weight"].data_ptr() == loaded["model.embed_tokens.weight"].data_ptr()
+
+
+def _matches(loaded: torch.Tensor, trained: torch.Tensor) -> bool:
+    """A tensor holds the trained values: every element within TOLERANCE, all but BULK_OUTLIERS within
+    BULK_TOLERANCE (why a whole tensor is judged: TOLERANCE's comment)."""
+    off = (loaded - trained).abs()
+    return float(off.max()) <= TOLERANCE and int((off > BULK_TOLERANCE).sum()) <= max(1, int(BULK_OUTLIERS * off.numel()))
 
 
 def _merged_state(model) -> dict:

@@ -50,6 +50,7 @@ def test_the_kernel_runs_repeat_only_tests_that_make_test_runs():
     makefile = (ROOT / "Makefile").read_text()
     recipe = re.search(r"^test-kernels: .*\n((?:\t.*\n)+)", makefile, re.M).group(1)
     assert re.search(r'-m "([^"]+)"', recipe).group(1) == marker_expressions()["test"]
-    assert "for cap in avx2 default;" in recipe and "ATEN_CPU_CAPABILITY=$$cap" in recipe and "|| exit 1" in recipe
-    modules = re.search(r"^KERNEL_MODULES = (.+)$", makefile, re.M).group(1).split()
+    assert "for cap in avx2:AVX2 default:COMPATIBLE;" in recipe and "|| exit 1" in recipe
+    assert "ATEN_CPU_CAPABILITY=$${cap%%:*} MKL_CBWR=$${cap##*:}" in recipe
+    modules = re.search(r"^KERNEL_MODULES = ((?:.*\\\n)*.*)$", makefile, re.M).group(1).replace("\\", " ").split()
     assert modules and all((ROOT / m).is_file() for m in modules)
