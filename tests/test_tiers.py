@@ -46,11 +46,13 @@ def test_each_set_of_tier_markers_runs_in_exactly_one_tier(markers, tier):
 
 def test_the_kernel_runs_repeat_only_tests_that_make_test_runs():
     """`make test-kernels` runs a subset of `make test` (its modules, its marker expression) under other
-    CPU kernel sets, and every module it names exists."""
+    CPU kernel sets, each with an Inductor cache of its own, and every module it names exists."""
     makefile = (ROOT / "Makefile").read_text()
     recipe = re.search(r"^test-kernels: .*\n((?:\t.*\n)+)", makefile, re.M).group(1)
     assert re.search(r'-m "([^"]+)"', recipe).group(1) == marker_expressions()["test"]
     assert "for cap in avx2:AVX2 default:COMPATIBLE;" in recipe and "|| exit 1" in recipe
     assert "ATEN_CPU_CAPABILITY=$${cap%%:*} MKL_CBWR=$${cap##*:}" in recipe
+    # torch.compile's CPU kernels cached under one instruction set gave NaN under another: a cache per set
+    assert "TORCHINDUCTOR_CACHE_DIR=$${TMPDIR:-/tmp}/paratune-inductor-$${cap%%:*}" in recipe
     modules = re.search(r"^KERNEL_MODULES = ((?:.*\\\n)*.*)$", makefile, re.M).group(1).replace("\\", " ").split()
     assert modules and all((ROOT / m).is_file() for m in modules)
