@@ -11,7 +11,7 @@ rounding (paratune.sweep.parity.rounding_envelope). This benchmark measures, in 
   batch 8, seed 7): the envelope as the parity check makes it, held out against HELD_OUT draws it was not
   made from and against the real layouts (ddp and fsdp on 2 gloo processes), each judged by parity_verdict.
 
-    .venv/bin/python bench/parity_envelope.py [--families cpmant,gemma3n_text] [--held-out 24] [--out bench/results]
+    .venv/bin/python bench/parity_envelope.py [--families cpmant,gemma3n_text] [--held-out 12] [--out bench/results]
 
 Writes parity_envelope.{json,md} with the date and machine. Minutes of CPU (Gemma-3n's tiny config is
 the slow one: ~3.5 GB, seconds a run).
@@ -117,7 +117,7 @@ def resampled_coverage(rows: list[list[float]], members: int, margin: float, tri
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", default="cpmant,gemma3n_text")
-    parser.add_argument("--held-out", type=int, default=24)
+    parser.add_argument("--held-out", type=int, default=12)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--one-kernel", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args(argv)
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
         if capability:
             env["ATEN_CPU_CAPABILITY"] = capability
-        print(f"kernel set {capability or '(the machine own)'}", flush=True)
+        print("kernel set", capability or "(the machine's own)", flush=True)
         run = subprocess.run([sys.executable, __file__, "--one-kernel", "--families", args.families,
                               "--held-out", str(args.held_out)], env=env, capture_output=True, text=True, check=True)
         kernels.append(json.loads(run.stdout.strip().splitlines()[-1]))
