@@ -37,8 +37,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 CAPABILITIES = ("", "avx2", "default")  # "": the machine's own (torch's choice)
 SETTING_PLAN = {"seq_len": 16, "global_batch": 4, "micro_batch": 2, "num_workers": 2, "warmup_steps": 1,
                 "measure_steps": 2, "lr": 1e-2}  # tests/test_proxy.py's CPM-Ant
-JUDGING_PLAN = {"seq_len": 32, "global_batch": 8, "micro_batch": 2, "num_workers": 2, "warmup_steps": 1,
-                "measure_steps": 2, "profile_comm": False, "track_memory": False, "lr": 1e-2, "seed": 7}  # families bench
+from families_parity import BASE as JUDGING_PLAN  # noqa: E402 (the families bench's own plan)
 SETTING_DRAWS = 24
 LAYOUTS = {"ddp": {"strategy": "ddp"}, "fsdp": {"strategy": "fsdp", "fsdp": {"sharding": "full"}}}
 

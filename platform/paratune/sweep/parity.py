@@ -5,9 +5,10 @@ process; a distributed plan is correct only if its first steps' losses match it,
 `parity_tolerance`, or, where the first losses agree, within the model's rounding envelope: a margin
 over how far an ensemble of reference runs moves, step by step, when the initial weights move by fp32
 rounding and the micro-batch split changes (`rounding_envelope`: a model that amplifies rounding at its
-learning rate, e.g. CPM-Ant, is a chaotic process, and one perturbed run is no bound for another). A model too big for the driver's CPU is judged on a proxy: the same plan on a
-few small layers of the same family (`parity_proxy`). The sweep's winner (paratune.sweep.finish)
-and `paratune trial --parity` are judged by the same `winner_parity`.
+learning rate, e.g. CPM-Ant, is a chaotic process, and one perturbed run is no bound for another).
+A model too big for the driver's CPU is judged on a proxy: the same plan on a few small layers of the
+same family (`parity_proxy`). The sweep's winner (paratune.sweep.finish) and `paratune trial --parity`
+are judged by the same `winner_parity`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def reference_losses(plan: Plan, steps: int | None = None) -> list[float]:
     return reference_training(plan, steps)[0]
 
 
-def reference_training(plan: Plan, steps: int | None = None, weight_noise: float = 0.0, noise_draw: int = 0) -> tuple[list[float], torch.nn.Module]:
+def reference_training(plan: Plan, steps: int | None = None, weight_noise: float = 0.0,
+                       noise_draw: int = 0) -> tuple[list[float], torch.nn.Module]:
     """The single-process reference run: its per-step losses and the trained model (what every
     layout's exported weights are compared with). `weight_noise`: every initial weight scaled by
     (1 + weight_noise x a normal draw, the draw seeded by `noise_draw`), for rounding_envelope."""
