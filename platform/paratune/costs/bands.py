@@ -125,3 +125,24 @@ def memory_verdict(predicted_bytes: float, limit_bytes: float, band: float) -> V
     if predicted_bytes * (1 - band) > limit_bytes:
         return "over"
     return "tight"
+
+
+# The 80th percentile of |z| for a standard normal: a band that holds PERCENTILE of the rows is
+# this many standard deviations of the (log) error wide.
+_Z_AT_PERCENTILE = 1.2815515655446004
+
+
+def fit_probability(predicted_bytes: float, limit_bytes: float, band: float) -> float:
+    """The probability that a plan predicted to peak at `predicted_bytes` fits `limit_bytes`, its
+    measured peak taken as predicted x exp(e) with e normal and |e| within log(1 + band) for
+    PERCENTILE of plans (what the band states). 1 when there is no room for doubt (band 0 and
+    under the limit), 0 above it."""
+    if predicted_bytes <= 0:
+        return 1.0
+    if limit_bytes <= 0:
+        return 0.0
+    margin = math.log(limit_bytes / predicted_bytes)
+    sigma = math.log1p(max(band, 0.0)) / _Z_AT_PERCENTILE
+    if sigma <= 0:
+        return 1.0 if margin >= 0 else 0.0
+    return 0.5 * math.erfc(-margin / (sigma * math.sqrt(2)))
