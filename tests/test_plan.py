@@ -31,7 +31,7 @@ def test_indivisible_global_batch_is_rejected():
         ({"strategy": "fsdp", "fsdp": {"sharding": "half"}}, "fsdp.sharding", "'half'", "'full', 'grad_op', 'hybrid' or 'no_shard'"),
         ({"strategy": "zero", "zero": {"stage": 4}}, "zero.stage", "4", "0, 1, 2 or 3"),
         ({"precision": "fp8"}, "precision", "'fp8'", "'fp32' or 'bf16'"),
-        ({"activation_checkpointing": "some"}, "activation_checkpointing", "'some'", "'none', 'selective', 'layers' or 'full'"),
+        ({"activation_checkpointing": "some"}, "activation_checkpointing", "'some'", "'none', 'selective', 'selective_op', 'layers' or 'full'"),
         ({"micro_batch": 0}, "micro_batch", "0", "greater than or equal to 1"),
         ({"peft": {"method": "ia3"}}, "peft.method", "'ia3'", "'lora'"),
         ({"peft": {"r": 0}}, "peft.r", "0", "greater than or equal to 1"),

@@ -49,11 +49,14 @@ COLLECTIVE_OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter",
 HeadLoss = Literal["standard", "vocab_parallel", "chunked"]
 # What a lever costs a block against none of it when a profile never measured the pair (the time
 # model says so in its note): full recompute runs the forward twice (~4/3 of forward + backward),
-# selective only the cheap ops again (CPU probe: +7% step); compile and float8 assumed neutral;
+# selective only the cheap ops again (CPU probe: +7% step); selective_op (torchtitan's op policy)
+# those and every second matmul of the forward (k, o, up of a Llama block: ~36% of its forward
+# matmul FLOPs at Llama-3-8B's widths, ~0.12 of forward + backward): 1.07 + 0.12; compile and
+# float8 assumed neutral;
 # LoRA (`peft`: the plan's adapters as JSON, "" none) drops the frozen weights' gradient matmuls,
 # 2 of forward + backward's 6 FLOPs per weight (keyed "lora" for any adapters).
 LEVER_PRIORS: dict[str, dict[Any, float]] = {
-    "checkpointing": {"none": 1.0, "selective": 1.07, "full": 4 / 3},
+    "checkpointing": {"none": 1.0, "selective": 1.07, "selective_op": 1.19, "full": 4 / 3},
     "compile": {False: 1.0, True: 1.0},
     "float8": {"none": 1.0, "tensorwise": 1.0, "rowwise": 1.0},
     "peft": {"": 1.0, "lora": 4 / 6},
@@ -85,7 +88,7 @@ class BlockShape(_Strict):
     def _one_mode_per_block(cls, value: str) -> str:
         if value == "layers":
             raise ValueError("checkpointing: 'layers' is no block shape (each of its blocks is a 'none' or a 'full' "
-                             "block: profile those); allowed: 'none', 'selective', 'full'")
+                             "block: profile those); allowed: 'none', 'selective', 'selective_op', 'full'")
         return value
 
     @property
@@ -400,7 +403,7 @@ class Profile(BaseModel):
         measured on shapes profiled with and without it (else LEVER_PRIORS), and `derived` says so.
         `layers` checkpointing is composed by the caller from `none` and `full` blocks."""
         if checkpointing == "layers":
-            raise ProfileError("checkpointing: 'layers' has no block of its own; allowed: 'none', 'selective', "
+            raise ProfileError("checkpointing: 'layers' has no block of its own; allowed: 'none', 'selective', 'selective_op', "
                                "'full' (paratune.costs.timemodel composes 'layers' from 'none' and 'full' blocks)")
         want = BlockShape(micro_batch=micro_batch, seq_len=seq_len, tp=tp, checkpointing=checkpointing,
                           compile=compile, float8=float8, peft=peft)

@@ -72,7 +72,7 @@ def accelerate_config(plan: Plan) -> tuple[dict[str, Any], list[str]]:
             fsdp["fsdp_transformer_layer_cls_to_wrap"] = name
         else:
             notes.append("accelerate: decoder block class unknown; set fsdp_transformer_layer_cls_to_wrap")
-        if plan.activation_checkpointing in ("selective", "layers"):
+        if plan.activation_checkpointing in ("selective", "selective_op", "layers"):
             notes.append(f"accelerate: activation_checkpointing '{plan.activation_checkpointing}' becomes full "
                          "per-block checkpointing (accelerate has no selective/every-N form)")
         if f.sharding == "hybrid":
@@ -121,7 +121,7 @@ def training_arguments(plan: Plan, deepspeed_path: str = "deepspeed.json") -> tu
                             "bf16": plan.precision == "bf16", "optim": "adamw_torch",
                             "gradient_checkpointing": plan.activation_checkpointing != "none",
                             "torch_compile": plan.compile, "seed": plan.seed}
-    if plan.activation_checkpointing in ("selective", "layers"):
+    if plan.activation_checkpointing in ("selective", "selective_op", "layers"):
         notes.append(f"TrainingArguments: '{plan.activation_checkpointing}' checkpointing becomes full")
     if plan.strategy == "fsdp":
         f = plan.fsdp
@@ -180,9 +180,12 @@ def torchtitan_overrides(plan: Plan) -> tuple[list[str] | None, list[str]]:
         notes.append(f"torchtitan: local_batch_size = micro_batch x grad_accum; micro-batch "
                      f"{plan.micro_batch} via --parallelism.pipeline_parallel_microbatch_size (pp) or accumulation")
     if plan.activation_checkpointing != "none":
-        mode = {"selective": "selective", "full": "full", "layers": "selective"}[plan.activation_checkpointing]
-        notes.append(f"torchtitan: activation checkpointing '{mode}' (every {plan.checkpoint_every} layers for "
-                     "'layers') goes in the config registry's activation_checkpoint section")
+        mode = {"selective": "selective", "selective_op": "selective", "full": "full",
+                "layers": "selective"}[plan.activation_checkpointing]
+        option = " with selective_ac_option 'op' (its own op-level policy)" if (
+            plan.activation_checkpointing == "selective_op") else ""
+        notes.append(f"torchtitan: activation checkpointing '{mode}'{option} (every {plan.checkpoint_every} layers "
+                     "for 'layers') goes in the config registry's activation_checkpoint section")
     if plan.strategy == "fsdp" and plan.fsdp.cpu_offload:
         args.append(_flag("training.enable_cpu_offload", True))
     if plan.ddp is not None:

@@ -1,4 +1,5 @@
-"""Activation checkpointing: none, selective (per op), every N-th layer, full (paratune.levers).
+"""Activation checkpointing: none, selective (per op), selective_op (torchtitan's per-op policy),
+every N-th layer, full (paratune.levers).
 
 Each checkpointed decoder block's class `forward` is recomputed (`checkpoint_blocks`: the block
 takes a subclass of its own class, made once per class and mode, whose forward runs the family's
@@ -17,13 +18,14 @@ kernels. The blocks checkpoint only in training mode (`self.training`).
 from __future__ import annotations
 
 from functools import lru_cache, partial, wraps
-from typing import Any, Callable
+from typing import Any, Callable, get_args
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from paratune.config.plan import Plan
+from paratune.levers.checkpointing import Checkpointing
 
 aten = torch.ops.aten
 c10d_functional = torch.ops._c10d_functional
@@ -73,6 +75,59 @@ def selective_policy(tp: bool) -> Callable[..., CheckpointPolicy]:
     return policy
 
 
+# torchtitan's op-level selective checkpointing (selective_ac_option "op"; torchtitan
+# distributed/activation_checkpoint.py `_apply_op_sac`, the save list of models/llama3 and llama4's
+# parallelize.py): every matmul's output is kept except every second one of a block's forward
+# (counted in dispatch order, the 2nd, 4th, ... recomputed), the attention kernels' outputs and
+# these ops' are kept, everything else is recomputed. torchtitan's models have no biases, so its
+# matmuls are all aten.mm; a biased linear (qwen2's q/k/v) dispatches aten.addmm, counted here as
+# a matmul too so "every second matmul" holds on every family. reduce_scatter and all_to_all (its
+# tp + sequence-parallel and expert-parallel lists) are kept; the other collectives (SP's
+# all-gather, tp's all-reduce) are recomputed as torchtitan does: every tp rank recomputes the same
+# block in the same backward, so they stay matched, at the cost of running them again. aten.max:
+# kept for low-precision scaling (torchtitan's note: float8's amax).
+OP_POLICY_MATMULS: frozenset = frozenset({aten.mm.default, aten.addmm.default})
+OP_POLICY_SAVED: frozenset = frozenset({
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+    aten.max.default,
+    c10d_functional.reduce_scatter_tensor.default,
+    c10d_functional.all_to_all_single.default,
+})
+
+
+def op_policy() -> Callable[..., CheckpointPolicy]:
+    """A fresh torchtitan op-level policy (one per checkpointed call: it counts that call's
+    matmuls): the 1st, 3rd, 5th, ... matmul of the block's forward MUST_SAVE, the 2nd, 4th, ...
+    PREFER_RECOMPUTE; OP_POLICY_SAVED MUST_SAVE; every other op PREFER_RECOMPUTE. torch 2.13 calls
+    the policy in the forward only (the recompute replays the decisions by op index), so one
+    count per forward suffices; a memory model running a block's forward under fake tensors with
+    it sees the same decisions as the run."""
+    matmuls = 0
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        nonlocal matmuls
+        if func in OP_POLICY_MATMULS:
+            matmuls += 1
+            return CheckpointPolicy.MUST_SAVE if matmuls % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in OP_POLICY_SAVED else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _op_contexts() -> tuple:
+    return create_selective_checkpoint_contexts(op_policy())
+
+
+def op_context_fn() -> Callable[[], tuple]:
+    """torch.utils.checkpoint's `context_fn` for `selective_op`: a fresh policy (a fresh matmul
+    count) per checkpointed call, from one function object for the process (a compiled block's
+    guards check its identity)."""
+    return _op_contexts
+
+
 @lru_cache(maxsize=None)
 def selective_context_fn(tp: bool) -> Callable[[], tuple]:
     """torch.utils.checkpoint's `context_fn` for selective checkpointing (a fresh pair of contexts
@@ -93,7 +148,8 @@ def _checkpointed_class(cls: type, mode: str, tp: bool) -> type:
     from torch.utils.checkpoint import checkpoint
 
     original = cls.forward
-    kwargs = {**FULL_KWARGS, "context_fn": selective_context_fn(tp)} if mode == "selective" else FULL_KWARGS
+    context_fn = {"selective": lambda: selective_context_fn(tp), "selective_op": op_context_fn}.get(mode)
+    kwargs = {**FULL_KWARGS, "context_fn": context_fn()} if context_fn else FULL_KWARGS
 
     @wraps(original)  # the family's signature stays visible (pipeline stages read it)
     def forward(self, *args, **call_kwargs):
@@ -106,7 +162,8 @@ def _checkpointed_class(cls: type, mode: str, tp: bool) -> type:
 
 def checkpoint_blocks(model: nn.Module, mode: str, every_n_layers: int = 1, tp: bool = False) -> None:
     """Blocks 0, N, 2N, ... of the model's decoder (N = every_n_layers) recomputed in backward:
-    `mode` "full" (the whole block) or "selective" (SAVED_OPS kept, under tp the collectives too).
+    `mode` "full" (the whole block), "selective" (SAVED_OPS kept, under tp the collectives too) or
+    "selective_op" (torchtitan's op-level policy, `op_policy`).
     In place, on the meta or a real model, before any wrapper (FSDP2 subclasses the block's class
     again and keeps this forward)."""
     from paratune.model.build import decoder_blocks
@@ -131,9 +188,10 @@ def checkpoint_settings(plan: Plan) -> tuple[str, int] | None:
         return "full", 1
     if mode == "layers":
         return "full", plan.checkpoint_every
-    if mode == "selective":
-        return "selective", 1
-    raise ValueError(f"activation_checkpointing: '{mode}' is not a mode; allowed: none, selective, layers, full")
+    if mode in ("selective", "selective_op"):
+        return mode, 1
+    raise ValueError(f"activation_checkpointing: '{mode}' is not a mode; allowed: "
+                     f"{', '.join(get_args(Checkpointing))}")
 
 
 def apply_lever(model: nn.Module, plan: Plan, place) -> None:  # noqa: ANN001 - a runner.WorkerPlace
