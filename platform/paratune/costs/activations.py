@@ -259,7 +259,7 @@ def _trace_micro_batch(config, tokens: int, checkpointing: str, precision: str, 
             from paratune.model.adapters import add_traced_adapters
 
             add_traced_adapters(model, peft_json, precision)
-        if checkpointing in ("full", "selective"):  # the trace runs the runtime's own checkpoint (tp's is not traced)
+        if checkpointing in ("full", "selective", "selective_op"):  # the runtime's own checkpoint (tp's is not traced)
             checkpoint_blocks(model, checkpointing)
         ids = torch.randint(0, config_sizes(config).vocab, (sequences, tokens // sequences))
         known = [t.untyped_storage() for t in (*model.parameters(), *model.buffers())]
@@ -389,6 +389,9 @@ def _formula_coefficients(shape: ModelShape, checkpointing: str, precision: str,
     if checkpointing == "selective":  # SAVED_OPS' outputs: q, k, v, attention, o, gate, up, down; the input
         kv = (shape.kv_heads or a) * shape.head_dim
         per_layer = 2 * (4 * h + 2 * kv + 2 * mlp_width(shape)) * scale + 4 * a
+    if checkpointing == "selective_op":  # every second matmul's output not kept: q, v, gate, down (k, o, up
+        kv = (shape.kv_heads or a) * shape.head_dim  # recomputed); attention's; the input
+        per_layer = 2 * (3 * h + kv + mlp_width(shape)) * scale + 4 * a
     rest = 4.0 * shape.vocab + 2 * h * scale
     head_grad = 4.0 * (shape.head or shape.embedding)
     phases = {"forward": PhaseBytes(0.0, per_layer, 0.0, per_layer),
@@ -429,6 +432,11 @@ def _trace_store_path(config_json: str, checkpointing: str, precision: str, micr
         from paratune.parallel.recompute import SAVED_OPS
 
         saved_ops = ",".join(sorted(str(op) for op in SAVED_OPS))
+    if checkpointing == "selective_op":
+        from paratune.parallel.recompute import OP_POLICY_MATMULS, OP_POLICY_SAVED
+
+        saved_ops = ",".join(sorted(str(op) for op in OP_POLICY_SAVED)) + ";every 2nd of " + ",".join(
+            sorted(str(op) for op in OP_POLICY_MATMULS))
     text = json.dumps([config_json, checkpointing, precision, micro_batch, seq_len, torch.__version__,
                        transformers.__version__, hashlib.sha256(Path(__file__).read_bytes()).hexdigest()]
                       + ([saved_ops] if saved_ops else []) + ([list(layer_counts)] if layer_counts != (1, 2) else [])
