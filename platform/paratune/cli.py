@@ -281,6 +281,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     _print_construction(estimates, console, args.top)
     _print_levers(estimates, device, console, args.top)
     _print_experts(estimates, device, console, args.top, args.routing_balance)
+    _print_float8_coverage([e.plan for e in estimates], console)
     if profiles:
         _print_time_parts(estimates, profiles, console, args.top)
         for note in notes:
@@ -495,7 +496,25 @@ def _cmd_validate(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]invalid plan[/red]\n{escape(str(err))}")
         return 2
     console.print(plan.to_yaml())
+    _print_float8_coverage([plan], console, comment=True)
     return 0
+
+
+def _print_float8_coverage(plans, console: Console, comment: bool = False) -> None:
+    """The linears a float8 plan leaves in bf16 and why (paratune.parallel.float8.coverage_notice,
+    the workers' own rule on the meta model), once per model, tp and ep among `plans`. `comment`:
+    as YAML comments (validate's output stays a plan file)."""
+    seen = set()
+    for plan in plans:
+        key = (plan.model, json.dumps(plan.model_overrides, sort_keys=True, default=str), plan.tp, plan.ep > 1)
+        if plan.float8 == "none" or key in seen:
+            continue
+        seen.add(key)
+        from paratune.parallel.float8 import coverage_notice
+
+        for line in coverage_notice(plan):
+            console.print(f"# {line}" if comment else f"[yellow]{escape(line)}[/yellow]", soft_wrap=True,
+                          markup=not comment, highlight=False)
 
 
 def _cmd_init(args: argparse.Namespace, console: Console) -> int:

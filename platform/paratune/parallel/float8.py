@@ -30,6 +30,10 @@ layout. Three things paratune needs beyond torchao's own swap:
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+
 import torch
 from torch import nn
 
@@ -39,6 +43,10 @@ from paratune.config.quiet import quiet_torchao_import  # noqa: F401 (the worker
 # CUDA's _scaled_mm: both matrix dimensions of each float8 operand must be multiples of 16.
 SCALED_MM_MULTIPLE = 16
 SKIPPED_ATTR = "paratune_float8_skipped"  # on the model: {linear's name: why it stayed in bf16}
+HEAD_REASON = "the LM head (its logits feed the loss in bf16)"
+# A float8 plan converting less than this share of its linear FLOPs (the head aside) is labelled
+# partial: mostly bf16 under a float8 name otherwise.
+PARTIAL_SHARE = 0.5
 
 
 def import_torchao_float8():
@@ -67,7 +75,7 @@ def skip_reason(module: nn.Linear, name: str, head: nn.Module | None, tp: int = 
     """Why a linear stays in bf16 (None: it is converted). `split`: the dimension tp splits over
     `tp` ranks ("out" column-parallel, "in" row-parallel, None: whole on every rank)."""
     if module is head or name.rpartition(".")[2] == "lm_head":
-        return "the LM head (its logits feed the loss in bf16)"
+        return HEAD_REASON
     bad = []
     for what, n in (("in_features", module.in_features), ("out_features", module.out_features)):
         if split is not None and what.startswith(split) and tp > 1:
@@ -108,6 +116,106 @@ def _skipped_linears(model: nn.Module, plan: Plan) -> dict[str, str]:
     splits = tp_splits(model, plan)
     return {name: why for name, m in model.named_modules() if type(m) is nn.Linear
             and (why := skip_reason(m, name, head, plan.tp, splits.get(id(m)))) is not None}
+
+
+@dataclass(frozen=True)
+class Float8Coverage:
+    """What a float8 plan converts, known before any worker starts: the same `skipped_linears` the
+    workers' `convert_to_float8` applies (one rule), read on the checks' meta model, so `validate`
+    and `plan` can say which linears a float8 plan leaves in bf16 and how much of its work that is.
+
+    `share`: the converted linears' part of every non-head nn.Linear's FLOPs (in x out each, the
+    same per token; the LM head, bf16 by design in every float8 plan, is not counted). Routed
+    experts packed in one tensor (transformers 5's MoE) are no nn.Linear: torchao leaves them to
+    bf16 in every plan, and they are not counted either."""
+
+    linears: int  # nn.Linear modules in the model, the head included
+    skipped: dict[str, str] = field(default_factory=dict)  # name -> why it stays bf16 (the head too)
+    share: float = 1.0
+
+    @property
+    def partial(self) -> bool:
+        """Converts less than half of the linear FLOPs it could: the plan's label says so."""
+        return self.share < PARTIAL_SHARE
+
+    def beyond_head(self) -> dict[str, str]:
+        """The skipped linears besides the LM head (the head alone is every float8 plan's case)."""
+        return {name: why for name, why in self.skipped.items() if why != HEAD_REASON}
+
+
+def float8_coverage(model: nn.Module, plan) -> Float8Coverage:  # noqa: ANN001 - a Plan, or anything with tp, ep
+    """What `convert_to_float8` would convert of `model` (the meta model before any layout) at the
+    plan's tp and ep: kept per (tp, ep > 1) on the checks' frozen model."""
+    from paratune.model.build import remembered
+
+    def compute() -> Float8Coverage:
+        skipped = skipped_linears(model, plan)
+        linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
+        flops = {name: m.in_features * m.out_features for name, m in linears.items()
+                 if skipped.get(name) != HEAD_REASON}
+        total = sum(flops.values())
+        converted = sum(f for name, f in flops.items() if name not in skipped)
+        return Float8Coverage(len(linears), skipped, converted / total if total else 1.0)
+
+    return remembered(model, ("float8_coverage", plan.tp, plan.ep > 1), compute)
+
+
+def plan_float8_coverage(plan) -> Float8Coverage | None:  # noqa: ANN001 - a Plan (model, overrides, tp, ep, float8)
+    """float8_coverage of the plan's model, on the pre-launch checks' cached meta model (no weights,
+    any size); None for a plan without float8."""
+    if plan.float8 == "none":
+        return None
+    from paratune.checks.preflight import _meta_model
+    from paratune.model.shapes import model_config_key
+
+    quiet_torchao_import()  # a label's first call may build the first model of a library process
+    return float8_coverage(_meta_model(model_config_key(plan)), plan)
+
+
+@lru_cache(maxsize=256)
+def _label_share(model: str, overrides_json: str, tp: int, ep: int) -> float | None:
+    import json
+    from types import SimpleNamespace
+
+    plan = SimpleNamespace(model=model, model_overrides=json.loads(overrides_json), tp=tp, ep=ep, float8="tensorwise")
+    try:  # the label of any plan dict (a stored trial's too): a model that cannot be built here says nothing
+        coverage = plan_float8_coverage(plan)
+    except Exception:  # noqa: BLE001 - a label never fails a table
+        return None
+    return coverage.share if coverage is not None else None
+
+
+def label_share(plan: dict) -> float | None:
+    """The converted share of a float8 plan dict's linear FLOPs (Float8Coverage.share), for its
+    label; None where the model cannot be built here. Cached per model, overrides, tp and ep."""
+    import json
+
+    overrides = json.dumps(plan.get("model_overrides") or {}, sort_keys=True, default=str)
+    return _label_share(plan.get("model", "tiny-llama"), overrides, int(plan.get("tp", 1)), int(plan.get("ep", 1)))
+
+
+def _pattern(name: str) -> str:
+    """A linear's name with its indices as '*' (every block's q_proj reads as one line)."""
+    return re.sub(r"(?<![^.])\d+(?![^.])", "*", name)
+
+
+def coverage_notice(plan: Plan, coverage: Float8Coverage | None = None) -> list[str]:
+    """The lines `validate` and `plan` print for a float8 plan that leaves linears besides the LM
+    head in bf16 (empty otherwise): which ones (grouped over the blocks), why, and the converted
+    share of the linear FLOPs."""
+    coverage = coverage if coverage is not None else plan_float8_coverage(plan)
+    if coverage is None or not coverage.beyond_head():
+        return []
+    groups: dict[tuple[str, str], int] = {}
+    for name, why in coverage.beyond_head().items():
+        groups[(_pattern(name), why)] = groups.get((_pattern(name), why), 0) + 1
+    lines = [f"float8: '{plan.float8}' at tp {plan.tp} leaves {len(coverage.skipped)} of {coverage.linears} linears "
+             f"of '{plan.model}' in bf16 and converts {coverage.share:.0%} of the linear FLOPs (the LM head aside):"]
+    lines += [f"  {pattern}{f' (x{count})' if count > 1 else ''}: {why}" for (pattern, why), count in groups.items()]
+    head = [name for name, why in coverage.skipped.items() if why == HEAD_REASON]
+    lines += [f"  {name}: {HEAD_REASON}, in every float8 plan" for name in head]
+    lines.append(f"  a linear converts where its per-rank in and out features are multiples of {SCALED_MM_MULTIPLE}")
+    return lines
 
 
 def _autocast_input_on_cpu(module: nn.Module, args: tuple) -> tuple | None:
