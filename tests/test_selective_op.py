@@ -89,6 +89,23 @@ def test_a_llama_block_keeps_q_v_gate_down_and_attention():
     assert seen[:7] == [(h, MUST), (kv, AGAIN), (kv, MUST), (h, AGAIN), (f, MUST), (f, AGAIN), (h, MUST)]
 
 
+def test_the_time_models_prior_and_torchtitans_export_know_it():
+    """A profile that never measured a selective_op block prices it by its prior (between
+    selective and full); the torchtitan export names torchtitan's own option for it."""
+    from typing import get_args
+
+    from paratune.costs.profile import LEVER_PRIORS
+    from paratune.levers import Checkpointing
+    from paratune.out.export_tools import torchtitan_overrides
+
+    priors = LEVER_PRIORS["checkpointing"]
+    assert set(priors) == set(get_args(Checkpointing)) - {"layers"}  # layers: composed of none and full blocks
+    assert priors["selective"] < priors["selective_op"] < priors["full"]
+    _, notes = torchtitan_overrides(_plan(activation_checkpointing="selective_op", strategy="fsdp",
+                                          fsdp={"sharding": "full"}))
+    assert any("'selective' with selective_ac_option 'op'" in n for n in notes), notes
+
+
 # --------------------------------------------------------------------------- what a real forward keeps
 def _live_bytes_after_forward(mode: str) -> int:
     """Tensor bytes alive after one forward (what autograd and the checkpoints keep for backward,

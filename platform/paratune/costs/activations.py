@@ -432,11 +432,14 @@ def _trace_store_path(config_json: str, checkpointing: str, precision: str, micr
         from paratune.parallel.recompute import SAVED_OPS
 
         saved_ops = ",".join(sorted(str(op) for op in SAVED_OPS))
-    if checkpointing == "selective_op":
-        from paratune.parallel.recompute import OP_POLICY_MATMULS, OP_POLICY_SAVED
+    if checkpointing == "selective_op":  # its ops, and the policy's code (which of the matmuls it keeps)
+        import inspect
 
-        saved_ops = ",".join(sorted(str(op) for op in OP_POLICY_SAVED)) + ";every 2nd of " + ",".join(
-            sorted(str(op) for op in OP_POLICY_MATMULS))
+        from paratune.parallel.recompute import OP_POLICY_MATMULS, OP_POLICY_SAVED, op_policy
+
+        saved_ops = ",".join(sorted(str(op) for op in OP_POLICY_SAVED)) + ";" + ",".join(
+            sorted(str(op) for op in OP_POLICY_MATMULS)) + ";" + hashlib.sha256(
+            inspect.getsource(op_policy).encode()).hexdigest()
     text = json.dumps([config_json, checkpointing, precision, micro_batch, seq_len, torch.__version__,
                        transformers.__version__, hashlib.sha256(Path(__file__).read_bytes()).hexdigest()]
                       + ([saved_ops] if saved_ops else []) + ([list(layer_counts)] if layer_counts != (1, 2) else [])
