@@ -35,6 +35,7 @@ from paratune.sweep.searchers import (TimePredictions, all_points, calibrated_se
 from paratune.sweep.stopping import SweepStopRule
 from paratune.out.tables import env_label, shared_env, strategy_label
 from paratune.cluster.launch import ensure_ray
+from paratune.costs.risk import LaunchRisk
 
 
 # --------------------------------------------------------------------------- settings
@@ -84,7 +85,7 @@ class SweepRun:
     console: Console
     calibration: Any = None  # the roofline (estimate.Roofline), refitted on every trial; None: no predictions
     predictions: TimePredictions | None = None  # the calibrated search's step-time model
-    fastest_first: list[str] = field(default_factory=list)  # candidate keys, predicted fastest first
+    fastest_first: list[str] = field(default_factory=list)  # candidate keys in launch order (paratune.costs.risk)
     pool: str | None = None
     leases: str | None = None
 
@@ -183,6 +184,9 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
         profile_s = 0.0
         if settings.algorithm == "calibrated":
             run.predictions, profile_s = _time_predictions(space, plans, calibration, pool, console)
+            if run.predictions is not None and calibration is not None:  # P(fits), re-judged after each trial
+                run.predictions.risk = LaunchRisk(calibration, run.predictions.plans, space.spec.estimate.margin,
+                                                  space.spec.estimate.skip_predicted_oom)
         if remaining > 0 and not (settings.algorithm == "calibrated" and stop_file.exists()):
             _search(run, done, remaining)
         outcome = SweepOutcome(settings.out_dir, parent, ledger.entries, pruning=space.pruning_report())
@@ -196,6 +200,7 @@ def run_sweep(space: Space, out_dir: Path, *, trials: int | None = None, algorit
                 observe_calibration(calibration, e.result)
         if run.predictions is not None:
             outcome.time_model = _time_model_summary(run.predictions)
+            _say_memory_recalibration(run.predictions, tracker, parent, outcome, console)
         finish_sweep(space, outcome, ledger, tracker, settings.budget_gb, console, calibration, pool)
     finally:
         if own_pool and pool is not None:
@@ -289,14 +294,16 @@ def _search(run: SweepRun, done: int, remaining: int) -> None:
 # --------------------------------------------------------------------------- the cost models
 def _predict(space: Space, budget_gb: float | None, console: Console):
     """The cost model before anything runs: skip plans predicted not to fit (counted with the
-    static pruning, reason and an example recorded), rank the rest by predicted speed.
-    Returns (the space without the skipped plans, the calibration, candidate keys fastest first)."""
+    static pruning, reason and an example recorded), rank the rest by expected gain
+    (paratune.costs.risk.order_by_expected_gain). Returns (the space without the skipped plans,
+    the calibration, candidate keys in launch order)."""
     import dataclasses
 
     import ray
 
     from paratune.config.devices import device_for_cluster
     from paratune.costs.estimate import Roofline
+    from paratune.costs.risk import order_by_expected_gain
 
     settings = space.spec.estimate
     first = space.candidates[0].plan
@@ -327,8 +334,11 @@ def _predict(space: Space, budget_gb: float | None, console: Console):
             removed[rule] += 1
             examples.setdefault(rule, f"{strategy_label(c.plan.to_dict())}: {estimates[c.key].overflow}")
     space = dataclasses.replace(space, candidates=kept, removed=removed, examples=examples)
-    fastest_first = sorted(kept, key=lambda c: -estimates[c.key].time.tokens_per_s_per_gpu)
-    return space, calibration, [c.key for c in fastest_first]
+    # Launch order: by expected gain (paratune.costs.risk: speed x P(fits), a doomed launch's time
+    # counted), no longer fastest first: the fastest tight plan is often the one furthest over.
+    key_of = {id(estimates[c.key]): c.key for c in kept}
+    ordered = order_by_expected_gain(estimates[c.key] for c in kept)
+    return space, calibration, [key_of[id(e)] for e in ordered]
 
 
 def _time_predictions(space: Space, plans: dict[str, dict], calibration, pool: str | None,
@@ -382,3 +392,19 @@ def _time_model_summary(predictions: TimePredictions) -> dict[str, Any]:
     if errors:
         out.update(median_abs_error=statistics.median(errors), worst_abs_error=max(errors))
     return out
+
+
+def _say_memory_recalibration(predictions: TimePredictions, tracker, parent: str, outcome: SweepOutcome,
+                              console: Console) -> None:
+    """The memory scales the trials taught (into the parent run's calibration_ metrics, with the
+    roofline's) and the plans passed over for them (said, and tagged on the parent run)."""
+    risk = predictions.risk
+    if risk is None:
+        return
+    outcome.calibration.update(risk.calibration.summary())
+    if risk.passed_over:
+        labels = {k: strategy_label(predictions.plans[k].to_dict()) for k in risk.passed_over}
+        text = "\n".join(f"{labels[k]}: {why}" for k, why in risk.passed_over.items())
+        console.print(f"{len(risk.passed_over)} plan(s) not launched: predicted out of memory once the trials "
+                      f"recalibrated the memory model:\n{escape(text)}", soft_wrap=True)
+        tracker.client.set_tag(parent, "paratune.skipped_after_recalibration", text[:5000])

@@ -131,7 +131,8 @@ def finish_sweep(space: Space, outcome: SweepOutcome, ledger: Ledger, tracker, b
                         **({"routing_balance": first.routing_balance} if first.routing_balance is not None else {}),
                         **({"all_to_all_share": first.all_to_all_share} if first.all_to_all_share is not None else {})}
     if calibration is not None:
-        outcome.calibration = {"device": calibration.device.name, **calibration.summary()}
+        # the memory scales the launch risk learnt (paratune.costs.risk), set by the driver, kept
+        outcome.calibration = {"device": calibration.device.name, **calibration.summary(), **outcome.calibration}
     from paratune.out.tracking import sweep_note
 
     note = sweep_note(summary, outcome.winner_dir, outcome.parity_failures)

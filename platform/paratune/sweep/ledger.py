@@ -142,11 +142,13 @@ def predicted_only(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def observe_calibration(calibration, result: TrialResult) -> dict[str, float]:
-    """Predicted beside measured for one trial (and a refit of the time model)."""
+    """Predicted beside measured for one trial (and a refit of the time model). A trial over the
+    memory budget (apply_budget: failed, oom) measured its peak too: predicted beside it as well."""
     if calibration is None:
         return {}
     plan = load_plan_dict(result.plan)
-    peak = max(result.peak_memory_bytes) if result.ok and result.peak_memory_bytes else None
+    measured = result.ok or (result.status == "failed" and result.reason == "oom")
+    peak = max(result.peak_memory_bytes) if measured and result.peak_memory_bytes else None
     return calibration.observe(plan, peak, result.step_time_median_s if result.ok else None,
                                routing_balance=result.routing_balance if result.ok else None)
 

@@ -2,8 +2,9 @@
 
 A searcher is a Ray Tune Searcher (imported when one is built, so the tree and the time models
 load without Ray Tune). The Optuna searcher (TPE or random) never proposes a point twice and
-warm-starts from the ledger; the calibrated searcher measures the plan the step-time model
-predicts fastest and stops by paratune.sweep.stopping's rule.
+warm-starts from the ledger; the calibrated searcher measures next the plan of highest expected
+gain (the step-time model's speed x P(fits), paratune.costs.risk, its memory re-judged on every
+trial's peak and out-of-memory failure) and stops by paratune.sweep.stopping's rule.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from paratune.config.plan import Plan, load_plan_dict
+from paratune.costs.risk import LaunchRisk
 from paratune.sweep.space import Space
-from paratune.sweep.ledger import (OBJECTIVE, Ledger, incumbent_of, objective_value, point_key, stop_rule_for,
-                                   unscored)
+from paratune.sweep.ledger import (OBJECTIVE, Ledger, apply_budget, incumbent_of, objective_value, point_key,
+                                   stop_rule_for, unscored)
 from paratune.sweep.stopping import SweepStopRule
 from paratune.out.tables import env_label, strategy_label, varying_env
 from paratune.trial.results import TrialResult
@@ -193,17 +195,28 @@ class TimePredictions:
         self.model, self.source = model, source
         self.plans = {key: load_plan_dict(plan) for key, plan in plans.items()}
         self.observed: dict[str, dict[str, float]] = {}
+        # Each plan's P(fits), re-judged from the trials' peaks and out-of-memory failures
+        # (paratune.costs.risk); set by the driver where the roofline predicts memory.
+        self.risk: LaunchRisk | None = None
 
     def tokens_per_s(self) -> dict[str, float]:
         return {key: float(self.model.predict(plan).tokens_per_s_per_gpu) for key, plan in self.plans.items()}
 
     def observe(self, key: str, result: TrialResult) -> dict[str, float]:
+        """Once per trial, `result` judged against the memory budget (ledger.apply_budget): the
+        step-time model refitted; the memory calibration told its peak or its running out of
+        memory, with what was judged of it at launch (P(fits) ...)."""
         if key in self.observed or key not in self.plans:
             return self.observed.get(key, {})
         out: dict[str, float] = {}
         if (result.ok or result.stopped_early) and result.step_time_median_s:
             out = dict(self.model.observe(self.plans[key], result.step_time_median_s,
                                           routing_balance=result.routing_balance))  # MoE: measured imbalance
+        if self.risk is not None:
+            oom = result.status == "failed" and result.reason == "oom"
+            peak = max(result.peak_memory_bytes) if result.peak_memory_bytes and (result.ok or oom) else None
+            out.update(self.risk.at_launch.get(key, {}))
+            out.update(self.risk.observe(key, peak, oom, result.launch_s))
         self.observed[key] = out
         return out
 
@@ -214,8 +227,9 @@ class TimePredictions:
 
 def calibrated_searcher(predictions: TimePredictions, ledger: Ledger, budget_gb: float | None,
                         early_stop_steps: int | None, stop_file: Path, rule: SweepStopRule | None = None):
-    """A Tune searcher that measures the plan predicted fastest next and finishes by the
-    stopping rule (paratune.sweep.stopping), refitting the model on every trial as it completes."""
+    """A Tune searcher that measures next, among the plans the stopping rule (paratune.sweep.stopping)
+    says can still win, the one of highest expected gain (`predictions.risk`; without it the
+    fastest), and finishes by that rule, refitting the models on every trial as it completes."""
     from ray.tune.search import Searcher
 
     rule = rule or SweepStopRule()
@@ -234,7 +248,7 @@ def calibrated_searcher(predictions: TimePredictions, ledger: Ledger, budget_gb:
                 if unscored(entry.result):
                     continue  # the cluster failed it: measured again
                 self.results[entry.key] = entry.result
-                predictions.observe(entry.key, entry.result)
+                predictions.observe(entry.key, apply_budget(entry.result, budget_gb))
 
         def save(self, checkpoint_path: str) -> None:
             """paratune resumes from its ledger, not from Tune's searcher state."""
@@ -245,15 +259,30 @@ def calibrated_searcher(predictions: TimePredictions, ledger: Ledger, budget_gb:
         def suggest(self, trial_id: str):
             incumbent = incumbent_of(self.results, budget_gb)
             full = sum(1 for r in self.results.values() if r.ok)
-            decision = rule.decide(predictions.tokens_per_s(), set(self.results), set(self.pending.values()),
-                                   incumbent, predictions.model.error_band(), full, label)
+            tokens, band, risk = predictions.tokens_per_s(), predictions.model.error_band(), predictions.risk
+            running = set(self.pending.values())
+            if risk is not None:  # re-judged on the trials so far: plans now over by their band are not launched
+                skipped = risk.skipped(k for k in tokens if k not in self.results and k not in running)
+                tokens = {k: v for k, v in tokens.items() if k not in skipped}
+            decision = rule.decide(tokens, set(self.results), running, incumbent, band, full, label)
             if decision.stop:
                 if self.pending:
                     return None  # running trials may still change the incumbent or the model
-                stop_file.write_text(json.dumps({"reason": decision.reason, "after_trials": len(self.results)}))
+                reason = decision.reason
+                if risk is not None and risk.passed_over and not [k for k in tokens if k not in self.results]:
+                    reason = (f"every plan has been measured but {len(risk.passed_over)} predicted out of memory "
+                              "once the trials recalibrated the memory model")
+                stop_file.write_text(json.dumps({"reason": reason, "after_trials": len(self.results)}))
                 return Searcher.FINISHED
-            self.pending[trial_id] = decision.next_key
-            return {"point": decision.next_key,
+            key = decision.next_key
+            if risk is not None:  # the stopping rule's candidates, launched by expected gain (P(fits) counted)
+                open_keys = [k for k in tokens if k not in self.results and k not in running and
+                             (incumbent is None or full < rule.min_trials or rule.can_win(tokens[k], incumbent, band))]
+                order = risk.order(tokens, open_keys, band)
+                key = order[0].item if order else key
+                risk.launched(key, order[0] if order else None)
+            self.pending[trial_id] = key
+            return {"point": key,
                     "stop_rule": stop_rule_for(incumbent, early_stop_steps) if early_stop_steps else None}
 
         def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
@@ -266,8 +295,8 @@ def calibrated_searcher(predictions: TimePredictions, ledger: Ledger, budget_gb:
             else:
                 return
             self.results[key] = tr  # unscored too: the search never proposes it twice in one run
-            if not unscored(tr):
-                predictions.observe(key, tr)
+            if not unscored(tr):  # judged against the budget: over it is out of memory, for the calibration
+                predictions.observe(key, apply_budget(tr, budget_gb))
 
     return CalibratedSearch()
 
