@@ -227,7 +227,7 @@ def test_the_24gb_space_fits_a_7b_lora_and_rejects_its_full_fine_tune(tmp_path, 
     out = tmp_path / "plans.json"
     assert main(["plan", "search_spaces/qwen2.5_7b_lora_1x24gb.yaml", "--device", "l4-24gb", "--nodes", "1",
                  "--gpus-per-node", "1", "--json", str(out)]) == 0
-    assert "fastest first" in capsys.readouterr().out
+    assert "in launch order" in capsys.readouterr().out
     rows = json.loads(out.read_text())
     fitting = [r for r in rows if r["fits"]]
     assert fitting and all(r["plan"]["strategy"] == "ddp" and r["plan"]["peft"]["r"] == 16 for r in fitting)

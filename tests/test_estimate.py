@@ -14,6 +14,7 @@ from paratune.costs.estimate import (
     comm_volume,
     estimate,
     fit_time_constants,
+    prior_constants,
 )
 from paratune.costs.memory import estimate_memory, memory_moments, model_states
 from paratune.config.plan import load_plan_dict
@@ -136,12 +137,16 @@ def test_paratune_plan_ranks_the_70b_space_and_rejects_ddp(tmp_path, capsys):
                  "--gpus-per-node", "8", "--json", str(out)])
     printed = capsys.readouterr().out
     assert code == 0
-    assert "fastest first" in printed and "plans estimated in" in printed
+    assert "in launch order" in printed and "plans estimated in" in printed
     rows = json.loads(out.read_text())
     fitting = [r for r in rows if r["fits"]]
     assert fitting and all(r["predicted_peak_memory_gib"] <= 76 for r in fitting)
-    speeds = [r["predicted_tokens_per_s_per_gpu"] for r in fitting]
-    assert speeds == sorted(speeds, reverse=True)
+    # in launch order (paratune.costs.risk): the plans sure to fit fastest first; a plan near the
+    # capacity later than its speed alone would put it
+    sure = [r["predicted_tokens_per_s_per_gpu"] for r in fitting if r["predicted_fit_probability"] > 0.999]
+    assert len(sure) > 10 and all(a >= b * 0.999 for a, b in zip(sure, sure[1:]))
+    worth = [r for r in rows if r["measurable"]]
+    assert all(r["predicted_fit_probability"] >= 0.1 for r in worth[:len(worth) // 2])
     ddp = [r for r in rows if r["plan"]["strategy"] == "ddp"]
     # DDP replicates over dp: only the layouts without data parallelism (tp x pp = 32) can fit.
     assert any(r["fits"] for r in ddp if r["plan"]["tp"] * r["plan"]["pp"] == 32)
@@ -190,7 +195,7 @@ def test_offload_trades_memory_for_time():
     offloaded = estimate(_plan(strategy="zero", zero={"stage": 3, "offload_optimizer": True}), device)
     assert offloaded.memory.optimizer == 0 and offloaded.memory.total < plain.memory.total
     # fp32 gradient partition down and bf16 parameters up over PCIe, every step, not overlapped.
-    extra = (4 + 2) * P_8B / 8 / (device.host_link_gbps * 1e9) / TimeConstants().comm_efficiency
+    extra = (4 + 2) * P_8B / 8 / (device.host_link_gbps * 1e9) / prior_constants(device).comm_efficiency
     assert offloaded.time.step_s - plain.time.step_s == pytest.approx(extra, rel=1e-6)
 
 
@@ -241,7 +246,7 @@ def test_a_plan_that_cannot_be_built_is_rejected_and_says_so():
     device = get_device("h100-80gb")
     ddp = estimate(_plan_70b(strategy="ddp"), device, activation_model="formula")
     assert not ddp.fits and ddp.construction == 4 * P_70B + XCH_70B
-    assert "construction needs 266.7 GiB per rank (building the model, before the optimizer) > capacity 80.0 GiB" \
+    assert "construction needs 266.7 GiB per rank (building the model, before the optimizer) > capacity 78.6 GiB" \
         in ddp.overflow
     full = estimate(_plan_70b(strategy="fsdp", fsdp={"sharding": "full"}), device, activation_model="formula")
     assert full.construction == pytest.approx(4 * P_70B / 32 + XCH_70B) and "construction" not in (full.overflow or "")
@@ -254,9 +259,11 @@ def test_a_plan_that_cannot_be_built_is_rejected_and_says_so():
     tight = estimate(z2, device, capacity_gib=28, activation_model="formula")
     assert tight.memory.total < 28 * GiB < construction_bytes(z2) == 4 * P_8B + 4 * 128256 * 4096
     assert tight.overflow == ("construction needs 31.9 GiB per rank (building the model, before the optimizer) "
-                              "> capacity 28.0 GiB per GPU")
-    # The same margin rule as the steady state: 15% over 28 GiB lets the build through, 7% does not.
-    assert estimate(z2, device, capacity_gib=28, margin=0.15, activation_model="formula").fits
+                              "> capacity 26.6 GiB per GPU (after 1.4 GiB of CUDA context, NCCL buffers and cuBLAS "
+                              "workspace)")
+    # The same margin rule as the steady state: 20% over 28 GiB (less the CUDA context, NCCL's buffers
+    # and cuBLAS's workspace) lets the build through, 7% does not.
+    assert estimate(z2, device, capacity_gib=28, margin=0.20, activation_model="formula").fits
     assert not estimate(z2, device, capacity_gib=28, margin=0.07, activation_model="formula").fits
 
 

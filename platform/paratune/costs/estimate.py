@@ -19,7 +19,8 @@ but the share the levers hide (paratune.levers.tp_comm_hidden: async TP's forwar
 node, else one NIC, and scales the routed experts' compute by the routing's imbalance (a measured
 `routing_balance`, else DEFAULT_IMBALANCE). Four constants (the compute rate's multiplier, the
 links' achieved share, fixed costs per step and per micro-batch) are fitted from measured trials
-(`fit_time_constants`); until then 1 (as modelled), 70% of link bandwidth, 0 and 5 ms.
+(`fit_time_constants`); until then 1 (as modelled), the link share NCCL measures on the device's
+architecture (paratune.costs.efficiency.LINK_SHARE; 70% where none is known), 0 and 5 ms.
 """
 
 from __future__ import annotations
@@ -38,9 +39,12 @@ from paratune.costs.efficiency import (
     float8_flops_share,
     fsdp_copy_seconds,
     has_kernel_rates,
+    link_share,
     step_flops,
 )
 from paratune.costs.construction import construction_bytes
+from paratune.costs.cuda_memory import CudaOverheads, cuda_overheads
+from paratune.costs.risk import order_by_expected_gain
 from paratune.levers import compute_time_factor, tp_comm_hidden
 from paratune.costs.memory import MemoryEstimate, estimate_memory
 from paratune.costs.moe import (
@@ -194,6 +198,12 @@ class TimeConstants:
     compute_fitted: bool = False  # compute_efficiency fitted on them (False: the prior, held)
 
 
+def prior_constants(device: Device) -> TimeConstants:
+    """The constants before any trial: the modelled compute rate, the device's measured link share
+    (paratune.costs.efficiency.link_share), no fixed cost a step, 5 ms a micro-batch."""
+    return TimeConstants(comm_efficiency=link_share(device))
+
+
 @dataclass
 class TimeEstimate:
     compute_s: float
@@ -287,7 +297,7 @@ def estimate_time(plan: Plan, device: Device, constants: TimeConstants | None = 
     fits it), the DP collectives beyond what `dp_overlap_share` of the compute hides, the exposed
     TP/PP/CP/EP collectives, FSDP2's copies around its collectives (`fsdp_copy_seconds`), the
     pipeline bubble, a fixed cost per step and per micro-batch."""
-    c = constants or TimeConstants()
+    c = constants or prior_constants(device)
     compute, dp_s, mp_s, bubble = _time_terms(plan, device, imbalance)
     compute /= c.compute_efficiency
     comm = (dp_s + mp_s) / c.comm_efficiency
@@ -318,8 +328,8 @@ def fit_time_constants(samples: list[tuple[Plan, float]], device: Device) -> Tim
     `achieved_compute_seconds`: a = 1/compute_efficiency, the share of that rate reached; b =
     1/comm efficiency), fitting only what the trials can tell apart. A term whose column has
     (near) no spread across them (IDENTIFIABLE_SPREAD) is collinear with the constant c and is
-    held at its prior (TimeConstants(): the modelled compute rate, 70% of the links, the
-    micro-batch cost): in a sweep every plan computes the same FLOPs, and a fitted compute
+    held at its prior (`prior_constants`: the modelled compute rate, the device's measured link
+    share, the micro-batch cost): in a sweep every plan computes the same FLOPs, and a fitted compute
     coefficient came out anywhere from 11% to 3700% of peak. With few trials, fewer terms (in
     the order compute, overhead, micro-batches, comm). Compute is never faster than the device's
     dense peak (a >= the ideal-at-peak over the modelled time, the largest of the trials'), and
@@ -327,7 +337,7 @@ def fit_time_constants(samples: list[tuple[Plan, float]], device: Device) -> Tim
     was fitted."""
     import numpy as np
 
-    prior = TimeConstants()
+    prior = prior_constants(device)
     if not samples:
         return prior
     rows, y, floor = [], [], 0.0
@@ -388,6 +398,20 @@ class Estimate:
     # against the capacity within it (paratune.costs.bands.memory_verdict: fits, tight, over).
     band: PredictionBand | None = None
     verdict: str = "fits"
+    # A GPU rank's bytes beyond its tensors (paratune.costs.cuda_memory: cuBLAS workspace inside the
+    # caching allocator, the CUDA context and NCCL's buffers outside it); none on the CPU entry.
+    cuda: CudaOverheads = field(default_factory=CudaOverheads)
+
+    @property
+    def reserved_bytes(self) -> float:
+        """What `torch.cuda.max_memory_reserved` would show: the tensors' peak and the allocator's
+        workspaces (fragmentation not counted: no public figure for it)."""
+        return self.memory.total + self.cuda.in_allocator
+
+    @property
+    def device_bytes(self) -> float:
+        """What the GPU holds for the rank at its peak: reserved, the CUDA context, NCCL's buffers."""
+        return self.memory.total + self.cuda.total
 
     @property
     def fits(self) -> bool:
@@ -409,6 +433,9 @@ class Estimate:
         """Flat numbers for MLflow and JSON."""
         return {"predicted_peak_memory_gib": self.memory.total / GiB,
                 **{f"predicted_{k}_gib": v / GiB for k, v in self.memory.parts().items()},
+                **({"predicted_device_memory_gib": self.device_bytes / GiB,
+                    **{f"predicted_{k}_gib": v / GiB for k, v in self.cuda.parts().items()}}
+                   if self.cuda.total else {}),
                 "predicted_construction_gib": self.construction / GiB,
                 "predicted_comm_gb_per_step": self.comm.total / 1e9,
                 "predicted_step_time_s": self.time.step_s,
@@ -437,14 +464,18 @@ def estimate(plan: Plan, device: Device, constants: TimeConstants | None = None,
     if device.tflops.get("bf16"):
         flops = flops_per_token(shape.compute, shape.layers, shape.heads, shape.head_dim, plan.seq_len)
         result.mfu_vs_bf16_peak = flops * result.time.tokens_per_s_per_gpu / (device.tflops["bf16"] * 1e12)
-    limit = capacity * (1 + margin)
+    result.cuda = cuda_overheads(plan, device)
+    # the tensors get what the CUDA context, NCCL's buffers and cuBLAS's workspace leave
+    limit = capacity * (1 + margin) - result.cuda.total
+    besides = (f" (after {result.cuda.total / GiB:.1f} GiB of CUDA context, NCCL buffers and cuBLAS workspace)"
+               if result.cuda.total else "")
     reasons = [f"refused on {device.name}: {result.refusal}"] if result.refusal else []
     if result.construction > limit:
         reasons.append(f"construction needs {result.construction / GiB:.1f} GiB per rank (building the model, "
-                       f"before the optimizer) > capacity {limit / GiB:.1f} GiB per GPU")
+                       f"before the optimizer) > capacity {limit / GiB:.1f} GiB per GPU{besides}")
     steady = memory.overflow(limit)
     if steady:
-        reasons.append(steady)
+        reasons.append(steady + besides)
     result.overflow = "; ".join(reasons) or None
     result.band = prediction_band(plan, device)
     verdicts = {memory_verdict(b, limit, result.band.memory) for b in (memory.total, result.construction)}
@@ -456,12 +487,12 @@ def estimate_space(space, device: Device, capacity_gib: float | None = None, mar
                    constants: TimeConstants | None = None, activation_model: ActivationModel = "trace",
                    routing_balance: float | None = None) -> list[Estimate]:
     """Every valid plan of a space (env choices aside: they change neither memory nor volume),
-    those worth a trial first (they fit, or are tight: `Estimate.measurable`), fastest first;
-    then those that do not, smallest first."""
+    those worth a trial first (they fit, or are tight: `Estimate.measurable`) by expected gain
+    (predicted tokens/s/GPU x the chance it fits, a doomed launch's cost counted:
+    paratune.costs.risk.order_by_expected_gain); then those that do not, smallest first."""
     results = [estimate(c.plan, device, constants, capacity_gib, margin, activation_model, routing_balance)
                for c in space.candidates]
-    return sorted(results, key=lambda e: (not e.measurable, -e.time.tokens_per_s_per_gpu if e.measurable
-                                          else e.memory.total))
+    return order_by_expected_gain(results)
 
 
 class Roofline:
@@ -478,7 +509,7 @@ class Roofline:
         # The routing's max / mean tokens per expert, once a trial has measured it (`observe`).
         self.routing_balance: float | None = None
         self.samples: list[tuple[Plan, float]] = []
-        self.constants = TimeConstants()
+        self.constants = prior_constants(device)
         self.errors: list[dict[str, float]] = []
 
     def predict(self, plan: Plan, margin: float = 0.0) -> Estimate:
