@@ -60,14 +60,17 @@ def test_grid_sweep_logs_to_mlflow_and_resumes_without_rerunning(ray_local, tmp_
     first = run_sweep(space, out, tracking_uri=uri, pool=sweep_pool)
     _assert_progress_without_tune_banner(capsys.readouterr(), total=2)
     client = MlflowClient(uri)
-    # Grid order follows the prediction: micro-batch 4 (fewer micro-batches) before 2.
-    assert [e.result.plan["micro_batch"] for e in first.entries] == [4, 4]
+    # Grid order follows the prediction weighed by the risk of a launch (paratune.costs.risk): the
+    # ddp plans, predicted to fit, micro-batch 4 (fewer micro-batches) before 2; the zero plan,
+    # predicted over the budget, last.
+    assert [(e.result.plan["strategy"], e.result.plan["micro_batch"]) for e in first.entries] == [("ddp", 4),
+                                                                                                ("ddp", 2)]
     assert len(_children(client, first.parent_run_id, "search")) == 2
-    assert len(_children(client, first.parent_run_id, "remeasure")) == 0  # one plan ok: nothing to compare
+    assert len(_children(client, first.parent_run_id, "remeasure")) == 2  # both ok: the top 2 measured again
     with pytest.raises(SweepError, match="use --resume"):
         run_sweep(space, out, tracking_uri=uri)
 
-    # "Interrupted" after 2 of 3 trials: resume runs only the missing one.
+    # "Interrupted" after 2 of 3 trials: resume runs only the missing one (the zero plan: over budget).
     report = run_sweep(space, out, trials=3, resume=True, tracking_uri=uri, pool=sweep_pool)
     assert report.parent_run_id == first.parent_run_id
     ledger = Ledger(out / "ledger.jsonl")

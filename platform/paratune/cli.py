@@ -275,13 +275,15 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     print_estimates(estimates, device, console, top=args.top,
                     title=f"{space.spec.name}: {first.model}, {first.num_workers} x {device.name} "
                           f"({first.num_workers // (first.gpus_per_node or first.num_workers)} node(s)), "
-                          "predicted, fastest first",
+                          "predicted, in launch order",
                     **({"time_source": f"composed from the stored profile {args.profile} (paratune.costs.timemodel)"}
                        if profiles else {}))
-    _print_construction(estimates, console, args.top)
+    from paratune.out.tables import print_construction, print_float8_coverage
+
+    print_construction(estimates, console, args.top)
     _print_levers(estimates, device, console, args.top)
     _print_experts(estimates, device, console, args.top, args.routing_balance)
-    _print_float8_coverage([e.plan for e in estimates], console)
+    print_float8_coverage([e.plan for e in estimates], console)
     if profiles:
         _print_time_parts(estimates, profiles, console, args.top)
         for note in notes:
@@ -289,9 +291,11 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     _hint_buffer_sizes(estimates, raw, console)
     console.print(f"{len(estimates)} plans estimated in {time.perf_counter() - t0:.1f} s")
     if args.json:
+        from paratune.costs.risk import plan_fit_probability
+
         Path(args.json).write_text(json.dumps(
             [{"plan": e.plan.to_dict(), "fits": e.fits, "tight": e.tight, "measurable": e.measurable,
-              "overflow": e.overflow, **e.summary(),
+              "overflow": e.overflow, **e.summary(), "predicted_fit_probability": plan_fit_probability(e),
               **({"predicted_step_parts_s": e.time_parts} if profiles else {})} for e in estimates],
             indent=1))
     return 0 if any(e.measurable for e in estimates) else 1
@@ -450,29 +454,6 @@ def _print_levers(estimates, device, console: Console, top: int) -> None:
                   "compile changes no memory")
 
 
-def _print_construction(estimates, console: Console, top: int) -> None:
-    """`paratune plan`: device memory per rank while the model is built (before the optimizer),
-    for the plans shown above, and how many plans cannot even be built."""
-    from rich.table import Table
-
-    from paratune.out.tables import strategy_label, strategy_options
-
-    fitting = [e for e in estimates if e.measurable][:top]
-    if fitting:
-        table = Table(title="construction: device GiB per rank while the model is built (before the optimizer)")
-        for col in ("#", "plan", "options", "build GiB", "peak GiB"):
-            table.add_column(col, justify="left" if col in ("plan", "options") else "right")
-        for i, e in enumerate(fitting, 1):
-            table.add_row(str(i), strategy_label(e.plan.to_dict()), strategy_options(e.plan.to_dict()),
-                          f"{e.construction / 2**30:.1f}", f"{e.memory.total / 2**30:.1f}")
-        console.print(table)
-    unbuildable = [e for e in estimates if "construction needs" in (e.overflow or "")]
-    if unbuildable:
-        console.print(f"{len(unbuildable)} plan(s) cannot even be built (construction > capacity), e.g. "
-                      f"{strategy_label(unbuildable[0].plan.to_dict())}: "
-                      f"{unbuildable[0].construction / 2**30:.1f} GiB per rank")
-
-
 def _load_plan_or_say_why(path: str, console: Console):
     """The plan, or None after printing what is wrong with it (field, value, what is allowed)."""
     try:
@@ -496,25 +477,10 @@ def _cmd_validate(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]invalid plan[/red]\n{escape(str(err))}")
         return 2
     console.print(plan.to_yaml())
-    _print_float8_coverage([plan], console, comment=True)
+    from paratune.out.tables import print_float8_coverage
+
+    print_float8_coverage([plan], console, comment=True)
     return 0
-
-
-def _print_float8_coverage(plans, console: Console, comment: bool = False) -> None:
-    """The linears a float8 plan leaves in bf16 and why (paratune.parallel.float8.coverage_notice,
-    the workers' own rule on the meta model), once per model, tp and ep among `plans`. `comment`:
-    as YAML comments (validate's output stays a plan file)."""
-    seen = set()
-    for plan in plans:
-        key = (plan.model, json.dumps(plan.model_overrides, sort_keys=True, default=str), plan.tp, plan.ep > 1)
-        if plan.float8 == "none" or key in seen:
-            continue
-        seen.add(key)
-        from paratune.parallel.float8 import coverage_notice
-
-        for line in coverage_notice(plan):
-            console.print(f"# {line}" if comment else f"[yellow]{escape(line)}[/yellow]", soft_wrap=True,
-                          markup=not comment, highlight=False)
 
 
 def _cmd_init(args: argparse.Namespace, console: Console) -> int:

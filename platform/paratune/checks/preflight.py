@@ -27,7 +27,6 @@ context parallelism need SDPA's mask-free causal path (no window shorter than th
 
 from __future__ import annotations
 
-from functools import lru_cache
 
 from torch import nn
 
@@ -48,13 +47,11 @@ PIPELINE_REFUSALS = {
 SEQUENCE_PARALLEL_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
-@lru_cache(maxsize=16)
 def _meta_model(key: str) -> nn.Module:
-    """The model of a config key on the meta device (cached: a sweep checks many plans of one model)."""
-    from paratune.model.build import config_from_key, freeze_structure
-    from paratune.model.materialize import build_meta
+    """The model of a config key on the meta device (paratune.model.build.meta_model, cached)."""
+    from paratune.model.build import meta_model
 
-    return freeze_structure(build_meta(config_from_key(key)))  # only read here: its walks are kept
+    return meta_model(key)
 
 
 def check_plan_against_model(plan: Plan, config=None) -> None:

@@ -427,19 +427,9 @@ def _trace_store_path(config_json: str, checkpointing: str, precision: str, micr
 
     from paratune.config.home import paratune_home
 
-    saved_ops = ""
-    if checkpointing == "selective":  # what the policy saves is part of what is traced
-        from paratune.parallel.recompute import SAVED_OPS
+    from paratune.parallel.recompute import policy_key
 
-        saved_ops = ",".join(sorted(str(op) for op in SAVED_OPS))
-    if checkpointing == "selective_op":  # its ops, and the policy's code (which of the matmuls it keeps)
-        import inspect
-
-        from paratune.parallel.recompute import OP_POLICY_MATMULS, OP_POLICY_SAVED, op_policy
-
-        saved_ops = ",".join(sorted(str(op) for op in OP_POLICY_SAVED)) + ";" + ",".join(
-            sorted(str(op) for op in OP_POLICY_MATMULS)) + ";" + hashlib.sha256(
-            inspect.getsource(op_policy).encode()).hexdigest()
+    saved_ops = policy_key(checkpointing)  # what the policy saves is part of what is traced
     text = json.dumps([config_json, checkpointing, precision, micro_batch, seq_len, torch.__version__,
                        transformers.__version__, hashlib.sha256(Path(__file__).read_bytes()).hexdigest()]
                       + ([saved_ops] if saved_ops else []) + ([list(layer_counts)] if layer_counts != (1, 2) else [])

@@ -75,16 +75,12 @@ def _device_refusal(plan: Any, gpu: str | None, has_fp8: bool) -> str | None:
 
 
 def _label(plan: dict) -> str | None:
-    """'fp8:tensorwise' ('+ag': the float8 all-gather), and '(partial NN%)' where the plan's float8
-    converts under half of its linear FLOPs (the LM head aside; at tp 2 small-llama's MLP is 344
-    wide a rank and stays bf16): such a plan measures mostly bf16 under a float8 name."""
+    """'fp8:tensorwise' ('+ag': the float8 all-gather). paratune.out.tables.strategy_label adds
+    '(partial NN%)' where the plan converts under half of its linear FLOPs (it builds the model's
+    meta copy: a lever does not reach into the runtime)."""
     if plan.get("float8", "none") == "none":
         return None
-    label = f"fp8:{plan['float8']}" + ("+ag" if plan.get("float8_all_gather") else "")
-    from paratune.parallel.float8 import PARTIAL_SHARE, label_share  # torch, only for a float8 plan's label
-
-    share = label_share(plan)
-    return label + (f"(partial {int(share * 100)}%)" if share is not None and share < PARTIAL_SHARE else "")
+    return f"fp8:{plan['float8']}" + ("+ag" if plan.get("float8_all_gather") else "")
 
 
 def _export_notes(plan: Any, tool: str) -> list[str]:

@@ -429,3 +429,13 @@ def adds_router_aux_loss(config) -> bool:
     class's default where config.json omits it; a family without one, DeepSeek-V3's aux-free
     routing, adds nothing). The loss needs every layer's router logits, inside the model's forward."""
     return bool(getattr(config, "output_router_logits", False)) and bool(getattr(config, "router_aux_loss_coef", 0))
+
+
+@lru_cache(maxsize=16)
+def meta_model(key: str) -> nn.Module:
+    """The model of a config key (paratune.model.shapes.model_config_key) on the meta device, its
+    structure frozen: what the pre-launch checks and float8's coverage walk. Cached: a sweep checks
+    many plans of one model; only read, never run."""
+    from paratune.model.materialize import build_meta
+
+    return freeze_structure(build_meta(config_from_key(key)))

@@ -5,6 +5,8 @@ Also the labels every table, log line and page names a plan by (strategy_label, 
 
 from __future__ import annotations
 
+import json
+
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -72,7 +74,20 @@ def strategy_label(plan: dict) -> str:
     if data.get("loader_workers"):  # DataLoader worker processes x steps each keeps ready
         parts.append((LABEL_RANKS["loader"], f"loader{data['loader_workers']}x{data.get('prefetch', 2)}"))
     extras = [part for _, part in sorted(parts + lever_labels(plan), key=lambda rank_part: rank_part[0])]
-    return f"{label} {' '.join(extras)}"
+    return f"{label} {' '.join(_float8_partial(plan, part) for part in extras)}"
+
+
+def _float8_partial(plan: dict, part: str) -> str:
+    """The float8 lever's label part with '(partial NN%)' where the plan's float8 converts under
+    half of its linear FLOPs (the LM head aside; at tp 2 small-llama's MLP is 344 wide a rank and
+    stays bf16): such a plan measures mostly bf16 under a float8 name
+    (paratune.parallel.float8.label_share)."""
+    if not part.startswith("fp8:"):
+        return part
+    from paratune.parallel.float8 import PARTIAL_SHARE, label_share  # torch, only for a float8 plan's label
+
+    share = label_share(plan)
+    return part + (f"(partial {int(share * 100)}%)" if share is not None and share < PARTIAL_SHARE else "")
 
 
 def strategy_options(plan: dict) -> str:
@@ -246,14 +261,15 @@ def cost_model_line(calibration: dict, results: list[TrialResult]) -> str:
 def print_estimates(estimates, device, console: Console, top: int = 20, title: str = "",
                     time_source: str = "roofline with default constants (a sweep refits them on its measured trials)") -> None:
     """`paratune plan`: the plans worth a trial (they fit, or are `tight`: within the memory
-    band of the capacity), fastest first, each with its expected error band; then why the others
+    band of the capacity) in launch order (predicted tokens/s/GPU x the chance it fits:
+    paratune.costs.risk), each with its expected error band; then why the others
     are not."""
     from collections import Counter
 
     fitting = [e for e in estimates if e.measurable]
     big = max((e.memory.total for e in estimates), default=0) > 2 * 2**30
     gib, unit = (2**30, "GiB") if big else (2**20, "MiB")
-    table = Table(title=title or f"predicted on {device.name} ({device.memory_gib:g} GiB), fastest first")
+    table = Table(title=title or f"predicted on {device.name} ({device.memory_gib:g} GiB), in launch order")
     for col in ("#", "plan", "options", "weights", "grads", "optim", "activ.", "buffers", f"peak {unit}", "memory",
                 "comm GB/step", "step s", "tokens/s/GPU"):
         table.add_column(col, justify="left" if col in ("plan", "options", "memory") else "right")
@@ -358,3 +374,39 @@ def print_clusters(rows, console: Console, title: str, currency: str | None = No
         if not r.outcome.fits:
             console.print(f"[red]{r.outcome.cluster.label}[/red]: {escape(r.outcome.reason or 'no plan fits')}",
                           soft_wrap=True)
+
+
+def print_float8_coverage(plans, console: Console, comment: bool = False) -> None:  # noqa: ANN001 - Plans
+    """The linears a float8 plan leaves in bf16 and why (paratune.parallel.float8.coverage_notice,
+    the workers' own rule on the meta model), once per model, tp and ep among `plans`. `comment`:
+    as YAML comments (validate's output stays a plan file)."""
+    seen = set()
+    for plan in plans:
+        key = (plan.model, json.dumps(plan.model_overrides, sort_keys=True, default=str), plan.tp, plan.ep > 1)
+        if plan.float8 == "none" or key in seen:
+            continue
+        seen.add(key)
+        from paratune.parallel.float8 import coverage_notice
+
+        for line in coverage_notice(plan):
+            console.print(f"# {line}" if comment else f"[yellow]{escape(line)}[/yellow]", soft_wrap=True,
+                          markup=not comment, highlight=False)
+
+
+def print_construction(estimates, console: Console, top: int) -> None:  # noqa: ANN001 - Estimates
+    """`paratune plan`: device memory per rank while the model is built (before the optimizer),
+    for the plans shown above, and how many plans cannot even be built."""
+    fitting = [e for e in estimates if e.measurable][:top]
+    if fitting:
+        table = Table(title="construction: device GiB per rank while the model is built (before the optimizer)")
+        for col in ("#", "plan", "options", "build GiB", "peak GiB"):
+            table.add_column(col, justify="left" if col in ("plan", "options") else "right")
+        for i, e in enumerate(fitting, 1):
+            table.add_row(str(i), strategy_label(e.plan.to_dict()), strategy_options(e.plan.to_dict()),
+                          f"{e.construction / 2**30:.1f}", f"{e.memory.total / 2**30:.1f}")
+        console.print(table)
+    unbuildable = [e for e in estimates if "construction needs" in (e.overflow or "")]
+    if unbuildable:
+        console.print(f"{len(unbuildable)} plan(s) cannot even be built (construction > capacity), e.g. "
+                      f"{strategy_label(unbuildable[0].plan.to_dict())}: "
+                      f"{unbuildable[0].construction / 2**30:.1f} GiB per rank")

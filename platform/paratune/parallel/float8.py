@@ -165,11 +165,11 @@ def plan_float8_coverage(plan) -> Float8Coverage | None:  # noqa: ANN001 - a Pla
     any size); None for a plan without float8."""
     if plan.float8 == "none":
         return None
-    from paratune.checks.preflight import _meta_model
+    from paratune.model.build import meta_model
     from paratune.model.shapes import model_config_key
 
     quiet_torchao_import()  # a label's first call may build the first model of a library process
-    return float8_coverage(_meta_model(model_config_key(plan)), plan)
+    return float8_coverage(meta_model(model_config_key(plan)), plan)
 
 
 @lru_cache(maxsize=256)

@@ -218,3 +218,19 @@ def checkpointed_blocks(model: nn.Module) -> list[bool]:
     from paratune.model.build import decoder_blocks
 
     return [getattr(type(block), "_paratune_checkpointed", None) is not None for block in decoder_blocks(model)]
+
+
+def policy_key(checkpointing: str) -> str:
+    """What a checkpointing mode's policy keeps, as text (the traced memory model's store key:
+    paratune.costs.activations): `selective`'s SAVED_OPS; `selective_op`'s ops and its policy's
+    code (which of the matmuls it keeps); "" for the others (no per-op policy)."""
+    import hashlib
+    import inspect
+
+    if checkpointing == "selective":
+        return ",".join(sorted(str(op) for op in SAVED_OPS))
+    if checkpointing == "selective_op":
+        return (",".join(sorted(str(op) for op in OP_POLICY_SAVED)) + ";" + ",".join(sorted(str(op) for op in OP_POLICY_MATMULS))
+                + ";" + hashlib.sha256(inspect.getsource(op_policy).encode()).hexdigest())
+    return ""
+
