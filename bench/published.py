@@ -69,7 +69,10 @@ class Row:
     plan: dict[str, Any]
     published: dict[str, Any]
     replay: bool = True
-    reason: str = ""  # why it is not replayed (a row marked so, or the plan paratune refuses)
+    reason: str = ""
+    # the architecture whose training share this row sets (paratune.costs.efficiency.REFERENCE_RUNS):
+    # replayed and shown, judging nothing
+    reference: str | None = None  # why it is not replayed (a row marked so, or the plan paratune refuses)
     results: dict[str, dict[str, Any]] = field(default_factory=dict)  # mode -> prediction
 
 
@@ -113,7 +116,8 @@ def load_corpus(cache: Path, alternate: bool = False, sources: set[str] | None =
                             device=raw.get("device", data.get("device")),
                             devices_file=raw["devices_file"] if "devices_file" in raw else data.get("devices_file"),
                             plan=plan, published=dict(raw.get("published") or {}),
-                            replay=raw.get("replay", True), reason=raw.get("reason", "")))
+                            replay=raw.get("replay", True), reason=raw.get("reason", ""),
+                            reference=raw.get("reference")))
             if not raw.get("replay", True):
                 rows[-1].cite["layout"] = raw.get("layout", "")
     ids = [r.id for r in rows]
@@ -139,9 +143,16 @@ def predict(row: Row, mode: str) -> dict[str, Any]:
     shape = model_shape(plan)
     from paratune.costs.bands import band_categories
 
+    if "tflops_per_gpu" in row.published and "tokens_per_s_per_gpu" not in row.published:
+        # the source's FLOPs a token: 6 N (N with the embeddings) + 12 L h s (attention not halved)
+        per_token = 6 * shape.total + 12 * shape.layers * shape.hidden * plan.seq_len
+        row.published["tokens_per_s_per_gpu"] = round(row.published["tflops_per_gpu"] * 1e12 / per_token, 1)
+
     return {
         "tokens_per_s_per_gpu": est.time.tokens_per_s_per_gpu,
         "memory_gib": est.memory.total / GiB,
+        "reserved_gib": est.reserved_bytes / GiB,
+        "device_memory_gib": est.device_bytes / GiB,
         "construction_gib": est.construction / GiB,
         "fits": est.fits,
         "refused": est.refusal is not None,
@@ -208,6 +219,12 @@ def group_key(row: Row, rows: list[Row]) -> str:
     return row.model if row.device == usual else f"{row.model}@{row.device}"
 
 
+def judged_rows(rows: list[Row], mode: str) -> list[Row]:
+    """The rows that judge the model in `mode`: replayed, and not an architecture's reference run
+    (a row that set a term judges nothing)."""
+    return [r for r in rows if mode in r.results and r.reference is None]
+
+
 def corpus_bands(rows: list[Row], mode: str, sources: set[str] | None = None) -> dict[str, dict]:
     """The error bands of `sources`' replayed rows (all sources: None): per band category
     (paratune.costs.bands.band_categories), the 80th percentile of |error| and the rows behind it, for
@@ -215,42 +232,67 @@ def corpus_bands(rows: list[Row], mode: str, sources: set[str] | None = None) ->
     from paratune.costs.bands import bands_from_errors
 
     tokens, memory = [], []
-    for r in rows:
-        if mode not in r.results or (sources is not None and r.source not in sources):
+    for r in judged_rows(rows, mode):
+        if sources is not None and r.source not in sources:
             continue
         res = r.results[mode]
         for key, out in (("tokens_per_s_per_gpu", tokens), ("memory_gib", memory)):
-            e = rel_error(res["memory_gib" if key == "memory_gib" else key], r.published.get(key))
+            if key == "memory_gib" and memory_other_implementation(r) is not None:
+                continue  # another implementation's memory judges no band
+            e = rel_error(res["reserved_gib" if key == "memory_gib" else key], r.published.get(key))
             if e is not None:
                 out.append((res["categories"], e))
     return {"tokens": bands_from_errors(tokens), "memory": bands_from_errors(memory)}
 
 
 def judge(res: dict[str, Any], bands: dict[str, dict]) -> tuple[str, float, float]:
-    """(memory verdict, tokens band, memory band) of a replayed row under `bands`: fits, tight
-    (within the memory band of the capacity: a sweep measures it) or over (rejected)."""
+    """(memory verdict, tokens band, memory band) of a replayed row: the tokens band from `bands`
+    (a corpus table), the memory band the one `paratune plan` printed for it (paratune's own
+    measured peaks and the named CUDA terms: paratune.costs.bands; no corpus row sets it); the
+    verdict fits, tight (within the memory band of the capacity: a sweep measures it) or over
+    (rejected)."""
     from paratune.costs.bands import CPU_BANDS, memory_verdict, pick_band
 
     tokens_band, _ = pick_band(bands.get("tokens", {}), res["categories"], CPU_BANDS["tokens"])
-    memory_band, _ = pick_band(bands.get("memory", {}), res["categories"], CPU_BANDS["memory"])
+    memory_band = res["band_memory"] if res.get("band_memory") is not None else CPU_BANDS["memory"]
     if res.get("refused"):
         return "over", tokens_band, memory_band
-    verdicts = {memory_verdict(g, res["capacity_gib"], memory_band) for g in (res["memory_gib"], res["construction_gib"])}
+    verdicts = {memory_verdict(g, res["capacity_gib"], memory_band) for g in (res["device_memory_gib"],
+                                                                            res["construction_gib"])}
     verdict = "over" if "over" in verdicts else "tight" if "tight" in verdicts else "fits"
     return verdict, tokens_band, memory_band
+
+
+def memory_other_implementation(row: Row) -> str | None:
+    """Why a row's published memory is not paratune's code measured elsewhere ("another
+    implementation"), else None (like for like: it judges the memory model). Such a row still
+    counts for false rejections, and judges no memory figure."""
+    p = row.plan
+    if row.source == "llm-foundry":
+        return "Composer's FSDP1 and MPT code, no memory published"
+    if p.get("activation_checkpointing") == "selective":
+        return ("torchtitan's op-level SAC keeps every second matmul, paratune's `selective` every one "
+                "(replayed like for like as `selective_op` where the lever has it)")
+    if p.get("pp", 1) > 1:
+        return "torchtitan keeps the logits vocab-sharded under pp; paratune gathers them there (a layout it lacks)"
+    return None
 
 
 def summarize(rows: list[Row], mode: str, bands: dict[str, dict] | None = None) -> dict[str, Any]:
     """Median and worst |error| of tokens/s/GPU and memory, tau per model, false rejections (a
     run that ran, judged `over` under `bands`: beyond the memory band of the capacity), tight
     rows, and the share of rows whose error lies within their band."""
-    done = [r for r in rows if mode in r.results]
+    done = judged_rows(rows, mode)
     tps = [(r, rel_error(r.results[mode]["tokens_per_s_per_gpu"], r.published.get("tokens_per_s_per_gpu")))
            for r in done]
     tps = [(r, e) for r, e in tps if e is not None]
-    mem = [(r, rel_error(r.results[mode]["memory_gib"], r.published.get("memory_gib"))) for r in done]
+    mem = [(r, rel_error(r.results[mode]["reserved_gib"], r.published.get("memory_gib"))) for r in done
+           if memory_other_implementation(r) is None]
     mem = [(r, e) for r, e in mem if e is not None]
-    out: dict[str, Any] = {"rows": len(done), "not_replayed": sum(not r.replay for r in rows)}
+    out: dict[str, Any] = {"rows": len(done), "not_replayed": sum(not r.replay for r in rows),
+                           "memory_other_implementation": sum(bool(r.published.get("memory_gib"))
+                                                              and memory_other_implementation(r) is not None
+                                                              for r in done)}
     if tps:
         worst = max(tps, key=lambda x: abs(x[1]))
         out.update(tokens_median_abs=statistics.median(abs(e) for _, e in tps), tokens_worst=worst[1],
@@ -287,32 +329,113 @@ def summarize(rows: list[Row], mode: str, bands: dict[str, dict] | None = None) 
     return out
 
 
-def leave_one_source_out(rows: list[Row], mode: str) -> dict[str, dict[str, Any]]:
-    """Each source judged with what the other sources' rows give: their error bands (tokens band
-    coverage, false rejections under their memory band), and what one scale fitted to their
-    tokens/s/GPU (1 / (1 + their median signed error): fitting TRAINING_SHARE to a source) would
-    make of this source's errors. No time-model constant is fitted to any source; the bands are."""
-    sources = sorted({r.source for r in rows if r.results})
+def device_of(row: Row) -> str:
+    """The device a row ran on, as leave-one-device-out groups rows: its GPU model with its memory
+    ("a100 80 GiB", "h100-sxm 96 GiB"): a 96 GB 500 W H100 is another device than an 80 GB one."""
+    from paratune.config.devices import get_device
+
+    d = get_device(row.device, str(ROOT / row.devices_file) if row.devices_file else None)
+    return f"{d.gpu or d.name} {d.memory_gib:g} GiB"
+
+
+GROUPINGS = {"source": lambda r: r.source, "device": device_of}
+
+
+def held_out(rows: list[Row], mode: str, by: str, factor: dict[str, float] | None = None) -> dict[str, dict[str, Any]]:
+    """Leave one group out (`by`: "source" or "device"): each group's rows judged with the bands
+    built from the other groups' rows only (x `factor`, per "tokens" / "memory": the widening the
+    shipped bands carry), every time-model term as it is (none is fitted to any corpus row: each
+    names its source in paratune.costs.efficiency). Per group: median / worst |error| and the
+    median signed one of tokens/s/GPU and memory, band coverage (share of rows within the band
+    judged), false rejections, tight rows. A group with no other group beside it is judged with no
+    corpus band at all (the CPU fallback), which says so."""
+    group = GROUPINGS[by]
+    done = judged_rows(rows, mode)
+    groups = sorted({group(r) for r in done})
     out: dict[str, dict[str, Any]] = {}
-    for source in sources:
-        others = set(sources) - {source}
-        bands = corpus_bands(rows, mode, others)
-        mine = [r for r in rows if r.source == source and mode in r.results]
-        summary = summarize(mine, mode, bands)
-        errs = [rel_error(r.results[mode]["tokens_per_s_per_gpu"], r.published.get("tokens_per_s_per_gpu"))
-                for r in rows if r.source in others and mode in r.results]
-        errs = [e for e in errs if e is not None]
-        scale = 1 / (1 + statistics.median(errs)) if errs else 1.0
-        scaled = [abs((1 + e) * scale - 1) for e in (rel_error(r.results[mode]["tokens_per_s_per_gpu"],
-                                                              r.published.get("tokens_per_s_per_gpu")) for r in mine)
-                  if e is not None]
-        out[source] = {"built_with": sorted(others), "tokens_within_band": summary.get("tokens_within_band"),
-                       "memory_within_band": summary.get("memory_within_band"),
-                       "false_rejections": summary["false_rejections"], "tight": summary["tight"],
-                       "bands_all": {k: v.get("all") for k, v in bands.items()},
-                       "share_scale": scale, "scaled_tokens_median_abs": statistics.median(scaled) if scaled else None,
-                       "scaled_tokens_worst_abs": max(scaled) if scaled else None}
+    for g in groups:
+        others = [r for r in done if group(r) != g]
+        built = corpus_bands(others, mode)
+        bands = {**built, "tokens": scaled_kinds(built["tokens"], factor or 1.0)}
+        mine = [r for r in done if group(r) == g]
+        s = summarize(mine, mode, bands)
+        out[g] = {"built_with": sorted({group(r) for r in others}), "rows": len(mine),
+                  **{k: s.get(k) for k in ("tokens_median_abs", "tokens_worst", "tokens_worst_row",
+                                           "tokens_median_signed", "tokens_within_band", "memory_rows",
+                                           "memory_median_abs", "memory_worst", "memory_within_band")},
+                  "false_rejections": s["false_rejections"], "tight": s["tight"],
+                  "bands_all": {k: v.get("all") for k, v in bands.items()}}
     return out
+
+
+def held_out_errors(rows: list[Row], mode: str, what: str = "tokens") -> list[tuple[Row, float, dict]]:
+    """(row, its error, the band table of the rows that share neither its source nor its device)
+    for every judging row with a published figure: each row as a band would meet it unseen."""
+    key = "tokens_per_s_per_gpu" if what == "tokens" else "memory_gib"
+    pred = "tokens_per_s_per_gpu" if what == "tokens" else "reserved_gib"
+    judged = judged_rows(rows, mode)
+    out = []
+    for r in judged:
+        if not r.published.get(key) or (what == "memory" and memory_other_implementation(r) is not None):
+            continue
+        others = [o for o in judged if o.source != r.source and device_of(o) != device_of(r)]
+        out.append((r, rel_error(r.results[mode][pred], r.published[key]), corpus_bands(others, mode).get(what, {})))
+    return out
+
+
+def held_out_coverage(rows: list[Row], mode: str, factors: dict[str, float] | float, what: str = "tokens",
+                      kind: str | None = None, errors: list[tuple[Row, float, dict]] | None = None) -> float:
+    """The share of rows (of one band `kind`, else all) within the band they get when neither their
+    source nor their device built it (`held_out_errors`, or `errors` already made), each kind's
+    band x its factor."""
+    from paratune.costs.bands import CPU_BANDS, pick_band
+
+    hits = []
+    for r, error, table in errors if errors is not None else held_out_errors(rows, mode, what):
+        categories = r.results[mode]["categories"]
+        if kind is not None and kind not in categories:
+            continue
+        scaled = scaled_kinds(table, factors)
+        band, _ = pick_band(scaled, categories, CPU_BANDS[what])
+        hits.append(abs(error) <= band)
+    return sum(hits) / len(hits) if hits else math.nan
+
+
+def scaled_kinds(table: dict[str, dict], factors: dict[str, float] | float) -> dict[str, dict]:
+    """A {kind: {"band", "rows"}} table with each kind's band x its factor (one number: all)."""
+    return {c: {**v, "band": v["band"] * (factors if isinstance(factors, (int, float)) else factors.get(c, 1.0))}
+            for c, v in table.items()}
+
+
+# The widenings tried for the bands, from 1 up, until rows they have not seen fall within them as
+# often as a band says (PERCENTILE).
+FACTORS = tuple(round(1 + 0.05 * i, 2) for i in range(0, 81))
+
+
+def out_of_sample_factor(rows: list[Row], mode: str, what: str = "tokens") -> dict[str, Any]:
+    """The smallest widening in FACTORS under which the rows, each judged by the bands of the rows
+    that share neither its source nor its device (`held_out_errors`), fall within their band
+    PERCENTILE of the time (the largest tried when none does); and at it, the coverage of each
+    band kind's rows: {"factor", "coverage", "coverage_unwidened", "kinds": {kind: {"rows",
+    "coverage"}}}. One factor for every kind: a kind seen in one source only is judged unseen by
+    the other sources' general band, which says nothing about it but its spread."""
+    from paratune.costs.bands import PERCENTILE
+
+    errors = held_out_errors(rows, mode, what)
+    factor = FACTORS[-1]
+    for f in FACTORS:
+        cov = held_out_coverage(rows, mode, f, what, errors=errors)
+        if not math.isnan(cov) and cov >= PERCENTILE:
+            factor = f
+            break
+    kinds: dict[str, int] = {}
+    for r, _, _ in errors:
+        for c in r.results[mode]["categories"]:
+            kinds[c] = kinds.get(c, 0) + 1
+    return {"factor": factor, "coverage": held_out_coverage(rows, mode, factor, what, errors=errors),
+            "coverage_unwidened": held_out_coverage(rows, mode, 1.0, what, errors=errors),
+            "kinds": {c: {"rows": n, "coverage": held_out_coverage(rows, mode, factor, what, c, errors)}
+                      for c, n in sorted(kinds.items(), key=lambda kv: (kv[0] != "all", -kv[1], kv[0]))}}
 
 
 # --------------------------------------------------------------------------- the outputs
@@ -326,7 +449,8 @@ def _abs_pct(x: float | None) -> str:
 
 def markdown(rows: list[Row], summaries: dict[str, dict[str, dict[str, Any]]], info: dict[str, str],
              modes: tuple[str, ...], alternate: bool, wall_s: float, cold: bool,
-             bands: dict[str, dict] | None = None, loso: dict[str, dict[str, Any]] | None = None) -> str:
+             bands: dict[str, dict] | None = None, oos: dict[str, Any] | None = None,
+             in_sample: dict[str, dict] | None = None) -> str:
     from machine import versions_line
 
     lines = ["# Published GPU runs replayed through paratune's cost model (issue 43)", "",
@@ -338,8 +462,10 @@ def markdown(rows: list[Row], summaries: dict[str, dict[str, dict[str, Any]]], i
              "beside each source). Predicted = `paratune plan` (paratune.costs.estimate.estimate on the row's device, "
              "capacity = the device's memory, margin 0); `trace` = traced activations (default), `formula` = "
              "`--formula`. Error = predicted / published - 1. Memory: torchtitan publishes max *reserved* "
-             "GiB, paratune predicts allocated tensor bytes (no allocator reserve). Bands: the 80th percentile "
-             "of |error| over the corpus's rows of a plan's kind (paratune.costs.bands; `paratune plan` prints them). "
+             "GiB; paratune's reserved = its tensors' peak + cuBLAS's workspace (paratune.costs.cuda_memory; "
+             "the CUDA context and NCCL's buffers, outside the allocator, count against the capacity). Bands: "
+             "tokens, the 80th percentile of |error| over the corpus's rows of a plan's kind, widened to hold "
+             "out of sample; memory, paratune's own measured peaks (paratune.costs.bands; `paratune plan` prints them). "
              "Tight: the predicted peak within its memory band of the capacity (a sweep measures it). False "
              "rejection: a run that ran on its GPUs, predicted over its capacity by more than its band.", ""]
     lines += ["## Per source", "",
@@ -380,33 +506,69 @@ def markdown(rows: list[Row], summaries: dict[str, dict[str, dict[str, Any]]], i
                 lines.append(f"{source} [{mode}] false rejections: {', '.join(s['false_rejections'])}.")
     lines += [""]
     if bands:
+        from paratune.costs.bands import GPU_MEMORY_BAND
+
         lines += ["## Bands (presets/prediction_bands.json: what `paratune plan` prints)", "",
-                  "| category | tokens/s/GPU band | rows | memory band | rows |", "| --- | ---: | ---: | ---: | ---: |"]
+                  "| category | tokens/s/GPU band (shipped) | in sample | rows | published memory rows like for like: "
+                  "80th percentile abs err (judges, sets nothing) | rows |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
         cats = sorted(set(bands.get("tokens", {})) | set(bands.get("memory", {})), key=lambda c: (c != "all", c))
         for c in cats:
             t, m = bands.get("tokens", {}).get(c, {}), bands.get("memory", {}).get(c, {})
-            lines.append(f"| {c} | {_abs_pct(t.get('band'))} | {t.get('rows', 0)} | {_abs_pct(m.get('band'))} | "
-                         f"{m.get('rows', 0)} |")
-        lines += ["", "A plan's band: the widest of its categories with at least 4 rows (paratune.costs.bands.MIN_ROWS).", ""]
-    if loso:
-        lines += ["## Leave one source out", "",
-                  "No time-model constant is fitted to any corpus row (each names its public source: paratune/"
-                  "efficiency.py); the bands are. Here each source is judged with the bands of the other sources' "
-                  "rows only, and with the one scale a fit of TRAINING_SHARE to the other sources' tokens/s/GPU "
-                  "(their median signed error) would give.", "",
-                  "| judged | bands built with | tokens within band | memory within band | false rejections | tight | "
-                  "scale fitted on the others | tokens median abs err with it | worst |",
-                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        for source, v in loso.items():
-            lines.append(f"| {source} | {', '.join(v['built_with'])} | {_abs_pct(v.get('tokens_within_band'))} | "
-                         f"{_abs_pct(v.get('memory_within_band'))} | {len(v['false_rejections'])} | {len(v['tight'])} | "
-                         f"x{v['share_scale']:.3f} | {_abs_pct(v.get('scaled_tokens_median_abs'))} | "
-                         f"{_abs_pct(v.get('scaled_tokens_worst_abs'))} |")
+            t0 = (in_sample or {}).get("tokens", {}).get(c, {})
+            lines.append(f"| {c} | {_abs_pct(t.get('band'))} | {_abs_pct(t0.get('band'))} | {t.get('rows', 0)} | "
+                         f"{_abs_pct(m.get('band'))} | {m.get('rows', 0)} |")
+        lines += ["", "A plan's tokens band: the widest of its categories with at least 4 rows "
+                  f"(paratune.costs.bands.MIN_ROWS). Every GPU plan's memory band: {GPU_MEMORY_BAND:.0%} "
+                  "(paratune's own measured peaks; the CUDA context, NCCL buffers and cuBLAS workspace are named "
+                  "terms of the prediction: paratune.costs.cuda_memory).", ""]
+    if oos:
+        lines += ["## Out of sample: each device and each source judged by what it did not set", "",
+                  "No time-model term is set from a judging row: each names its public source in "
+                  "paratune/costs/efficiency.py, and an architecture's training share comes from one `reference` "
+                  "run that judges nothing. What the corpus sets is the tokens bands, so here each group's rows are "
+                  "judged with the bands of the other groups' rows only (x the shipped widening). Memory bands come "
+                  "from paratune's own measured peaks (paratune.costs.bands.GPU_MEMORY_BAND); published memory "
+                  "judges only like-for-like rows.", "",
+                  f"Shipped tokens bands: the corpus's 80th percentile per kind x **{oos['factor']:.2f}**, the smallest "
+                  "widening under which rows, each judged by the bands of the rows that share neither its source nor "
+                  f"its device, fall within their band 80% of the time: {_abs_pct(oos['coverage'])} so judged "
+                  f"({_abs_pct(oos['coverage_unwidened'])} unwidened). By kind (a kind seen in one source only is "
+                  "judged by the others' general band):", "",
+                  "| kind | rows judged unseen | within the band they get |", "| --- | ---: | ---: |"]
+        for kind, v in oos["kinds"].items():
+            lines.append(f"| {kind} | {v['rows']} | {_abs_pct(v['coverage'])} |")
+        lines.append("")
+        for what in ("by_device", "by_source"):
+            for mode, table in oos[what].items():
+                lines += [f"### Leave one {what[3:]} out ({mode})", "",
+                          f"| judged {what[3:]} | rows | bands built with | tokens/s/GPU median abs err | median signed | "
+                          "worst | within band | memory rows (like for like) | memory median abs err | worst | "
+                          "memory within band | false rejections | tight |",
+                          "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                for g, v in table.items():
+                    lines.append(
+                        f"| {g} | {v['rows']} | {', '.join(v['built_with']) or '- (CPU fallback)'} | "
+                        f"{_abs_pct(v.get('tokens_median_abs'))} | {_pct(v.get('tokens_median_signed'))} | "
+                        f"{_pct(v.get('tokens_worst'))} ({v.get('tokens_worst_row') or '-'}) | "
+                        f"{_abs_pct(v.get('tokens_within_band'))} | {v.get('memory_rows') or 0} | "
+                        f"{_abs_pct(v.get('memory_median_abs'))} | {_pct(v.get('memory_worst'))} | "
+                        f"{_abs_pct(v.get('memory_within_band'))} | {len(v['false_rejections'])} | {len(v['tight'])} |")
+                lines.append("")
+    refs = [r for r in rows if r.reference and r.results]
+    if refs:
+        lines += ["## Reference runs (they set a term, judge nothing)", "",
+                  "| row | sets | published tok/s/GPU | trace | err |", "| --- | --- | ---: | ---: | ---: |"]
+        for r in refs:
+            t = r.results.get("trace") or next(iter(r.results.values()))
+            pub = r.published.get("tokens_per_s_per_gpu")
+            lines.append(f"| {r.id} | TRAINING_SHARE[{r.reference}] | {pub} | {t['tokens_per_s_per_gpu']:,.0f} | "
+                         f"{_pct(rel_error(t['tokens_per_s_per_gpu'], pub))} |")
         lines.append("")
     for source in summaries:
         lines += [f"## {source}: every row", "",
                   "| row | model | GPUs | plan | published tok/s/GPU | trace | err | formula | err | published GiB | "
-                  "trace GiB | err | formula GiB | err | memory verdict (trace/formula) | peak moment (trace) | s (trace) |",
+                  "trace reserved GiB | err | formula reserved GiB | err | memory verdict (trace/formula) | peak moment (trace) "
+                  "| s (trace) |",
                   "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
                   "| --- | --- | ---: |"]
         for r in [r for r in rows if r.source == source and r.results]:
@@ -416,14 +578,20 @@ def markdown(rows: list[Row], summaries: dict[str, dict[str, dict[str, Any]]], i
             def cell(res: dict[str, Any], key: str, fmt: str) -> str:
                 return format(res[key], fmt) if res else "-"
 
+            def mem_err(res: dict[str, Any]) -> str:
+                if not res or not pub_m:
+                    return "-"
+                other = " (another implementation)" if memory_other_implementation(r) else ""
+                return _pct(rel_error(res["reserved_gib"], pub_m)) + other
+
             lines.append(
                 f"| {r.id} | {r.model} | {r.gpus} | {_plan_label(r)} | {pub_t} | "
                 f"{cell(t, 'tokens_per_s_per_gpu', ',.0f')} | "
                 f"{_pct(rel_error(t['tokens_per_s_per_gpu'], pub_t)) if t else '-'} | "
                 f"{cell(f, 'tokens_per_s_per_gpu', ',.0f')} | "
                 f"{_pct(rel_error(f['tokens_per_s_per_gpu'], pub_t)) if f else '-'} | {pub_m if pub_m else '-'} | "
-                f"{cell(t, 'memory_gib', '.1f')} | {_pct(rel_error(t['memory_gib'], pub_m)) if t and pub_m else '-'} | "
-                f"{cell(f, 'memory_gib', '.1f')} | {_pct(rel_error(f['memory_gib'], pub_m)) if f and pub_m else '-'} | "
+                f"{cell(t, 'reserved_gib', '.1f')} | {mem_err(t)} | "
+                f"{cell(f, 'reserved_gib', '.1f')} | {mem_err(f)} | "
                 f"{judge(t, bands or {})[0] if t else '-'}/{judge(f, bands or {})[0] if f else '-'} | "
                 f"{t.get('memory_peak_moment', '-')} | {t.get('seconds', 0):.1f} |")
         lines.append("")
@@ -450,7 +618,7 @@ def _plan_label(r: Row) -> str:
     parts.append(f"s{p.get('seq_len')} mb{p.get('micro_batch')}x{ga}")
     ac = p.get("activation_checkpointing", "none")
     if ac != "none":
-        parts.append({"selective": "sac", "full": "ac", "layers": "ac-layers"}[ac])
+        parts.append({"selective": "sac", "selective_op": "sac/op", "full": "ac", "layers": "ac-layers"}.get(ac, ac))
     if p.get("pp", 1) > 1:
         parts.append(p.get("pp_schedule", "1f1b"))
     for key, label in (("compile", "compile"), ("async_tp", "asyncTP"), ("float8_all_gather", "f8-ag")):
@@ -494,14 +662,21 @@ def main(argv: list[str] | None = None) -> int:
     # the bands `paratune plan` ships (presets/prediction_bands.json): the default (trace) model's
     # errors over every replayed row; both modes are judged with them, as a user of either gets them
     band_mode = "trace" if "trace" in modes else modes[0]
-    bands = corpus_bands(rows, band_mode)
+    # the tokens bands `paratune plan` ships: the corpus's per kind, widened until rows of another
+    # source on another device fall within the band they get as often as it says (held_out_coverage)
+    widening = out_of_sample_factor(rows, band_mode)
+    factor = widening["factor"]
+    in_sample = corpus_bands(rows, band_mode)
+    bands = {**in_sample, "tokens": scaled_kinds(in_sample["tokens"], factor)}
     summaries = {source: {mode: summarize([r for r in rows if r.source == source], mode, bands) for mode in modes}
                  for source in dict.fromkeys(r.source for r in rows)}
-    loso = leave_one_source_out(rows, band_mode)
+    by_device = {mode: held_out(rows, mode, "device", factor) for mode in modes}
+    by_source = {mode: held_out(rows, mode, "source", factor) for mode in modes}
+    oos = {**widening, "by_device": by_device, "by_source": by_source}
     for source, by_mode in summaries.items():
         for mode, s in by_mode.items():
             console.print(f"[bold]{source} \\[{mode}][/bold] {json.dumps(s, default=str)}")
-    console.print(f"[bold]leave one source out[/bold] {json.dumps(loso, default=str)}")
+    console.print(f"[bold]out of sample[/bold] {json.dumps(oos, default=str)}")
     if args.no_write:
         if not args.cache:
             shutil.rmtree(cache, ignore_errors=True)
@@ -509,19 +684,25 @@ def main(argv: list[str] | None = None) -> int:
     info = describe()
     out = Path(args.out) if args.out else RESULTS / ("published_alternate" if args.alternate else "published")
     out.parent.mkdir(parents=True, exist_ok=True)
-    text = markdown(rows, summaries, info, modes, args.alternate, wall, cold=not args.cache, bands=bands, loso=loso)
+    text = markdown(rows, summaries, info, modes, args.alternate, wall, cold=not args.cache, bands=bands, oos=oos,
+                    in_sample=in_sample)
     out.with_suffix(".md").write_text(text + "\n")
     whole = not args.only and not args.source and not args.alternate
     if whole and args.write_bands:  # the bands paratune ships come from the whole corpus only
         BANDS.write_text(json.dumps({
             "_comment": "Written by bench/published.py from the published corpus (bench/published/): per band category "
                         "(paratune.costs.bands.band_categories), the 80th percentile of |predicted / published - 1| of the "
-                        f"{band_mode} model's rows and their count. Read by paratune.costs.bands.prediction_band.",
-            "date": info["date"], "mode": band_mode, "gpu": bands}, indent=1) + "\n")
+                        f"{band_mode} model's tokens/s/GPU (in_sample) x out_of_sample_factor (band), and the rows. "
+                        "Memory bands are not read from here (paratune.costs.bands.GPU_MEMORY_BAND). "
+                        "Read by paratune.costs.bands.prediction_band.",
+            "date": info["date"], "mode": band_mode, "out_of_sample_factor": factor,
+            "out_of_sample_coverage": oos["coverage"],
+            "gpu": {"tokens": {c: {"band": v["band"], "in_sample": in_sample["tokens"][c]["band"], "rows": v["rows"]}
+                               for c, v in bands["tokens"].items()}}}, indent=1) + "\n")
         console.print(f"wrote {BANDS}")
     out.with_suffix(".json").write_text(json.dumps({
         "machine": info, "alternate": args.alternate, "modes": list(modes), "wall_s": wall, "summaries": summaries,
-        "bands": bands, "leave_one_source_out": loso,
+        "bands": bands, "bands_in_sample": in_sample, "out_of_sample": oos,
         "rows": [{"source": r.source, "id": r.id, "model": r.model, "cite": r.cite, "gpus": r.gpus,
                   "device": r.device, "plan": {k: v for k, v in r.plan.items() if k != "model"} | {"model": r.model},
                   "published": r.published, "replayed": r.replay, "reason": r.reason, "predicted": r.results,
