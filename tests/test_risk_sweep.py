@@ -1,7 +1,11 @@
 """A real sweep that weighs the risk of a launch: Ray Tune's calibrated search on in-process Ray,
 trials on gloo workers, a memory budget the first plan runs over, a real MLflow store. After the
 out-of-memory trial the memory model's scale for its kind rises, and the remaining plan of that
-kind is re-judged (a lower P(fits)) before it is launched."""
+kind is re-judged (a lower P(fits)) before it is launched.
+
+A whole calibrated sweep (e2e: `make test-e2e`, CI); its layer, the re-judging of the remaining plans
+after an out-of-memory trial, is kept in `make test` by tests/test_risk.py (LaunchRisk,
+MemoryCalibration)."""
 
 import json
 
@@ -17,7 +21,7 @@ from paratune.sweep.driver import run_sweep
 from paratune.sweep.ledger import Ledger
 from paratune.sweep.space import load_space
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 
 FIXED = {"model": "tiny-llama", "seq_len": 32, "global_batch": 8, "num_workers": 2, "warmup_steps": 1,
          "measure_steps": 2, "profile_comm": False, "lr": 0.01, "trial_timeout_s": 300}
