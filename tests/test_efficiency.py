@@ -226,3 +226,19 @@ def test_an_a100_reaches_a_larger_share_of_its_peak_than_an_h100():
     a100 = estimate(plan, get_device("a100-80gb"), activation_model="formula").mfu_vs_bf16_peak
     h100 = estimate(plan, H100, activation_model="formula").mfu_vs_bf16_peak
     assert a100 > h100 + 0.1
+
+
+def test_float8_counts_only_the_linears_it_converts():
+    """small-llama at tp 2: its MLP is 344 wide a rank (no multiple of 16) and stays bf16, so the
+    roofline's float8 FLOPs are the converted linears' share (paratune.parallel.float8's rule), not
+    every block linear's (issue 55: the label said 27% where the roofline counted all)."""
+    from paratune.costs.efficiency import converted_linear_share, float8_flops_share
+
+    def plan(tp):
+        return load_plan_dict({"model": "small-llama", "num_workers": 2, "global_batch": 4 // tp * 2, "micro_batch": 2,
+                               "seq_len": 64, "tp": tp, "precision": "bf16", "device": "cuda", "float8": "tensorwise"},
+                              source="test")
+
+    assert converted_linear_share(plan(1)) == 1.0
+    assert converted_linear_share(plan(2)) == pytest.approx(0.271, abs=0.005)
+    assert float8_flops_share(plan(2)) == pytest.approx(float8_flops_share(plan(1)) * converted_linear_share(plan(2)))

@@ -72,6 +72,12 @@ def test_an_out_of_memory_trial_raises_its_kinds_memory_scale_and_rejudges_the_n
     assert report.verdict.winner is None  # nothing fitted the budget
     assert json.loads((tmp_path / "sweep" / "sweep.json").read_text())["memory_budget_gb"] == pytest.approx(
         predicted / GiB)
+    # the report's predicted-against-measured figure shows the trials measured over the budget too
+    from paratune.sweep.figures import prediction_pairs
+    from paratune.sweep.folder import read_sweep
+
+    predicted_gib, measured_gib, numbers = prediction_pairs(read_sweep(tmp_path / "sweep"))["memory"]
+    assert numbers == [1, 2] and all(m > p for p, m in zip(predicted_gib, measured_gib))
 
 
 def load_space_plan(tmp_path):

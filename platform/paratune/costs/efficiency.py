@@ -297,9 +297,10 @@ def recompute_share(plan: Plan, shape: ModelShape | None = None) -> float:
 
 
 def float8_flops_share(plan: Plan, shape: ModelShape | None = None) -> float:
-    """The share of the model's FLOPs in the matmuls the float8 lever converts: every linear of
-    the decoder blocks (torchao's convert_to_float8_training, the LM head filtered out, as
-    torchtitan does), 6 FLOPs a parameter a token; the head and attention's scores stay bf16."""
+    """The share of the model's FLOPs in the matmuls the float8 lever converts: the linears of the
+    decoder blocks (torchao's convert_to_float8_training, the LM head filtered out, as torchtitan
+    does), 6 FLOPs a parameter a token, less those a per-rank dimension keeps in bf16 (no multiple
+    of 16 after the tp split: `converted_linear_share`); the head and attention's scores stay bf16."""
     from paratune.costs.measure import flops_per_token
 
     if plan.float8 == "none":
@@ -307,7 +308,18 @@ def float8_flops_share(plan: Plan, shape: ModelShape | None = None) -> float:
     shape = shape or model_shape(plan)
     head = shape.head or shape.embedding  # the head's matmul (tied: the embedding's weight)
     converted = 6.0 * max(0.0, shape.compute - head - shape.layers * 2 * shape.hidden)  # minus the norms
+    converted *= converted_linear_share(plan)
     return converted / flops_per_token(shape.compute, shape.layers, shape.heads, shape.head_dim, plan.seq_len)
+
+
+def converted_linear_share(plan: Plan) -> float:
+    """The share of the blocks' linear FLOPs torchao converts at the plan's tp, by the workers' own
+    rule on the model's meta copy (paratune.parallel.float8.label_share, cached per model and tp);
+    1 where the model cannot be built here."""
+    from paratune.parallel.float8 import label_share
+
+    share = label_share({"model": plan.model, "model_overrides": plan.model_overrides, "tp": plan.tp, "ep": plan.ep})
+    return 1.0 if share is None else share
 
 
 def step_flops(plan: Plan, shape: ModelShape | None = None, imbalance: float | None = None) -> tuple[float, float]:

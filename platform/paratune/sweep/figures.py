@@ -219,8 +219,9 @@ def _predicted_memory_gib(predicted: dict[str, Any]) -> float | None:
 
 
 def prediction_pairs(folder: SweepFolder) -> dict[str, tuple[list[float], list[float], list[int]]]:
-    """(predicted, measured, trial numbers) for peak memory (GiB) and step time (s), from each
-    ledger entry's `predicted` (absent on ledgers written before the sweep recorded it)."""
+    """(predicted, measured, trial numbers) for peak memory (GiB: the trials that ran and those
+    measured over the memory budget) and step time (s), from each ledger entry's `predicted`
+    (absent on ledgers written before the sweep recorded it)."""
     pairs: dict[str, tuple[list[float], list[float], list[int]]] = {"memory": ([], [], []), "step_time": ([], [], [])}
     for e in folder.entries:
         predicted = getattr(e, "predicted", None)
@@ -228,7 +229,8 @@ def prediction_pairs(folder: SweepFolder) -> dict[str, tuple[list[float], list[f
             continue
         r = e.result
         memory = _predicted_memory_gib(predicted)
-        if memory and r.ok and peak_bytes(r):
+        # a trial measured over the memory budget (oom) kept its peak: the miss a sweep learns from
+        if memory and (r.ok or r.reason == "oom") and peak_bytes(r):
             for target, value in zip(pairs["memory"], (memory, peak_bytes(r) / GiB, e.number)):
                 target.append(value)
         step = predicted.get("predicted_step_time_s")
