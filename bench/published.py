@@ -225,6 +225,12 @@ def judged_rows(rows: list[Row], mode: str) -> list[Row]:
     return [r for r in rows if mode in r.results and r.reference is None]
 
 
+def kind_sources(rows: list[Row], mode: str, kind: str) -> list[str]:
+    """The sources whose judging rows are of a band kind (one: the kind's band has met no other's)."""
+    return sorted({r.source for r in judged_rows(rows, mode) if kind in r.results[mode]["categories"]
+                   and r.published.get("tokens_per_s_per_gpu")})
+
+
 def corpus_bands(rows: list[Row], mode: str, sources: set[str] | None = None) -> dict[str, dict]:
     """The error bands of `sources`' replayed rows (all sources: None): per band category
     (paratune.costs.bands.band_categories), the 80th percentile of |error| and the rows behind it, for
@@ -697,7 +703,8 @@ def main(argv: list[str] | None = None) -> int:
                         "Read by paratune.costs.bands.prediction_band.",
             "date": info["date"], "mode": band_mode, "out_of_sample_factor": factor,
             "out_of_sample_coverage": oos["coverage"],
-            "gpu": {"tokens": {c: {"band": v["band"], "in_sample": in_sample["tokens"][c]["band"], "rows": v["rows"]}
+            "gpu": {"tokens": {c: {"band": v["band"], "in_sample": in_sample["tokens"][c]["band"], "rows": v["rows"],
+                                   "sources": kind_sources(rows, band_mode, c)}
                                for c, v in bands["tokens"].items()}}}, indent=1) + "\n")
         console.print(f"wrote {BANDS}")
     out.with_suffix(".json").write_text(json.dumps({

@@ -95,3 +95,11 @@ def test_bands_are_read_through_estimate_too(field):
     from paratune.costs.estimate import prediction_band as via_estimate
 
     assert getattr(via_estimate(_plan(), H100), field) == getattr(prediction_band(_plan(), H100), field)
+
+
+def test_a_kind_seen_in_one_source_says_its_band_was_not_judged_out_of_sample():
+    table = {"all": {"band": 0.15, "rows": 110, "sources": ["a", "b"]},
+             "tp": {"band": 0.18, "rows": 17, "sources": ["torchtitan"]}}
+    band, basis = pick_band(table, ["all", "tp"], 0.9)
+    assert band == 0.18 and "one source (torchtitan): not judged out of sample" in basis
+    assert "one source" not in pick_band(table, ["all"], 0.9)[1]

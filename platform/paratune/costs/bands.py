@@ -111,7 +111,10 @@ def _pick(table: dict, categories: list[str], fallback: float, what: str) -> tup
     if "all" not in usable:
         return fallback, f"no corpus band for {what}: the CPU benchmarks' {fallback:.0%}"
     widest = max(usable, key=lambda c: usable[c]["band"])
-    return usable[widest]["band"], f"{widest} ({usable[widest]['rows']} published rows)"
+    sources = usable[widest].get("sources")
+    # a kind all of whose rows come from one source: its band has met no other source's runs
+    single = f" of one source ({sources[0]}): not judged out of sample" if sources and len(sources) == 1 else ""
+    return usable[widest]["band"], f"{widest} ({usable[widest]['rows']} published rows{single})"
 
 
 def prediction_band(plan: Plan, device: Device) -> PredictionBand:
