@@ -288,8 +288,8 @@ def print_estimates(estimates, device, console: Console, top: int = 20, title: s
                       "it, and an out-of-memory trial is data")
     if fitting and fitting[0].band:
         b = fitting[0].band
-        console.print(f"bands (paratune.costs.estimate.prediction_band): tokens/s/GPU +-{b.tokens:.0%} from {b.tokens_basis}; "
-                      f"memory +-{b.memory:.0%} from {b.memory_basis} (80% of published runs like it within)")
+        console.print(f"bands (paratune.costs.bands.prediction_band, each holding 80% of the runs it was judged on): "
+                      f"tokens/s/GPU +-{b.tokens:.0%} from {b.tokens_basis}; memory +-{b.memory:.0%} from {b.memory_basis}")
     rejected = [e for e in estimates if not e.measurable]
     if rejected:
         console.print(f"[red]{len(rejected)} plan(s) predicted not to fit[/red] (capacity "
