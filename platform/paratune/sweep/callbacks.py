@@ -68,6 +68,7 @@ class LedgerCallback(Callback):
         self.progress = progress or SweepProgress(total)
         self.display = display
         self.env_keys = varying_env(p.get("env") for p in plans.values())  # shared ones: said once, at the start
+        self.nodes_at_start: dict[str, set[str]] = {}  # trial id -> the alive nodes when it started
 
     def __getstate__(self) -> dict:
         # Tune pickles its callbacks with the experiment state; the live MLflow client and
@@ -103,6 +104,12 @@ class LedgerCallback(Callback):
 
     def on_trial_start(self, iteration, trials, trial, **info):
         self.progress.start(trial.trial_id)
+        from paratune.trial.placement import alive_nodes
+
+        try:  # a Tune trial that dies with a node (its trainable was there) is node_lost, not error
+            self.nodes_at_start[trial.trial_id] = {n.node_id for n in alive_nodes()}
+        except Exception:  # noqa: BLE001 - Ray unreachable: the error stays an error
+            self.nodes_at_start.pop(trial.trial_id, None)
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         last = trial.last_result or {}
@@ -114,5 +121,9 @@ class LedgerCallback(Callback):
         key = trial.config.get("point")
         if key in self.plans:
             error = info.get("error") or getattr(trial, "error_msg", None) or "the Tune trial itself failed"
-            self._record(key, TrialResult.failed(self.plans[key], "error", str(error)[:2000]), trial.trial_id)
+            from paratune.cluster.trial import node_lost_or
+
+            # the trainable itself died: with a node of the cluster, the node failed, not the plan (a resume re-runs it)
+            reason, message = node_lost_or("error", str(error)[:2000], self.nodes_at_start.get(trial.trial_id, set()))
+            self._record(key, TrialResult.failed(self.plans[key], reason, message), trial.trial_id)
         self.progress.running.discard(trial.trial_id)
