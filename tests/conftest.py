@@ -142,3 +142,22 @@ def expected_parameter_share(plan) -> float:
     sharded = plan.strategy == "fsdp" and plan.fsdp.sharding != "no_shard"
     shards = (plan.fsdp.shard_group_size or plan.dp_degree * plan.cp) if sharded else 1
     return total / (plan.tp * plan.pp * shards)
+
+
+def traced_as_real(mode: str):
+    """tiny-llama's activations traced on fake tensors under checkpointing `mode` (the runtime's
+    own policy), checked equal to the same micro-batch on real tensors at every phase; returns the
+    traced coefficients (paratune.costs.activations)."""
+    import pytest
+
+    from paratune.costs.activations import _trace_micro_batch, _traced_coefficients
+    from paratune.model.build import build_config, config_from_key, config_key
+
+    key = config_key(build_config("tiny-llama"))
+    traced = _traced_coefficients(key, mode, "fp32", 2, 64)
+    _, real, _ = _trace_micro_batch(config_from_key(key), 128, mode, "fp32", sequences=2, fake=False)
+    for phase, peak in real.items():
+        if phase in traced.phases:
+            assert sum(traced.phases[phase].at(128, 2)) == pytest.approx(peak, abs=64), phase
+    return traced
+

@@ -12,15 +12,15 @@ import functools
 
 import pytest
 import torch
-from conftest import BASE_PLAN
+from conftest import BASE_PLAN, traced_as_real
 from gloo_harness import batch_result, one_torch_thread, reference_for, run_named_batch  # noqa: F401 (fixture)
 from tiers import cases, wanted
 
 from paratune.config.plan import PlanError, load_plan_dict
-from paratune.costs.activations import (_formula_coefficients, _trace_micro_batch, _traced_coefficients,
+from paratune.costs.activations import (_formula_coefficients, _traced_coefficients,
                                         activation_coefficients)
 from paratune.costs.memory import estimate_memory
-from paratune.model.build import build_config, build_model, config_from_key, config_key
+from paratune.model.build import build_config, build_model, config_key
 from paratune.model.shapes import mlp_width, model_shape
 from paratune.parallel import recompute
 from paratune.sweep.parity import max_loss_difference
@@ -116,13 +116,8 @@ LLAMA_SHAPED = {"vocab_size": 2000, "hidden_size": 256, "intermediate_size": 688
 def test_the_trace_runs_the_real_policy_and_matches_real_tensors_at_every_phase():
     """Traced on fake tensors with the runtime's own policy: equal to the same micro-batch on real
     tensors at every phase; per block it keeps selective's bytes less those of k, o and up."""
-    key = config_key(build_config("tiny-llama"))
-    traced = _traced_coefficients(key, "selective_op", "fp32", 2, 64)
-    _, real, _ = _trace_micro_batch(config_from_key(key), 128, "selective_op", "fp32", sequences=2, fake=False)
-    for phase, peak in real.items():
-        if phase in traced.phases:
-            assert sum(traced.phases[phase].at(128, 2)) == pytest.approx(peak, abs=64), phase
-    selective = _traced_coefficients(key, "selective", "fp32", 2, 64)
+    traced = traced_as_real("selective_op")
+    selective = _traced_coefficients(config_key(build_config("tiny-llama")), "selective", "fp32", 2, 64)
     shape = model_shape(_plan(model_overrides={}))
     h, kv, f = shape.hidden, shape.kv_heads * shape.head_dim, mlp_width(shape)
     assert selective.per_layer - traced.per_layer == pytest.approx(4 * (h + kv + f))  # fp32 k, o, up
