@@ -37,7 +37,6 @@ NCCL_ALL_TO_ALL_BYTES_PER_PEER = (4.34e9 - 1.06e9) / 7
 # aten/src/ATen/cuda/CublasHandlePool.cpp, `getChosenWorkspaceSize`: "32MiB for Hopper" (sm_90),
 # else 4096 KiB x 2 + 16 KiB x 8 (8.125 MiB).
 CUBLAS_WORKSPACE_BYTES = {"hopper": 32 * 2**20, "other": 4096 * 1024 * 2 + 16 * 1024 * 8}
-HOPPER = frozenset({"h100-sxm", "h100-pcie", "h100-nvl", "h200", "h200-nvl", "h800", "h800-pcie", "gh200"})
 
 
 @dataclass(frozen=True)
@@ -86,6 +85,9 @@ def cuda_overheads(plan: Plan, device: Device) -> CudaOverheads:
     if plan.device == "cpu" or device.gpu is None:
         return CudaOverheads()
     streams = 2 if getattr(plan, "async_tp", False) else 1  # async TP's matmuls run on a side stream too
-    workspace = CUBLAS_WORKSPACE_BYTES["hopper" if device.gpu in HOPPER else "other"] * streams
+    from paratune.costs.efficiency import ARCHITECTURE
+
+    hopper = ARCHITECTURE.get(device.gpu) == "hopper"  # sm_90: the GPU models efficiency's table calls Hopper
+    workspace = CUBLAS_WORKSPACE_BYTES["hopper" if hopper else "other"] * streams
     nccl = NCCL_BYTES_PER_GROUP * process_groups(plan) + NCCL_ALL_TO_ALL_BYTES_PER_PEER * (plan.ep - 1)
     return CudaOverheads(workspace, CUDA_CONTEXT_BYTES, nccl)

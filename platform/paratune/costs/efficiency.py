@@ -71,7 +71,7 @@ ARCHITECTURE: dict[str, str] = {
 # (NVIDIA/nccl-tests#290), more than NVLink's share: the NVLink figure is the one taken. A device of
 # another architecture (and the CPU entry) keeps LINK_SHARE_PRIOR, which a sweep refits.
 LINK_SHARE: dict[str, float] = {"hopper": 370.0 / 450.0, "ampere": 232.54 / 300.0}
-LINK_SHARE_PRIOR = 0.7
+LINK_SHARE_PRIOR = 0.7  # unmeasured: TimeConstants' old default, kept as a prior that sweeps refit
 
 # Causal FlashAttention-2, head dim 128, BF16, TFLOP/s at sequence lengths 512..16k, FLOPs counted
 # as a causal kernel does them (half the scores; backward 2.5x forward). Longer sequences: the 16k

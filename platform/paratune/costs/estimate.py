@@ -401,6 +401,9 @@ class Estimate:
     # A GPU rank's bytes beyond its tensors (paratune.costs.cuda_memory: cuBLAS workspace inside the
     # caching allocator, the CUDA context and NCCL's buffers outside it); none on the CPU entry.
     cuda: CudaOverheads = field(default_factory=CudaOverheads)
+    # What the plan's tensors get: the capacity less the CUDA terms (what P(fits) judges the peak
+    # against, paratune.costs.risk; the verdict allows the margin on top).
+    tensor_limit_bytes: float = 0.0
 
     @property
     def reserved_bytes(self) -> float:
@@ -466,7 +469,8 @@ def estimate(plan: Plan, device: Device, constants: TimeConstants | None = None,
         result.mfu_vs_bf16_peak = flops * result.time.tokens_per_s_per_gpu / (device.tflops["bf16"] * 1e12)
     result.cuda = cuda_overheads(plan, device)
     # the tensors get what the CUDA context, NCCL's buffers and cuBLAS's workspace leave
-    limit = capacity * (1 + margin) - result.cuda.total
+    result.tensor_limit_bytes = capacity - result.cuda.total
+    limit = result.tensor_limit_bytes + capacity * margin
     besides = (f" (after {result.cuda.total / GiB:.1f} GiB of CUDA context, NCCL buffers and cuBLAS workspace)"
                if result.cuda.total else "")
     reasons = [f"refused on {device.name}: {result.refusal}"] if result.refusal else []

@@ -65,11 +65,9 @@ def judged_peak(e: Estimate) -> float:
 
 
 def tensor_limit(e: Estimate) -> float:
-    """The bytes the plan's tensors get: the capacity less what a GPU rank holds beside them (the
-    estimate's `cuda` overheads: CUDA context, NCCL's buffers, cuBLAS's workspace), as its verdict
-    judges them; the capacity itself where the estimate has none (the CPU entry)."""
-    cuda = getattr(e, "cuda", None)
-    return e.capacity_bytes - (float(cuda.total) if cuda is not None else 0.0)
+    """The bytes the plan's tensors get (the estimate's `tensor_limit_bytes`: the capacity less the
+    CUDA context, NCCL's buffers and cuBLAS's workspace on a GPU; the skip rule's margin aside)."""
+    return e.tensor_limit_bytes
 
 
 def plan_fit_probability(e: Estimate, scale: float = 1.0) -> float:
